@@ -1,0 +1,158 @@
+"""DilatedAttentionConfig: the branches of LongNet dilated attention, validated, and their place in a model config.
+
+A configuration is a list of branches ``(w_i, r_i)`` (segment length, dilation rate), see ``SPEC.md``.
+It is stored in a Transformers model config under one key, ``config.dilated_attention`` (a plain dict), so that
+``save_pretrained`` / ``from_pretrained`` carry it in ``config.json`` with no remote code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Sequence
+
+CONFIG_KEY = "dilated_attention"
+BACKENDS = ("auto", "torch", "triton")
+DEFAULT_MIN_SEGMENT = 2048
+
+
+def _check_int_list(name: str, values: Any) -> list[int]:
+    if isinstance(values, (int, str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name} must be a list of positive integers, got {values!r}")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a list of positive integers, got {list(values)!r}")
+        out.append(int(v))
+    if not out:
+        raise ValueError(f"{name} must not be empty")
+    return out
+
+
+def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Check a branch list against SPEC.md and return it as ``((w, r), ...)``; raise ``ValueError`` naming the fault."""
+    ws = _check_int_list("segment_lengths", segment_lengths)
+    rs = _check_int_list("dilation_rates", dilation_rates)
+    if len(ws) != len(rs):
+        raise ValueError(
+            f"segment_lengths and dilation_rates must have the same length, got {len(ws)} and {len(rs)}"
+        )
+    if any(b < a for a, b in zip(ws, ws[1:])):
+        raise ValueError(f"segment_lengths must be sorted in increasing order, got {ws}")
+    for w, r in zip(ws, rs):
+        if w % r:
+            raise ValueError(f"each segment length must be a multiple of its dilation rate; got w={w}, r={r}")
+    if 1 not in rs:
+        raise ValueError(f"dilation_rates must contain at least one branch with rate 1 (got {rs}) so every query attends")
+    return tuple(zip(ws, rs))
+
+
+def default_branches(context_length: int, min_segment: int = DEFAULT_MIN_SEGMENT) -> tuple[list[int], list[int]]:
+    """LongNet's geometric branches, sized by a model's trained context.
+
+    The first branch is local and dense: ``w_0 = min(min_segment, context_length)``, ``r_0 = 1``. Each further branch
+    doubles both: ``w_i = 2^i w_0``, ``r_i = 2^i``, so every branch costs the same (``w_i / r_i`` keys per query),
+    until a segment covers the trained context. A model trained on 8192 tokens gets ``w = 2048, 4096, 8192`` and
+    ``r = 1, 2, 4``; one trained on 32768 gets LongNet's own list up to 32768. Past the trained context the
+    largest branch still reaches ``context_length`` tokens back, sparsely.
+    """
+    if context_length <= 0:
+        raise ValueError(f"context_length must be positive, got {context_length}")
+    w = min(min_segment, context_length)
+    ws, rs = [w], [1]
+    while ws[-1] < context_length:
+        ws.append(ws[-1] * 2)
+        rs.append(rs[-1] * 2)
+    return ws, rs
+
+
+@dataclass
+class DilatedAttentionConfig:
+    """Settings of dilated attention for one model.
+
+    Args:
+        segment_lengths: ``w_i``, increasing.
+        dilation_rates: ``r_i``, with ``w_i % r_i == 0`` and at least one ``r_i == 1``.
+        layers: indices of the decoder layers that use dilated attention; ``None`` means all. The other layers keep
+            dense attention (computed exactly, with the same padding and packing rules).
+        backend: ``"auto"`` (Triton on CUDA when available, else the PyTorch reference), ``"torch"`` or ``"triton"``.
+    """
+
+    segment_lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8192, 16384, 32768])
+    dilation_rates: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    layers: list[int] | None = None
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> "DilatedAttentionConfig":
+        branches = validate_branches(self.segment_lengths, self.dilation_rates)
+        self.segment_lengths = [w for w, _ in branches]
+        self.dilation_rates = [r for _, r in branches]
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.layers is not None:
+            if isinstance(self.layers, (str, bytes)) or not isinstance(self.layers, Iterable):
+                raise ValueError(f"layers must be None or a list of non-negative layer indices, got {self.layers!r}")
+            layers = list(self.layers)
+            if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+                raise ValueError(f"layers must be None or a list of non-negative layer indices, got {layers!r}")
+            self.layers = sorted(set(layers))
+        return self
+
+    @property
+    def branches(self) -> tuple[tuple[int, int], ...]:
+        return tuple(zip(self.segment_lengths, self.dilation_rates))
+
+    def applies_to(self, layer_idx: int | None) -> bool:
+        """Whether the layer with this index uses dilated attention."""
+        return self.layers is None or layer_idx is None or layer_idx in self.layers
+
+    # ---- serialization -------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DilatedAttentionConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"a dilated-attention config must be a dict, got {type(data).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown dilated-attention config keys {sorted(unknown)}; allowed: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def for_context(cls, context_length: int, **kwargs: Any) -> "DilatedAttentionConfig":
+        """Default branches for a model trained on ``context_length`` tokens (see :func:`default_branches`)."""
+        ws, rs = default_branches(context_length)
+        return cls(segment_lengths=ws, dilation_rates=rs, **kwargs)
+
+    # ---- place in a Transformers config --------------------------------------------------------------------------
+    @classmethod
+    def from_model_config(cls, model_config: Any) -> "DilatedAttentionConfig":
+        """The config stored under ``model_config.dilated_attention``, or defaults derived from the model.
+
+        Defaults come from the model's trained context, ``max_position_embeddings`` (or ``n_positions``,
+        ``max_sequence_length``), else LongNet's list up to 32768.
+        """
+        stored = getattr(model_config, CONFIG_KEY, None)
+        if isinstance(stored, cls):
+            return stored
+        if stored is not None:
+            return cls.from_dict(dict(stored))
+        ctx = trained_context(model_config)
+        return cls.for_context(ctx) if ctx else cls()
+
+    def save_to(self, model_config: Any) -> None:
+        """Store this config in ``model_config`` (as a JSON-friendly dict under ``dilated_attention``)."""
+        setattr(model_config, CONFIG_KEY, self.to_dict())
+
+
+def trained_context(model_config: Any) -> int | None:
+    """The context length a model was trained on, as its config says, or ``None``."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(model_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

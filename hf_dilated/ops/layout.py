@@ -1,0 +1,135 @@
+"""TokenLayout: where each query and key sits (sequence, position, padding), resolved once per call.
+
+SPEC.md defines everything by a token's *position* ``p`` (its index within its own sequence) and its sequence,
+not by its column in the tensor. This module turns what callers pass (a 2-D key padding mask, ``position_ids``,
+flash-style ``cu_seqlens``) into one compact description, O(B * N) integers, that every backend reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Per-token metadata of one attention call.
+
+    Attributes:
+        q_pos, q_seq: ``[B, Nq]`` int64 position and sequence id of each query.
+        k_pos, k_seq: ``[B, Nk]`` int64 position and sequence id of each key.
+        k_valid: ``[B, Nk]`` bool, False for padding / unfilled cache slots (never attended).
+        q_valid: ``[B, Nq]`` bool, False for padding queries (their output is zero, never NaN).
+        contiguous: True when no token is padding, there is one sequence per row, keys sit at positions
+            ``0..Nk-1`` in order and the queries are the last ``Nq`` of them. Kernels take a fast path then.
+    """
+
+    q_pos: torch.Tensor
+    q_seq: torch.Tensor
+    k_pos: torch.Tensor
+    k_seq: torch.Tensor
+    k_valid: torch.Tensor
+    q_valid: torch.Tensor
+    contiguous: bool
+
+    @property
+    def batch_size(self) -> int:
+        return self.k_pos.shape[0]
+
+
+def _sequence_ids_from_positions(pos: torch.Tensor) -> torch.Tensor:
+    """A new sequence starts wherever the position does not follow the previous one (as Transformers detects packing)."""
+    first = pos[:, :1] - 1
+    return (torch.diff(pos, prepend=first, dim=-1) != 1).cumsum(-1) - 1
+
+
+def _normalize_position_ids(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
+    if position_ids.ndim == 3:  # multimodal RoPE (3, B, N): the first row is the text position
+        position_ids = position_ids[0]
+    if position_ids.ndim == 1:
+        position_ids = position_ids[None]
+    if position_ids.ndim != 2 or position_ids.shape[0] not in (1, batch):
+        raise ValueError(f"position_ids must have shape [B, N] or [1, N], got {tuple(position_ids.shape)}")
+    return position_ids.long().expand(batch, -1)
+
+
+def _from_cu_seqlens(cu: torch.Tensor, n: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    cu = cu.long().flatten()
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing offsets from 0 to the packed length {n}, got {cu.tolist()}")
+    cols = torch.arange(n, device=cu.device)
+    seq = torch.searchsorted(cu, cols, right=True) - 1
+    return (cols - cu[seq])[None], seq[None]
+
+
+def resolve_layout(
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> TokenLayout:
+    """Build the :class:`TokenLayout` of one call.
+
+    Rules (SPEC.md): ``attention_mask`` is a ``[B, Nk]`` key mask (True / 1 = real token).
+    With ``Nq == Nk`` (training, prefill), ``position_ids`` (``[B, N]``) give every token's position and packed
+    sequences are found where positions restart, as Transformers does; ``cu_seqlens_*`` (packed, ``B == 1``) take
+    precedence. Without ``position_ids`` positions count real tokens, so left padding needs nothing more.
+    With ``Nq < Nk`` (decoding against a cache), keys hold one sequence per row at positions that count the real
+    keys; ``position_ids`` (``[B, Nq]``) give the queries' positions, else the queries are the last ``Nq`` keys.
+    """
+    if q_len > kv_len:
+        raise ValueError(f"query length ({q_len}) must not exceed key length ({kv_len})")
+    if attention_mask is not None:
+        if attention_mask.ndim != 2 or tuple(attention_mask.shape) != (batch, kv_len):
+            raise ValueError(
+                f"attention_mask must be a 2-D key mask of shape [B, Nk] = [{batch}, {kv_len}], "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        k_valid = attention_mask.to(device=device).bool()
+    else:
+        k_valid = torch.ones(batch, kv_len, dtype=torch.bool, device=device)
+    if position_ids is not None:
+        position_ids = _normalize_position_ids(position_ids.to(device), batch)
+        if position_ids.shape[1] not in (q_len, kv_len):
+            raise ValueError(
+                f"position_ids must cover the queries ({q_len}) or the keys ({kv_len}), got length {position_ids.shape[1]}"
+            )
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+        cu_seqlens_q = cu_seqlens_k if cu_seqlens_q is None else cu_seqlens_q
+
+    if cu_seqlens_q is not None:
+        if batch != 1 or q_len != kv_len:
+            raise ValueError("cu_seqlens (packed sequences) need batch size 1 and equal query and key lengths")
+        k_pos, k_seq = _from_cu_seqlens(cu_seqlens_k.to(device), kv_len, "cu_seqlens_k")
+        q_pos, q_seq = _from_cu_seqlens(cu_seqlens_q.to(device), q_len, "cu_seqlens_q")
+        if not torch.equal(q_seq, k_seq):
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same packed sequences")
+        return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, k_valid.clone(), contiguous=False)
+
+    counted = (k_valid.long().cumsum(-1) - 1).clamp_min(0)
+    if q_len == kv_len:
+        k_pos = position_ids if position_ids is not None else counted
+        k_seq = _sequence_ids_from_positions(torch.where(k_valid, k_pos, -2))
+        # Padding tokens get their own ids above; real tokens of one sequence share one id.
+        q_pos, q_seq, q_valid = k_pos, k_seq, k_valid
+    else:
+        if position_ids is not None and position_ids.shape[1] == kv_len:
+            k_pos = position_ids
+            q_pos = position_ids[:, kv_len - q_len :]
+        else:
+            k_pos = counted
+            q_pos = position_ids if position_ids is not None else counted[:, kv_len - q_len :]
+        k_seq = torch.zeros_like(k_pos)
+        q_seq = torch.zeros_like(q_pos)
+        q_valid = torch.ones_like(q_pos, dtype=torch.bool)
+
+    contiguous = bool(k_valid.all()) and bool(
+        torch.equal(k_pos, torch.arange(kv_len, device=device).expand(batch, -1))
+    ) and bool(torch.equal(q_pos, k_pos[:, kv_len - q_len :]))
+    return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, q_valid, contiguous)
