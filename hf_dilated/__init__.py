@@ -7,10 +7,29 @@ Importing the package registers the ``"dilated"`` attention implementation with 
 __version__ = "0.1.0"
 
 from .config import CONFIG_KEY, DilatedAttentionConfig, default_branches
+from .integrations.transformers import (
+    ATTENTION_NAME,
+    dilated_attention_forward,
+    dilated_mask,
+    ensure_supported,
+    register,
+    supports_dilated_attention,
+)
+from .modules import DilatedAttention, MultiheadDilatedAttention
 from .ops import dense_attention, dilated_attention, resolve_layout
+
+register()
 
 __all__ = [
     "__version__",
+    "ATTENTION_NAME",
+    "DilatedAttention",
+    "MultiheadDilatedAttention",
+    "dilated_attention_forward",
+    "dilated_mask",
+    "ensure_supported",
+    "register",
+    "supports_dilated_attention",
     "CONFIG_KEY",
     "DilatedAttentionConfig",
     "default_branches",

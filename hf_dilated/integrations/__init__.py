@@ -1,0 +1,1 @@
+"""Glue to other libraries (Transformers)."""
