@@ -1,0 +1,65 @@
+"""Launch configurations (block sizes, warps, pipeline stages) per head dim, measured on an H100 (see
+``benchmarks/NOTES_triton.md``), with conservative fallbacks for other GPUs. Under ``TRITON_INTERPRET=1`` the blocks
+are small so that tiny test problems still run several blocks per loop (and the masked and unmasked paths)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim.
+_FWD_HOPPER = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+_FWD_OTHER = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
+# dk/dv kernel (BLOCK_M queries streamed, BLOCK_N keys held) and dq kernel (BLOCK_M queries held, BLOCK_N keys streamed).
+_BWD_KV_HOPPER = {64: (32, 128, 8, 3), 128: (64, 64, 8, 2), 256: (32, 32, 8, 1)}
+_BWD_Q_HOPPER = {64: (128, 64, 8, 3), 128: (128, 64, 8, 2), 256: (32, 32, 8, 1)}
+_BWD_OTHER = {64: (32, 64, 4, 2), 128: (32, 32, 4, 1), 256: (16, 32, 4, 1)}
+
+
+def _cfg(t):
+    m, n, w, s = t
+    return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+
+
+def _pick(table: dict, d: int):
+    return table[d] if d in table else table[max(k for k in table if k <= max(d, 64))]
+
+
+def fwd_config(d: int, dtype: torch.dtype) -> dict:
+    if interpreting():
+        return _cfg((16, 16, 4, 1))
+    t = _pick(_FWD_HOPPER if _hopper() else _FWD_OTHER, d)
+    if dtype == torch.float32:  # twice the bytes per element: halve the tiles
+        t = (max(t[0] // 2, 16), max(t[1] // 2, 16), t[2], max(t[3] - 1, 1))
+    return _cfg(t)
+
+
+def bwd_config(d: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    if interpreting():
+        return _cfg((16, 16, 4, 1)), _cfg((16, 16, 4, 1))
+    if _hopper():
+        kv, q = _pick(_BWD_KV_HOPPER, d), _pick(_BWD_Q_HOPPER, d)
+    else:
+        kv = q = _pick(_BWD_OTHER, d)
+    if dtype == torch.float32:
+        kv = (max(kv[0] // 2, 16), max(kv[1] // 2, 16), kv[2], 1)
+        q = (max(q[0] // 2, 16), max(q[1] // 2, 16), q[2], 1)
+    return _cfg(kv), _cfg(q)
+
+
+def decode_config(d: int, dtype: torch.dtype) -> dict:
+    if interpreting():
+        return _cfg((16, 16, 4, 1))
+    return _cfg((16, 64 if d <= 128 else 32, 4, 2))
