@@ -1,0 +1,690 @@
+"""Patch a loaded Transformers model to use dilated attention, and undo it.
+
+``patch(model)`` switches a model's attention implementation to ``"dilated"`` (registered by ``import hf_dilated``),
+writes a :class:`~hf_dilated.config.DilatedAttentionConfig` into ``model.config`` and, when asked for a context longer
+than the trained one, sets the RoPE scaling its recipe names. Recipes are YAML files in ``hf_dilated/patches`` (the
+top-level ``patches/`` directory of the repository), one per architecture family.
+
+What a patched model carries in its config (all plain JSON in ``config.json``, no remote code):
+
+- ``dilated_attention``: the branches and the converted layers (read by the attention function);
+- ``attn_implementation = "dilated"``: Transformers' own config loader turns this key into the attention
+  implementation, so ``from_pretrained(path)`` after ``import hf_dilated`` reloads the model patched;
+- ``dilated_attention_patch``: the recipe, target context and the base settings (attention implementation, RoPE,
+  ``max_position_embeddings``) that :func:`unpatch` restores.
+
+Without ``hf_dilated`` installed, ``from_pretrained(path)`` raises Transformers' own
+``ValueError: Specified `attn_implementation="dilated"` is not supported ...``; pass ``attn_implementation="sdpa"``
+to load the weights as a dense model.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.resources
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Sequence
+
+import torch
+import yaml
+
+from .config import CONFIG_KEY, DilatedAttentionConfig, trained_context
+
+PATCH_KEY = "dilated_attention_patch"
+ATTN_KEY = "attn_implementation"
+ROPE_TYPES = ("linear", "dynamic", "yarn")
+ROPE_CHOICES = ("recipe", "none") + ROPE_TYPES
+LAYER_POLICIES = ("keep", "refuse")
+_STATE_ATTR = "_hf_dilated_patch_state"
+_MISSING = object()
+
+
+def _attention_name() -> str:
+    from .integrations import transformers as integration
+
+    integration.register()
+    return integration.ATTENTION_NAME
+
+
+# ---- recipes ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Recipe:
+    """One architecture family's patch settings, read from ``patches/<name>.yaml``.
+
+    Attributes:
+        name: the recipe's name (its file name).
+        model_types: the ``config.model_type`` values it covers.
+        causal: whether the family's self-attention is causal (decoders) or bidirectional (encoders).
+        convert: which layers to convert by default: ``"all"`` or ``"full_attention"`` (layers whose
+            ``config.layer_types`` entry is ``"full_attention"``; the others keep exact attention).
+        max_first_segment, first_segment_divisor: the first (dense, ``r = 1``) branch is
+            ``w_0 = min(max_first_segment, 2^floor(log2(trained_context / first_segment_divisor)))``;
+            each further branch doubles ``w`` and ``r`` until a segment covers the target context.
+        context_offset: subtracted from ``max_position_embeddings`` to get the trained context (RoBERTa: 2).
+        sliding_window: ``"keep"`` (sliding-window layers stay out of the conversion and keep exact attention) or
+            ``"refuse"`` (patching a model with sliding-window layers raises ``ValueError``).
+        softcapping, attention_sinks: ``"refuse"``; dilated attention has neither.
+        positions: ``"rope"`` or ``"absolute"`` (learned position embeddings: the context cannot grow).
+        rope_type: RoPE scaling applied for a context past the trained one: ``"linear"``, ``"dynamic"``, ``"yarn"``
+            or ``None``.
+        rope_layer_types: for nested ``rope_parameters`` (one entry per layer type), the entries to scale.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    description: str = ""
+    causal: bool = True
+    convert: str = "all"
+    max_first_segment: int = 2048
+    first_segment_divisor: int = 4
+    context_offset: int = 0
+    sliding_window: str = "refuse"
+    softcapping: str = "refuse"
+    attention_sinks: str = "refuse"
+    positions: str = "rope"
+    rope_type: str | None = "yarn"
+    rope_layer_types: tuple[str, ...] = ("full_attention",)
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model_types:
+            raise ValueError(f"recipe {self.name!r}: model_types must not be empty")
+        if self.convert not in ("all", "full_attention"):
+            raise ValueError(f"recipe {self.name!r}: convert must be 'all' or 'full_attention', got {self.convert!r}")
+        for key in ("sliding_window", "softcapping", "attention_sinks"):
+            value = getattr(self, key)
+            allowed = LAYER_POLICIES if key == "sliding_window" else ("refuse",)
+            if value not in allowed:
+                raise ValueError(f"recipe {self.name!r}: {key} must be one of {allowed}, got {value!r}")
+        if self.positions not in ("rope", "absolute"):
+            raise ValueError(f"recipe {self.name!r}: positions must be 'rope' or 'absolute', got {self.positions!r}")
+        if self.rope_type is not None and self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"recipe {self.name!r}: rope.type must be one of {ROPE_TYPES} or null, got {self.rope_type!r}")
+        if self.positions == "absolute" and self.rope_type is not None:
+            raise ValueError(f"recipe {self.name!r}: absolute positions take no rope.type")
+        for key in ("max_first_segment", "first_segment_divisor"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"recipe {self.name!r}: {key} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Recipe":
+        data = dict(data)
+        branches = data.pop("branches", {}) or {}
+        rope = data.pop("rope", {}) or {}
+        kwargs = {
+            "name": data.pop("name"),
+            "model_types": tuple(data.pop("model_types", ())),
+            "max_first_segment": branches.pop("max_first_segment", 2048),
+            "first_segment_divisor": branches.pop("first_segment_divisor", 4),
+            "rope_type": rope.pop("type", None),
+            "rope_layer_types": tuple(rope.pop("layer_types", None) or ("full_attention",)),
+        }
+        if branches or rope:
+            raise ValueError(f"recipe {kwargs['name']!r}: unknown keys {sorted(branches) + sorted(rope)}")
+        known = set(cls.__dataclass_fields__) - set(kwargs)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"recipe {kwargs['name']!r}: unknown keys {sorted(unknown)}; allowed: {sorted(known)}")
+        return cls(**kwargs, **data)
+
+    def trained_context(self, model_config: Any) -> int | None:
+        ctx = trained_context(model_config)
+        return None if ctx is None else ctx - self.context_offset
+
+    def branches(self, trained: int, target: int | None = None) -> tuple[list[int], list[int]]:
+        """Default branches for a model trained on ``trained`` tokens, covering ``target`` (default ``trained``)."""
+        target = max(target or trained, 1)
+        base = max(trained // self.first_segment_divisor, 1)
+        w = min(self.max_first_segment, 1 << int(math.log2(base)))
+        ws, rs = [w], [1]
+        while ws[-1] < target:
+            ws.append(ws[-1] * 2)
+            rs.append(rs[-1] * 2)
+        return ws, rs
+
+
+DEFAULT_RECIPE = Recipe(
+    name="default",
+    model_types=("*",),
+    description="Any model whose attention uses Transformers' generic AttentionInterface dispatch.",
+)
+
+
+@lru_cache(maxsize=1)
+def _load_recipes() -> dict[str, Recipe]:
+    recipes = {}
+    root = importlib.resources.files("hf_dilated.patches")
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            data = yaml.safe_load(entry.read_text(encoding="utf-8"))
+            recipe = Recipe.from_dict(data)
+            if recipe.name != entry.name[: -len(".yaml")]:
+                raise ValueError(f"recipe file {entry.name} declares name {recipe.name!r}; they must match")
+            recipes[recipe.name] = recipe
+    return recipes
+
+
+def list_recipes() -> list[str]:
+    """Names of the shipped recipes."""
+    return sorted(_load_recipes())
+
+
+def load_recipe(name: str) -> Recipe:
+    """The shipped recipe called ``name``; ``ValueError`` listing the names when there is none."""
+    recipes = _load_recipes()
+    if name not in recipes:
+        raise ValueError(f"recipe must be 'auto' or one of {sorted(recipes)}, got {name!r}")
+    return recipes[name]
+
+
+def supported_model_types() -> list[str]:
+    return sorted({t for r in _load_recipes().values() for t in r.model_types})
+
+
+def recipe_for(model: Any) -> Recipe:
+    """The recipe covering ``model.config.model_type``; the defaults for other generic-dispatch models.
+
+    Raises ``ValueError`` listing the supported model types when the model has no recipe and its attention does not
+    go through Transformers' ``AttentionInterface``.
+    """
+    model_type = getattr(model.config, "model_type", None)
+    for recipe in _load_recipes().values():
+        if model_type in recipe.model_types:
+            return recipe
+    if _uses_generic_dispatch(model):
+        return DEFAULT_RECIPE
+    raise ValueError(
+        f"no patch recipe for model_type {model_type!r} ({type(model).__name__}), and its attention does not use "
+        f"Transformers' generic attention dispatch; supported model types: {supported_model_types()}"
+    )
+
+
+def _uses_generic_dispatch(model: Any) -> bool:
+    from .integrations.transformers import supports_dilated_attention
+
+    return supports_dilated_attention(model)
+
+
+# ---- model inspection ------------------------------------------------------------------------------------------------
+def _num_layers(config: Any) -> int:
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"cannot tell how many layers {type(config).__name__} has (no num_hidden_layers)")
+
+
+def sliding_window_layers(config: Any) -> list[int]:
+    """Indices of the layers that use sliding-window (local) attention, as the config declares them."""
+    n = _num_layers(config)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [i for i, t in enumerate(layer_types[:n]) if t == "sliding_attention"]
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return list(range(n))
+    return []
+
+
+def _has_sinks(model: Any) -> bool:
+    return any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters())
+
+
+def _check_model(model: Any, recipe: Recipe) -> None:
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if getattr(model.config, "sub_configs", None) and any(
+        getattr(model.config, key, None) is not None for key in model.config.sub_configs
+    ):
+        raise ValueError(
+            f"{type(model).__name__} is a composite model ({sorted(model.config.sub_configs)}); patch its language "
+            "model instead (e.g. model.language_model or the *ForCausalLM text-only class)"
+        )
+    if not _uses_generic_dispatch(model):
+        raise ValueError(
+            f"{type(model).__name__} does not use Transformers' generic attention dispatch (AttentionInterface); "
+            f"supported model types: {supported_model_types()}"
+        )
+    if getattr(model.config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"{type(model).__name__} uses attention logit softcapping (attn_logit_softcapping="
+            f"{model.config.attn_logit_softcapping}), which dilated attention does not compute; recipe "
+            f"{recipe.name!r} refuses it"
+        )
+    if _has_sinks(model):
+        raise ValueError(f"{type(model).__name__} uses attention sinks, which dilated attention does not compute")
+    sliding = sliding_window_layers(model.config)
+    if sliding and recipe.sliding_window == "refuse":
+        raise ValueError(
+            f"{type(model).__name__} has sliding-window attention on layers {sliding} (sliding_window="
+            f"{getattr(model.config, 'sliding_window', None)}); recipe {recipe.name!r} refuses sliding-window layers. "
+            "If the checkpoint was trained with full attention, set model.config.sliding_window = None first"
+        )
+
+
+def _resolve_layers(model_config: Any, recipe: Recipe, layers: Any, config: DilatedAttentionConfig | None) -> list[int]:
+    n = _num_layers(model_config)
+    sliding = set(sliding_window_layers(model_config))
+    if recipe.convert == "full_attention" or recipe.sliding_window == "keep":
+        allowed = [i for i in range(n) if i not in sliding]
+    else:
+        allowed = list(range(n))
+    if isinstance(layers, str):
+        if layers != "all":
+            raise ValueError(f"layers must be 'all' or a list of layer indices in [0, {n}), got {layers!r}")
+        chosen = config.layers if (config is not None and config.layers is not None) else allowed
+    else:
+        if isinstance(layers, (bytes, int)) or not isinstance(layers, Sequence):
+            raise ValueError(f"layers must be 'all' or a list of layer indices in [0, {n}), got {layers!r}")
+        chosen = list(layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in chosen):
+            raise ValueError(f"layers must be 'all' or a list of layer indices in [0, {n}), got {chosen!r}")
+        if config is not None and config.layers is not None and sorted(set(config.layers)) != sorted(set(chosen)):
+            raise ValueError(f"layers={chosen!r} contradicts config.layers={config.layers!r}; give one of them")
+    bad = sorted(set(chosen) & sliding)
+    if bad:
+        raise ValueError(
+            f"layers {bad} use sliding-window attention and stay exact under recipe {recipe.name!r}; "
+            f"choose among {allowed}"
+        )
+    if any(i >= n for i in chosen):
+        raise ValueError(f"layers must be indices in [0, {n}), got {sorted(chosen)}")
+    return sorted(set(chosen))
+
+
+# ---- RoPE --------------------------------------------------------------------------------------------------------
+def _rope_entries(rope_parameters: dict, recipe: Recipe) -> list[dict]:
+    """The (mutable) rope-parameter dicts to scale: the dict itself, or the recipe's layer-type entries if nested."""
+    if "rope_type" in rope_parameters or "rope_theta" in rope_parameters:
+        return [rope_parameters]
+    return [rope_parameters[key] for key in recipe.rope_layer_types if isinstance(rope_parameters.get(key), dict)]
+
+
+def rope_scaling_for(model_config: Any, recipe: Recipe, context_length: int, rope: str = "recipe") -> dict | None:
+    """The ``rope_parameters`` a model should get to read ``context_length`` tokens, or ``None`` for no change.
+
+    Transformers 5.x names this field ``config.rope_parameters`` (``rope_scaling`` is its legacy alias): a dict with
+    ``rope_type`` (``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``, ...), ``rope_theta`` and, for scaled types,
+    ``factor`` (and ``original_max_position_embeddings`` for YaRN). Models with one RoPE per layer type (Gemma3,
+    ModernBERT) nest one such dict per type; only the recipe's ``rope_layer_types`` are scaled.
+    """
+    if rope not in ROPE_CHOICES:
+        raise ValueError(f"rope must be one of {ROPE_CHOICES}, got {rope!r}")
+    trained = recipe.trained_context(model_config)
+    if trained is None or context_length <= trained:
+        return None
+    if recipe.positions == "absolute":
+        raise ValueError(
+            f"context_length={context_length} exceeds the {trained} learned absolute positions of "
+            f"{getattr(model_config, 'model_type', '?')} (recipe {recipe.name!r}); absolute position embeddings "
+            f"cannot be extended by patching, use context_length <= {trained}"
+        )
+    rope_type = recipe.rope_type if rope == "recipe" else rope
+    if rope_type in (None, "none"):
+        return None
+    params = getattr(model_config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        raise ValueError(
+            f"{type(model_config).__name__} has no rope_parameters to scale; pass rope='none' to keep its positions"
+        )
+    params = copy.deepcopy(params)
+    entries = _rope_entries(params, recipe)
+    if not entries:
+        raise ValueError(f"rope_parameters {params} has none of the layer types {recipe.rope_layer_types} to scale")
+    factor = context_length / trained
+    for entry in entries:
+        current = entry.get("rope_type", "default")
+        if current == "linear" and rope_type == "linear":
+            entry["factor"] = float(entry.get("factor", 1.0)) * factor
+            continue
+        if current != "default":
+            raise ValueError(
+                f"the model already uses RoPE scaling {current!r}; recipe scaling {rope_type!r} cannot be stacked on "
+                "it: pass rope='none' to keep the model's own RoPE setting"
+            )
+        kept = {k: v for k, v in entry.items() if k in ("rope_theta", "partial_rotary_factor")}
+        entry.clear()
+        entry.update(kept, rope_type=rope_type, factor=float(factor))
+        if rope_type == "yarn":
+            entry["original_max_position_embeddings"] = trained
+    return params
+
+
+def _rotary_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "config")]
+
+
+def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _rebuild_rotary(model: torch.nn.Module) -> None:
+    """Recompute every rotary embedding from its (updated) config, on the device and dtype of its old buffers."""
+    for name, old in _rotary_modules(model):
+        new = type(old)(old.config)
+        buffer = next(old.buffers(), None)
+        if buffer is not None:
+            new = new.to(device=buffer.device, dtype=buffer.dtype)
+        _set_module(model, name, new)
+
+
+# ---- patch / unpatch ---------------------------------------------------------------------------------------------
+@dataclass
+class PatchSummary:
+    """What :func:`patch` changed (also stored, as a dict, under ``config.dilated_attention_patch``)."""
+
+    recipe: str
+    model_type: str | None
+    num_layers: int
+    converted_layers: list[int]
+    dense_layers: list[int]
+    segment_lengths: list[int]
+    dilation_rates: list[int]
+    trained_context: int | None
+    context_length: int | None
+    rope_parameters_before: Any = None
+    rope_parameters_after: Any = None
+    attn_implementation_before: str | None = None
+    base: dict = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"recipe: {self.recipe} (model_type {self.model_type})",
+            f"attention: {self.attn_implementation_before} -> dilated",
+            f"branches: w={self.segment_lengths} r={self.dilation_rates}",
+            f"converted layers ({len(self.converted_layers)}/{self.num_layers}): {self.converted_layers}",
+            f"dense layers: {self.dense_layers or 'none'}",
+            f"context: trained {self.trained_context} -> target {self.context_length}",
+        ]
+        if self.rope_parameters_after != self.rope_parameters_before:
+            out.append(f"rope_parameters: {self.rope_parameters_before} -> {self.rope_parameters_after}")
+        else:
+            out.append("rope_parameters: unchanged")
+        return out
+
+
+def is_patched(model: Any) -> bool:
+    """Whether ``model`` carries a dilated-attention patch (made in this process or loaded from disk)."""
+    return getattr(model.config, PATCH_KEY, None) is not None
+
+
+def patch(
+    model: Any,
+    config: DilatedAttentionConfig | dict | None = None,
+    *,
+    layers: str | Sequence[int] = "all",
+    recipe: str = "auto",
+    context_length: int | None = None,
+    rope: str = "recipe",
+) -> Any:
+    """Switch ``model`` to dilated attention in place and return it.
+
+    Args:
+        model: a loaded Transformers model whose attention uses the generic ``AttentionInterface`` dispatch.
+        config: the branches (a :class:`DilatedAttentionConfig` or its dict). ``None``: the recipe's default branches
+            for the trained context, extended to ``context_length``.
+        layers: ``"all"`` (the recipe's default: every full-attention layer, or ``config.layers`` if set) or a list of
+            layer indices; the other layers keep exact dense attention.
+        recipe: ``"auto"`` (by ``config.model_type``) or a recipe name from :func:`list_recipes`.
+        context_length: the context the patched model should read; past the trained context the recipe's RoPE
+            scaling is applied. ``None``: the trained context (no RoPE change).
+        rope: ``"recipe"`` (the recipe's RoPE type), ``"none"`` (leave RoPE as is), or ``"linear"``, ``"dynamic"``,
+            ``"yarn"``.
+
+    Raises ``ValueError`` (with nothing changed) for an unsupported model or bad arguments.
+    """
+    if is_patched(model):
+        raise ValueError("model is already patched with dilated attention; call hf_dilated.unpatch(model) first")
+    if not isinstance(recipe, str):
+        raise ValueError(f"recipe must be 'auto' or one of {list_recipes()}, got {recipe!r}")
+    chosen = recipe_for(model) if recipe == "auto" else load_recipe(recipe)
+    if recipe != "auto" and getattr(model.config, "model_type", None) not in chosen.model_types:
+        raise ValueError(
+            f"recipe {recipe!r} covers model types {list(chosen.model_types)}, not {model.config.model_type!r}"
+        )
+    _check_model(model, chosen)
+    if rope not in ROPE_CHOICES:
+        raise ValueError(f"rope must be one of {ROPE_CHOICES}, got {rope!r}")
+    if context_length is not None and (isinstance(context_length, bool) or not isinstance(context_length, int) or context_length <= 0):
+        raise ValueError(f"context_length must be a positive integer or None, got {context_length!r}")
+    if isinstance(config, dict):
+        config = DilatedAttentionConfig.from_dict(config)
+    elif config is not None and not isinstance(config, DilatedAttentionConfig):
+        raise ValueError(f"config must be a DilatedAttentionConfig, a dict or None, got {type(config).__name__}")
+
+    mc = model.config
+    n = _num_layers(mc)
+    converted = _resolve_layers(mc, chosen, layers, config)
+    trained = chosen.trained_context(mc)
+    target = context_length or trained
+    new_rope = rope_scaling_for(mc, chosen, target, rope) if target else None
+    if config is None:
+        if trained is None:
+            raise ValueError(
+                f"{type(mc).__name__} does not state its trained context (max_position_embeddings); pass config="
+            )
+        ws, rs = chosen.branches(trained, target)
+        config = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs, backend="auto")
+    else:
+        config = copy.deepcopy(config)
+    config.layers = None if converted == list(range(n)) else converted
+    config.validate()
+
+    name = _attention_name()
+    previous = {key: _snapshot(mc, key) for key in (CONFIG_KEY, ATTN_KEY, PATCH_KEY, "rope_parameters", "max_position_embeddings")}
+    previous_impl = mc._attn_implementation
+    rotary = _rotary_modules(model)
+    summary = PatchSummary(
+        recipe=chosen.name,
+        model_type=getattr(mc, "model_type", None),
+        num_layers=n,
+        converted_layers=converted,
+        dense_layers=[i for i in range(n) if i not in converted],
+        segment_lengths=list(config.segment_lengths),
+        dilation_rates=list(config.dilation_rates),
+        trained_context=trained,
+        context_length=target,
+        rope_parameters_before=copy.deepcopy(getattr(mc, "rope_parameters", None)),
+        rope_parameters_after=copy.deepcopy(new_rope) if new_rope is not None else copy.deepcopy(getattr(mc, "rope_parameters", None)),
+        attn_implementation_before=previous_impl,
+        base={
+            "attn_implementation": previous_impl,
+            "rope_parameters": copy.deepcopy(getattr(mc, "rope_parameters", None)),
+            "max_position_embeddings": getattr(mc, "max_position_embeddings", None),
+        },
+    )
+    model.set_attn_implementation(name)
+    try:
+        config.save_to(mc)
+        setattr(mc, ATTN_KEY, name)
+        if new_rope is not None:
+            mc.rope_parameters = new_rope
+            rope_types = {e.get("rope_type") for e in _rope_entries(new_rope, chosen)}
+            if "dynamic" not in rope_types and isinstance(getattr(mc, "max_position_embeddings", None), int):
+                # dynamic NTK reads max_position_embeddings as the trained length; the others take the new one.
+                mc.max_position_embeddings = target + chosen.context_offset
+            _rebuild_rotary(model)
+        record = {k: v for k, v in summary.__dict__.items() if k not in ("rope_parameters_before", "attn_implementation_before")}
+        setattr(mc, PATCH_KEY, copy.deepcopy(record))
+    except Exception:
+        _restore(model, previous, previous_impl, rotary)
+        raise
+    object.__setattr__(model, _STATE_ATTR, (previous, previous_impl, rotary))
+    return model
+
+
+def _snapshot(model_config: Any, key: str) -> Any:
+    value = getattr(model_config, key, _MISSING)
+    return value if value is _MISSING else copy.deepcopy(value)
+
+
+def _restore(model: Any, previous: dict, previous_impl: str | None, rotary: list | None) -> None:
+    mc = model.config
+    for key, value in previous.items():
+        if value is _MISSING:
+            if key in mc.__dict__:
+                delattr(mc, key)
+        else:
+            setattr(mc, key, copy.deepcopy(value))
+    if rotary is not None:
+        for name, module in rotary:
+            _set_module(model, name, module)
+    else:
+        _rebuild_rotary(model)
+    model.set_attn_implementation(previous_impl or "sdpa")
+
+
+def unpatch(model: Any) -> Any:
+    """Undo :func:`patch`: the previous attention implementation, config entries, RoPE and rotary modules.
+
+    For a model patched in this process the restore is exact (the original rotary modules come back). For a patched
+    checkpoint loaded from disk, the base settings recorded under ``config.dilated_attention_patch`` are restored and
+    the rotary embeddings recomputed from them. Raises ``ValueError`` if the model is not patched.
+    """
+    state = getattr(model, _STATE_ATTR, None)
+    if state is not None:
+        previous, previous_impl, rotary = state
+        _restore(model, previous, previous_impl, rotary)
+        object.__delattr__(model, _STATE_ATTR)
+        return model
+    record = getattr(model.config, PATCH_KEY, None)
+    if record is None:
+        raise ValueError("model is not patched with dilated attention (no config.dilated_attention_patch)")
+    base = record.get("base", {})
+    previous = {CONFIG_KEY: _MISSING, ATTN_KEY: _MISSING, PATCH_KEY: _MISSING}
+    for key in ("rope_parameters", "max_position_embeddings"):
+        if base.get(key) is not None:
+            previous[key] = base[key]
+    _restore(model, previous, base.get("attn_implementation"), None)
+    return model
+
+
+def patch_summary(model: Any) -> dict | None:
+    """The record :func:`patch` wrote into ``model.config`` (``None`` when unpatched)."""
+    record = getattr(model.config, PATCH_KEY, None)
+    return copy.deepcopy(record) if record is not None else None
+
+
+def ensure_reloadable(model: Any) -> None:
+    """Re-mark a patched model so that ``save_pretrained`` writes ``attn_implementation: "dilated"`` again.
+
+    Transformers consumes that key when loading, so a patched checkpoint loaded from disk and saved again would lose
+    it; :func:`hf_dilated.save_patched` calls this for you.
+    """
+    if not is_patched(model):
+        raise ValueError("model is not patched with dilated attention; call hf_dilated.patch(model) first")
+    setattr(model.config, ATTN_KEY, _attention_name())
+
+
+# ---- saving and the model card -----------------------------------------------------------------------------------
+MODEL_CARD_TEMPLATE = "dilated_attention.md"
+
+
+def _fmt_layers(layers: list[int]) -> str:
+    return ", ".join(map(str, layers)) if layers else "none"
+
+
+def format_eval_table(eval_results: dict | None) -> str:
+    """Markdown for the model card's evaluation section.
+
+    Takes the JSON that :func:`hf_dilated.evaluation.evaluate` writes (``{"results": [{"context": ..,
+    "variant": .., "perplexity": ..}, ...]}``) or a flat ``{metric: value}`` dict.
+    """
+    if not eval_results:
+        return "No evaluation numbers were given when this checkpoint was saved."
+    if not isinstance(eval_results, dict):
+        raise ValueError(f"eval_results must be a dict, got {type(eval_results).__name__}")
+    rows = eval_results.get("results")
+    if isinstance(rows, list) and rows:
+        variants = list(dict.fromkeys(r["variant"] for r in rows))
+        contexts = sorted({r["context"] for r in rows})
+        table = {(r["context"], r["variant"]): r["perplexity"] for r in rows}
+        lines = [
+            f"Perplexity on {eval_results.get('text', 'the evaluation text')} "
+            f"({eval_results.get('windows', '?')} window(s) per context, lower is better):",
+            "",
+            "| context | " + " | ".join(variants) + " |",
+            "|---:|" + "---:|" * len(variants),
+        ]
+        for c in contexts:
+            cells = [f"{table[(c, v)]:.3f}" if (c, v) in table else "" for v in variants]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        if eval_results.get("variants_help"):
+            lines += [""] + [f"- `{k}`: {v}" for k, v in eval_results["variants_help"].items()]
+        return "\n".join(lines)
+    lines = ["| metric | value |", "|---|---:|"]
+    for key, value in eval_results.items():
+        lines.append(f"| {key} | {value:.4g} |" if isinstance(value, float) else f"| {key} | {value} |")
+    return "\n".join(lines)
+
+
+def render_model_card(model: Any, eval_results: dict | None = None, load_path: str = "path/to/checkpoint") -> str:
+    """The README.md model card of a patched model (Hub metadata, attention config, how to load, evaluation)."""
+    import json
+    from string import Template
+
+    record = patch_summary(model)
+    if record is None:
+        raise ValueError("model is not patched with dilated attention; call hf_dilated.patch(model) first")
+    dilated = DilatedAttentionConfig.from_model_config(model.config)
+    base = getattr(model.config, "_name_or_path", "") or ""
+    is_hub_id = base.count("/") == 1 and not base.startswith((".", "/", "~"))
+    recipe = load_recipe(record["recipe"]) if record["recipe"] in _load_recipes() else DEFAULT_RECIPE
+    text = (importlib.resources.files("hf_dilated.model_cards") / MODEL_CARD_TEMPLATE).read_text(encoding="utf-8")
+    values = {
+        "base_model_line": f"base_model: {base}\n" if is_hub_id else "",
+        "pipeline_tag": "text-generation" if recipe.causal else "feature-extraction",
+        "model_type": record.get("model_type") or "transformers",
+        "title": f"{base.rsplit('/', 1)[-1] or type(model).__name__} with dilated attention",
+        "base_sentence": f"[`{base}`](https://huggingface.co/{base})" if is_hub_id else (
+            f"`{type(model).__name__}` (base: `{base}`)" if base else f"A `{type(model).__name__}` checkpoint"
+        ),
+        "recipe": record["recipe"],
+        "segment_lengths": ", ".join(map(str, dilated.segment_lengths)),
+        "dilation_rates": ", ".join(map(str, dilated.dilation_rates)),
+        "converted_layers": f"{len(record['converted_layers'])} of {record['num_layers']}: {_fmt_layers(record['converted_layers'])}",
+        "dense_layers": _fmt_layers(record["dense_layers"]),
+        "trained_context": record.get("trained_context"),
+        "context_length": record.get("context_length"),
+        "rope_before": json.dumps(record["base"].get("rope_parameters")),
+        "rope_after": json.dumps(getattr(model.config, "rope_parameters", None)),
+        "backend": dilated.backend,
+        "auto_class": _auto_class_name(model),
+        "load_path": load_path,
+        "evaluation": format_eval_table(eval_results),
+        "config_json": json.dumps({CONFIG_KEY: dilated.to_dict(), PATCH_KEY: record}, indent=2),
+    }
+    return Template(text).substitute(values)
+
+
+def _auto_class_name(model: Any) -> str:
+    name = type(model).__name__
+    for head in ("ForCausalLM", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification"):
+        if name.endswith(head):
+            return f"AutoModel{head}"
+    return "AutoModel"
+
+
+def save_patched(model: Any, path: str, tokenizer: Any = None, eval_results: dict | None = None, **save_kwargs: Any) -> str:
+    """``model.save_pretrained(path)`` (safetensors, weights untouched) plus a README.md model card.
+
+    ``tokenizer`` is saved beside the model when given; ``eval_results`` (see :func:`format_eval_table`) fill the
+    card's evaluation section. Returns ``path``.
+    """
+    from pathlib import Path
+
+    ensure_reloadable(model)
+    card = render_model_card(model, eval_results=eval_results, load_path=str(path))
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), **save_kwargs)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    (out / "README.md").write_text(card, encoding="utf-8")
+    return str(path)
