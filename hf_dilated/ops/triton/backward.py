@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import LOG2E, _first_selected
+from .forward import LOG2E, _first_selected, mm
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def dilated_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     head_offset, group, n_classes, r, scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, FIRST: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, FIRST: tl.constexpr, UPCAST: tl.constexpr,
 ):
     item = tl.program_id(0)
     tile = tl.program_id(1)
@@ -106,15 +106,15 @@ def dilated_bwd_dkdv_kernel(
             lse = tl.load(l_row + qc, mask=qmask, other=0.0)
             lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
             delta = tl.load(dl_row + qc, mask=qmask, other=0.0)
-            qkT = tl.dot(k, tl.trans(q)) * qk_scale
+            qkT = mm(k, tl.trans(q), UPCAST) * qk_scale
             ok = kmask[:, None] & qmask[None, :]
             if IS_CAUSAL:
                 ok = ok & (kp[:, None] <= qp[None, :])
             pT = tl.where(ok, tl.math.exp2(qkT - lse[None, :]), 0.0)
-            dv += tl.dot(pT.to(do.dtype), do)
-            dpT = tl.dot(v, tl.trans(do))
+            dv += mm(pT.to(do.dtype), do, UPCAST)
+            dpT = mm(v, tl.trans(do), UPCAST)
             dsT = pT * (dpT - delta[None, :])
-            dk += tl.dot(dsT.to(q.dtype), q)
+            dk += mm(dsT.to(q.dtype), q, UPCAST)
     dk = dk * scale
     dk_ptrs = DK + b * stride_dkb + kvh64 * stride_dkh + kc * stride_dkn + d[None, :]
     dv_ptrs = DV + b * stride_dvb + kvh64 * stride_dvh + kc * stride_dvn + d[None, :]
@@ -136,7 +136,7 @@ def dilated_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqn,
     head_offset, group, r, scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, FIRST: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, FIRST: tl.constexpr, UPCAST: tl.constexpr,
 ):
     item = tl.program_id(0)
     tile = tl.program_id(1)
@@ -185,14 +185,14 @@ def dilated_bwd_dq_kernel(
         kc = (kbase + kp).to(tl.int64)[:, None]
         k = tl.load(k_row + kc * stride_kn, mask=kmask[:, None], other=0.0)
         v = tl.load(v_row + kc * stride_vn, mask=kmask[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = mm(q, tl.trans(k), UPCAST) * qk_scale
         ok = qmask[:, None] & kmask[None, :]
         if IS_CAUSAL:
             ok = ok & (kp[None, :] <= qp[:, None])
         p = tl.where(ok, tl.math.exp2(qk - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
+        dp = mm(do, tl.trans(v), UPCAST)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += mm(ds.to(k.dtype), k, UPCAST)
     dq = dq * scale
     dq_ptrs = DQ + b * stride_dqb + h64 * stride_dqh + qc[:, None] * stride_dqn + d[None, :]
     if not FIRST:

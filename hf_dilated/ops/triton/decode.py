@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import LN2, _first_selected
+from .forward import LN2, _first_selected, mm
 
 
 @triton.jit
@@ -27,7 +27,7 @@ def dilated_decode_kernel(
     stride_lb, stride_lh,
     Nq, head_offset, group, qk_scale,
     N_BRANCHES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
 ):
     mb = tl.program_id(0)
     h = tl.program_id(1)
@@ -72,7 +72,7 @@ def dilated_decode_kernel(
                 kp = k_first + cols * r
                 kc = (kbase + kp).to(tl.int64)[:, None]
                 k = tl.load(k_row + kc * stride_kn, mask=kmask[:, None], other=0.0)
-                qk = tl.dot(q, tl.trans(k)) * qk_scale
+                qk = mm(q, tl.trans(k), UPCAST) * qk_scale
                 ok = sel[:, None] & kmask[None, :] & ((kp // w)[None, :] == seg[:, None])
                 if IS_CAUSAL:
                     ok = ok & (kp[None, :] <= qp[:, None])
@@ -82,7 +82,7 @@ def dilated_decode_kernel(
                 alpha = tl.math.exp2(m_i - m_new)
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(v_row + kc * stride_vn, mask=kmask[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, UPCAST)
                 m_i = m_new
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)

@@ -17,6 +17,16 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def mm(a, b, UPCAST: tl.constexpr):
+    """``tl.dot``; ``UPCAST`` works around the interpreter's wrong bfloat16 dots (CPU tests only)."""
+    if UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
 def _first_selected(lo, off, r):
     """Smallest position ``p >= lo`` with ``p % r == off`` (``lo, off >= 0``)."""
     return lo + ((off - lo) % r + r) % r
@@ -24,13 +34,13 @@ def _first_selected(lo, off, r):
 
 @triton.jit
 def _fwd_tile_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, kp, qp, n_keys_ok, qk_scale,
-                   MASK: tl.constexpr, IS_CAUSAL: tl.constexpr):
+                   MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
     kmask = n_keys_ok
     if MASK:
         k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
-    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    qk = mm(q, tl.trans(k), UPCAST) * qk_scale
     if MASK:
         ok = kmask[None, :]
         if IS_CAUSAL:
@@ -44,7 +54,7 @@ def _fwd_tile_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, kp, qp, n_keys_ok, qk_scale
         v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, UPCAST)
     return acc, l_i, m_new
 
 
@@ -58,7 +68,7 @@ def dilated_fwd_branch_kernel(
     stride_lb, stride_lh,
     head_offset, group, r, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, FIRST: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, FIRST: tl.constexpr, UPCAST: tl.constexpr,
 ):
     item = tl.program_id(0)
     tile = tl.program_id(1)
@@ -109,12 +119,12 @@ def dilated_fwd_branch_kernel(
         kp = k_first + (start + cols) * r
         kc = (kbase + kp).to(tl.int64)[:, None]
         acc, l_i, m_i = _fwd_tile_step(acc, l_i, m_i, q, k_row + kc * stride_kn, v_row + kc * stride_vn,
-                                       kp, qp, cols < BLOCK_N, qk_scale, False, IS_CAUSAL)
+                                       kp, qp, cols < BLOCK_N, qk_scale, False, IS_CAUSAL, UPCAST)
     for start in range(n_full, n_k, BLOCK_N):
         kp = k_first + (start + cols) * r
         kc = (kbase + kp).to(tl.int64)[:, None]
         acc, l_i, m_i = _fwd_tile_step(acc, l_i, m_i, q, k_row + kc * stride_kn, v_row + kc * stride_vn,
-                                       kp, qp, start + cols < n_k, qk_scale, True, IS_CAUSAL)
+                                       kp, qp, start + cols < n_k, qk_scale, True, IS_CAUSAL, UPCAST)
 
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kernel
-from .configs import bwd_config, decode_config, fwd_config
+from .configs import bwd_config, decode_config, fwd_config, interpreting
 from .decode import dilated_decode_kernel
 from .forward import LOG2E, dilated_fwd_branch_kernel
 from .schedule import branch_items
@@ -19,6 +19,10 @@ from .schedule import branch_items
 
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _upcast(q: torch.Tensor) -> bool:
+    return interpreting() and q.dtype == torch.bfloat16
 
 
 def forward(q, k, v, branches, runs, cache_key, is_causal: bool, scale: float, head_offset: int):
@@ -40,7 +44,7 @@ def forward(q, k, v, branches, runs, cache_key, is_causal: bool, scale: float, h
             q, k, v, o, lse, it.items,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
             head_offset, group, r, scale * LOG2E,
-            HEAD_DIM=D, IS_CAUSAL=is_causal, FIRST=first, **cfg,
+            HEAD_DIM=D, IS_CAUSAL=is_causal, FIRST=first, UPCAST=_upcast(q), **cfg,
         )
         first = False
     return o.to(q.dtype), lse
@@ -79,7 +83,7 @@ def backward(do, q, k, v, o, lse, branches, runs, cache_key, is_causal: bool, sc
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
             *dk.stride()[:3], *dv.stride()[:3],
             head_offset, group, n_classes, r, scale, scale * LOG2E,
-            HEAD_DIM=D, IS_CAUSAL=is_causal, FIRST=first, **kv_cfg,
+            HEAD_DIM=D, IS_CAUSAL=is_causal, FIRST=first, UPCAST=_upcast(q), **kv_cfg,
         )
         grid = (it.n_items, triton.cdiv(it.max_q_rows, q_cfg["BLOCK_M"]), H)
         dilated_bwd_dq_kernel[grid](
@@ -87,7 +91,7 @@ def backward(do, q, k, v, o, lse, branches, runs, cache_key, is_causal: bool, sc
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
             *dq.stride()[:3],
             head_offset, group, r, scale, scale * LOG2E,
-            HEAD_DIM=D, IS_CAUSAL=is_causal, FIRST=first, **q_cfg,
+            HEAD_DIM=D, IS_CAUSAL=is_causal, FIRST=first, UPCAST=_upcast(q), **q_cfg,
         )
         first = False
     return dq, dk, dv
@@ -108,7 +112,7 @@ def decode(q, k, v, branches, q_pos, q_valid, kdesc, is_causal: bool, scale: flo
         q, k, v, o, lse, q_pos.contiguous(), q_valid.to(torch.int8).contiguous(), kdesc, br,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         Nq, head_offset, group, scale * LOG2E,
-        N_BRANCHES=len(branches), HEAD_DIM=D, IS_CAUSAL=is_causal, **cfg,
+        N_BRANCHES=len(branches), HEAD_DIM=D, IS_CAUSAL=is_causal, UPCAST=_upcast(q), **cfg,
     )
     return o, lse
 

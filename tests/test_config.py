@@ -1,0 +1,55 @@
+"""DilatedAttentionConfig: validation, defaults, and its round trip through a Transformers config."""
+
+import pytest
+from transformers import LlamaConfig
+
+from hf_dilated import DilatedAttentionConfig, default_branches
+from hf_dilated.config import CONFIG_KEY
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(segment_lengths=[0, 8], dilation_rates=[1, 2]), "segment_lengths"),
+        (dict(segment_lengths=[8, 16], dilation_rates=[1, -2]), "dilation_rates"),
+        (dict(segment_lengths=[8, 15], dilation_rates=[1, 2]), "multiple of its dilation rate"),
+        (dict(segment_lengths=[8, 16], dilation_rates=[2, 4]), "rate 1"),
+        (dict(segment_lengths=[8, 16, 32], dilation_rates=[1, 2]), "same length"),
+        (dict(segment_lengths=[16, 8], dilation_rates=[1, 2]), "sorted"),
+        (dict(segment_lengths=[], dilation_rates=[]), "empty"),
+        (dict(segment_lengths=8, dilation_rates=[1]), "segment_lengths"),
+        (dict(segment_lengths=[8.0], dilation_rates=[1]), "segment_lengths"),
+        (dict(segment_lengths=[8], dilation_rates=[1], backend="cuda"), "backend"),
+        (dict(segment_lengths=[8], dilation_rates=[1], layers=[-1]), "layers"),
+    ],
+)
+def test_invalid_config_raises_naming_the_argument(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        DilatedAttentionConfig(**kwargs)
+
+
+def test_default_branches_follow_trained_context():
+    assert default_branches(8192) == ([2048, 4096, 8192], [1, 2, 4])
+    assert default_branches(32768) == ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
+    assert default_branches(1000) == ([1000], [1])
+    with pytest.raises(ValueError, match="context_length"):
+        default_branches(0)
+
+
+def test_config_round_trip_through_model_config(tmp_path):
+    cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=3, max_position_embeddings=4096)
+    assert DilatedAttentionConfig.from_model_config(cfg).segment_lengths == [2048, 4096]
+    ours = DilatedAttentionConfig(segment_lengths=[64, 128], dilation_rates=[1, 2], layers=[2, 0], backend="torch")
+    ours.save_to(cfg)
+    cfg.save_pretrained(tmp_path)
+    text = (tmp_path / "config.json").read_text()
+    assert CONFIG_KEY in text
+    loaded = DilatedAttentionConfig.from_model_config(LlamaConfig.from_pretrained(tmp_path))
+    assert loaded == ours
+    assert loaded.layers == [0, 2]
+    assert loaded.applies_to(2) and not loaded.applies_to(1)
+
+
+def test_from_dict_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="unknown"):
+        DilatedAttentionConfig.from_dict({"segment_lengths": [8], "dilation_rates": [1], "dilation": 3})
