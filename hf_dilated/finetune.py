@@ -877,6 +877,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         final = trainer.model
         if args.lora_r:
             final = final.merge_and_unload()
+        final.config.use_cache = True  # gradient checkpointing turned it off for training only
         if args.attn == "dilated":
             from .patching import save_patched
 
