@@ -67,15 +67,45 @@ def backward(do, q, k, v, o, lse, branches, runs, cache_key, is_causal: bool, sc
     )
     if dlse is not None:
         delta = delta - dlse.to(torch.float32)
-    dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
     kv_cfg, q_cfg = bwd_config(D, q.dtype)
+    items = [(r, branch_items(runs, w, r, is_causal, q.device, cache_key)) for w, r in branches]
+    items = [(r, it) for r, it in items if it.n_items]
+    if q.dtype == torch.float32:
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, items, is_causal, scale, head_offset, kv_cfg, q_cfg)
+        return dq, dk, dv
+    # Half precision: sum the branches in float32 scratch (rounding once, not once per branch), a chunk of kv heads
+    # at a time so the scratch stays within SCRATCH_FRACTION of q + k + v.
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    limit = max(SCRATCH_MIN_BYTES, SCRATCH_FRACTION * (q.nbytes + k.nbytes + v.nbytes))
+    per_kv_head = 2 * (q.nbytes + k.nbytes + v.nbytes) / Hk
+    chunk = max(1, min(Hk, int(limit // per_kv_head)))
+    for g0 in range(0, Hk, chunk):
+        g1 = min(Hk, g0 + chunk)
+        h0, h1 = g0 * group, g1 * group
+        sq, sk, sv = q[:, h0:h1], k[:, g0:g1], v[:, g0:g1]
+        gq = torch.zeros(sq.shape, device=q.device, dtype=torch.float32)
+        gk = torch.zeros(sk.shape, device=q.device, dtype=torch.float32)
+        gv = torch.zeros(sv.shape, device=q.device, dtype=torch.float32)
+        _backward_heads(sq, sk, sv, do[:, h0:h1], lse[:, h0:h1], delta[:, h0:h1], gq, gk, gv, items, is_causal,
+                        scale, head_offset + h0, kv_cfg, q_cfg)
+        dq[:, h0:h1].copy_(gq)
+        dk[:, g0:g1].copy_(gk)
+        dv[:, g0:g1].copy_(gv)
+        del gq, gk, gv
+    return dq, dk, dv
+
+
+SCRATCH_FRACTION = 0.25
+SCRATCH_MIN_BYTES = 256 * 2**20
+
+
+def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, items, is_causal, scale, head_offset, kv_cfg, q_cfg):
+    """All branches of the backward for the heads of these (possibly head-sliced) tensors, summed into dq, dk, dv."""
+    H, Hk, D = q.shape[1], k.shape[1], q.shape[3]
+    group = H // Hk
     first = True
-    for w, r in branches:
-        it = branch_items(runs, w, r, is_causal, q.device, cache_key)
-        if it.n_items == 0:
-            continue
+    for r, it in items:
         n_classes = min(group, r)
         grid = (it.n_items, triton.cdiv(it.max_k_rows, kv_cfg["BLOCK_N"]), Hk * n_classes)
         dilated_bwd_dkdv_kernel[grid](
@@ -94,7 +124,6 @@ def backward(do, q, k, v, o, lse, branches, runs, cache_key, is_causal: bool, sc
             HEAD_DIM=D, IS_CAUSAL=is_causal, FIRST=first, UPCAST=_upcast(q), **q_cfg,
         )
         first = False
-    return dq, dk, dv
 
 
 def decode(q, k, v, branches, q_pos, q_valid, kdesc, is_causal: bool, scale: float, head_offset: int):

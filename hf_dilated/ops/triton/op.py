@@ -95,16 +95,14 @@ def dilated_attention_bwd(
         if runs is not None:
             return launch.backward(do, q, k, v, out, lse, branches, runs, key, is_causal, scale, head_offset,
                                    dlse if has_dlse else None)
-    with torch.enable_grad():
-        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+    # The reference's own autograd, as a functional vjp (the op body runs below the autograd dispatch key).
+    def ref(qq, kk, vv):
         o, l = dilated_attention_reference(qq, kk, vv, branches, layout, is_causal, scale, head_offset)
-        outs, grads = [o], [do]
-        if has_dlse:
-            reached = torch.isfinite(l)
-            outs.append(torch.where(reached, l, torch.zeros_like(l)))
-            grads.append(torch.where(reached, dlse.to(l.dtype), torch.zeros_like(l)))
-        dq, dk, dv = torch.autograd.grad(outs, (qq, kk, vv), grads, allow_unused=True)
-    return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip((dq, dk, dv), (q, k, v)))
+        return o, torch.where(torch.isfinite(l), l, torch.zeros_like(l))
+
+    (o, l), vjp = torch.func.vjp(ref, q, k, v)
+    dl = dlse.to(l.dtype).expand_as(l) if has_dlse else torch.zeros_like(l)
+    return tuple(g.contiguous() for g in vjp((do.to(o.dtype), dl)))
 
 
 @dilated_attention_bwd.register_fake
