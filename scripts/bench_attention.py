@@ -1,0 +1,399 @@
+"""Benchmark dilated attention: dense SDPA-flash, FlexAttention on the same pattern, the PyTorch reference and the
+Triton kernels, forward, forward+backward and decode, on one GPU in one run.
+
+Every result is checked against the PyTorch reference before it is timed. Where the reference does not fit a whole
+sequence, it is run on windows of the largest segment (with causal, segment-local attention the rows and key gradients
+of a window ``[a, a + w_max)``, ``a`` a multiple of every ``w``, depend on that window alone): the first and the last.
+
+Writes ``<out>/<gpu>-<date>.json`` (rows, GPU, versions, command) and a PNG plot (time and peak memory against N,
+log-log) beside it, and prints a table: ms, useful TFLOP/s (the FLOPs of the dilated pattern, or of dense causal
+attention for SDPA), the ratio of TFLOP/s to SDPA-flash at the same N, peak memory.
+
+    python scripts/bench_attention.py                  # the full sweep (about 8 minutes on an H100)
+    python scripts/bench_attention.py --quick          # 16K and 64K only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import hf_dilated  # noqa: E402
+
+LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
+TOL = 1e-2  # SPEC, bfloat16
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def dilated_flops(N, branches, D, H, B, causal=True):
+    """Useful forward FLOPs: 4 D per (query, key) pair that the pattern computes (a pair in m branches counts m)."""
+    pairs = 0
+    for w, r in branches:
+        for s0 in range(0, N, w):
+            L = min(w, N - s0)
+            rows = math.ceil(L / r)  # per head: one offset class; the last one may hold one row fewer
+            pairs += rows * (rows + 1) // 2 if causal else rows * rows
+    return 4 * D * pairs * H * B
+
+
+def dense_flops(N, D, H, B, causal=True):
+    return 4 * D * (N * (N + 1) // 2 if causal else N * N) * H * B
+
+
+def bench(fn, reps, warmup=1):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def reps_for(ms_guess):
+    return max(3, min(20, int(2000 / max(ms_guess, 1e-3))))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# methods: each returns out (fwd) or (out, dq, dk, dv) (fwd+bwd)
+
+
+def run_dilated(backend, q, k, v, branches, do=None):
+    ws, rs = [w for w, _ in branches], [r for _, r in branches]
+    if do is None:
+        with torch.no_grad():
+            return hf_dilated.dilated_attention(q, k, v, ws, rs, backend=backend)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = hf_dilated.dilated_attention(q, k, v, ws, rs, backend=backend)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    return out, dq, dk, dv
+
+
+def run_sdpa(q, k, v, do=None):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gqa = q.shape[1] != k.shape[1]
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        if do is None:
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return (out,) + torch.autograd.grad(out, (q, k, v), do)
+
+
+_FLEX = {}
+
+
+def flex_pattern(branches, N, H, device):
+    """FlexAttention with exactly the dilated function: the union mask, and log(multiplicity) added to each score.
+    The block mask is built directly (blocks of 128 lie inside one largest segment, all offsets present), not by
+    evaluating the mask over N x N."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    key = (tuple(branches), N, H, str(device))
+    if key in _FLEX:
+        return _FLEX[key]
+
+    def count(b, h, qi, ki):
+        m = torch.zeros_like(qi)
+        for w, r in branches:
+            off = h % r
+            m = m + ((qi % r == off) & (ki % r == off) & (qi // w == ki // w)).to(qi.dtype)
+        return m
+
+    def mask_mod(b, h, qi, ki):
+        return (count(b, h, qi, ki) > 0) & (ki <= qi)
+
+    def score_mod(score, b, h, qi, ki):
+        return score + torch.log(count(b, h, qi, ki).clamp_min(1).to(score.dtype))
+
+    bs = 128
+    nb = N // bs
+    span = max(1, min(max(w for w, _ in branches), N) // bs)
+    qb = torch.arange(nb, device=device)
+    start = (qb // span) * span
+    num = (qb - start + 1).to(torch.int32)
+    idx = start[:, None] + torch.arange(span, device=device)[None, :]
+    idx = torch.where(idx <= qb[:, None], idx, 0).to(torch.int32)
+    block_mask = BlockMask.from_kv_blocks(num[None, None], idx[None, None], BLOCK_SIZE=bs, mask_mod=mask_mod,
+                                          seq_lengths=(N, N))
+    compiled = torch.compile(flex_attention, dynamic=False)
+    _FLEX[key] = (compiled, block_mask, score_mod)
+    return _FLEX[key]
+
+
+def run_flex(q, k, v, branches, do=None):
+    fn, bm, sm = flex_pattern(branches, q.shape[2], q.shape[1], q.device)
+    gqa = q.shape[1] != k.shape[1]
+    if do is None:
+        with torch.no_grad():
+            return fn(q, k, v, score_mod=sm, block_mask=bm, enable_gqa=gqa)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, score_mod=sm, block_mask=bm, enable_gqa=gqa)
+    return (out,) + torch.autograd.grad(out, (q, k, v), do)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# checks
+
+
+def windows(N, branches):
+    wmax = max(w for w, _ in branches)
+    if N <= wmax:
+        return [(0, N)]
+    return [(0, wmax), (N - wmax, N)] if N % wmax == 0 else [(0, wmax)]
+
+
+def check_dilated(result, q, k, v, branches, do):
+    """Max relative error of out (and grads) against the reference on the check windows."""
+    worst = 0.0
+    for a, b in windows(q.shape[2], branches):
+        sl = lambda t: t[:, :, a:b].contiguous()  # noqa: E731
+        if do is None:
+            ref = run_dilated("torch", sl(q), sl(k), sl(v), branches)
+            worst = max(worst, rel_err(result[:, :, a:b], ref))
+        else:
+            ref = run_dilated("torch", sl(q), sl(k), sl(v), branches, sl(do))
+            for x, y in zip(result, ref):
+                worst = max(worst, rel_err(x[:, :, a:b], y))
+        del ref
+    return worst
+
+
+def check_sdpa(result, q, k, v, do):
+    """SDPA-flash against the reference with one dense branch (w >= n, r = 1) on a 4K prefix."""
+    n = min(4096, q.shape[2])
+    sl = lambda t: t[:, :, :n].contiguous()  # noqa: E731
+    if do is None:
+        return rel_err(result[:, :, :n], run_dilated("torch", sl(q), sl(k), sl(v), [(n, 1)]))
+    ref = run_dilated("torch", sl(q), sl(k), sl(v), [(n, 1)], sl(do))
+    return rel_err(result[0][:, :, :n], ref[0])  # the prefix's gradients depend on later rows: output only
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[16384, 65536, 262144, 1048576])
+    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--gqa", type=int, nargs="+", default=[1, 4], help="query heads per kv head")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd", "decode"])
+    ap.add_argument("--methods", nargs="+", default=["sdpa", "flex", "reference", "triton"])
+    ap.add_argument("--max-sdpa", type=int, default=262144, help="largest N for dense SDPA (1M takes ~15 s a call)")
+    ap.add_argument("--max-flex", type=int, default=262144)
+    ap.add_argument("--flex-dims", type=int, nargs="+", default=[128], help="head dims FlexAttention runs at")
+    ap.add_argument("--flex-gqa", type=int, nargs="+", default=[1])
+    ap.add_argument("--max-reference", type=int, default=65536)
+    ap.add_argument("--budget-s", type=float, default=540, help="stop starting new cases after this many seconds")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    if args.quick:
+        args.seqlens = [n for n in args.seqlens if n <= 65536]
+    t_start = time.time()
+    dev = torch.device("cuda")
+    dtype = torch.bfloat16
+    gpu = torch.cuda.get_device_name()
+    branches = LONGNET
+    H, B = args.heads, 1
+    rows = []
+    cases = [(m, N, D, G) for m in args.modes for D in args.dims for G in args.gqa for N in args.seqlens]
+    bar = tqdm(cases, desc="bench", file=sys.stdout, mininterval=5)
+    for mode, N, D, G in bar:
+        if time.time() - t_start > args.budget_s:
+            print(f"time budget reached, skipping {mode} N={N} D={D} G={G}")
+            continue
+        Hk = H // G
+        gen = torch.Generator(device=dev).manual_seed(N + D + G)
+        nq = 1 if mode == "decode" else N
+        q = torch.randn(B, H, nq, D, device=dev, dtype=dtype, generator=gen)
+        k = torch.randn(B, Hk, N, D, device=dev, dtype=dtype, generator=gen)
+        v = torch.randn(B, Hk, N, D, device=dev, dtype=dtype, generator=gen)
+        do = torch.randn(B, H, nq, D, device=dev, dtype=dtype, generator=gen) if mode == "fwdbwd" else None
+        for method in args.methods:
+            row = dict(mode=mode, N=N, D=D, H=H, Hk=Hk, B=B, method=method)
+            if method == "sdpa" and N > args.max_sdpa and mode != "decode":
+                continue
+            if method == "flex" and (mode == "decode" or N > args.max_flex or D not in args.flex_dims
+                                     or G not in args.flex_gqa):
+                continue
+            if method == "reference" and N > args.max_reference:
+                continue
+            torch.cuda.empty_cache()
+            bar.set_postfix_str(f"{mode} N={N} D={D} G={G} {method}")
+            try:
+                if mode == "decode":
+                    if method == "sdpa":
+                        fn = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                            q, k, v, enable_gqa=G > 1)
+                    elif method == "flex":
+                        continue
+                    else:
+                        fn = lambda: run_dilated(method if method == "triton" else "torch", q, k, v, branches)  # noqa: E731
+                    out = fn()
+                    if method == "sdpa":
+                        err = None
+                    else:
+                        seg = (N - 1) // max(w for w, _ in branches) * max(w for w, _ in branches)
+                        ref = run_dilated("torch", q, k[:, :, seg:].contiguous(), v[:, :, seg:].contiguous(), branches)
+                        err = rel_err(out, ref)
+                else:
+                    if method == "sdpa":
+                        fn = lambda: run_sdpa(q, k, v, do)  # noqa: E731
+                    elif method == "flex":
+                        fn = lambda: run_flex(q, k, v, branches, do)  # noqa: E731
+                    else:
+                        be = "triton" if method == "triton" else "torch"
+                        fn = lambda: run_dilated(be, q, k, v, branches, do)  # noqa: E731
+                    t0 = time.time()
+                    out = fn()  # first call: compiles / builds, checked below
+                    row["first_call_s"] = round(time.time() - t0, 3)
+                    err = check_sdpa(out, q, k, v, do) if method == "sdpa" else check_dilated(out, q, k, v, branches, do)
+                del out
+                row["rel_err"] = err
+                if err is not None and not (err < TOL):
+                    row["error"] = f"check failed: rel err {err}"
+                    print(f"CHECK FAILED {row}")
+                    rows.append(row)
+                    continue
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                t1 = time.time()
+                fn()
+                torch.cuda.synchronize()
+                guess = (time.time() - t1) * 1e3
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                row["ms"] = bench(fn, reps_for(guess), warmup=0 if guess > 500 else 1)
+            except torch.cuda.OutOfMemoryError as e:
+                row["error"] = "out of memory"
+                print(f"OOM {mode} N={N} D={D} G={G} {method}: {str(e)[:120]}")
+            except Exception as e:  # a backend that cannot run a case is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"ERROR {mode} N={N} D={D} G={G} {method}: {row['error']}")
+            if "ms" in row and mode != "decode":
+                fl = dense_flops(N, D, H, B) if method == "sdpa" else dilated_flops(N, branches, D, H, B)
+                fl *= 3.5 if mode == "fwdbwd" else 1.0  # backward = 2.5 x forward (flash-attention convention)
+                row["tflops"] = fl / (row["ms"] * 1e-3) / 1e12
+            rows.append(row)
+        del q, k, v, do
+    # ratio to SDPA at the same (mode, N, D, Hk); SDPA's 1M rate is taken from its largest measured N
+    sd = {(r["mode"], r["N"], r["D"], r["Hk"]): r for r in rows if r["method"] == "sdpa" and "ms" in r}
+    for r in rows:
+        if "ms" not in r:
+            continue
+        s = sd.get((r["mode"], r["N"], r["D"], r["Hk"]))
+        if s is None and r["mode"] != "decode":
+            cands = [x for x in sd.values() if (x["mode"], x["D"], x["Hk"]) == (r["mode"], r["D"], r["Hk"])]
+            if cands:
+                s = max(cands, key=lambda x: x["N"])
+                r["sdpa_ratio_from_N"] = s["N"]
+        if s is not None:
+            if r["mode"] == "decode":
+                r["speedup_vs_sdpa"] = s["ms"] / r["ms"]
+            else:
+                r["tflops_ratio_vs_sdpa"] = r["tflops"] / s["tflops"]
+    flex = {(r["mode"], r["N"], r["D"], r["Hk"]): r for r in rows if r["method"] == "flex" and "ms" in r}
+    for r in rows:
+        f = flex.get((r["mode"], r["N"], r["D"], r["Hk"]))
+        if r["method"] == "triton" and "ms" in r and f is not None:
+            r["speedup_vs_flex"] = f["ms"] / r["ms"]
+    print_table(rows)
+    write_results(rows, args, gpu)
+
+
+def print_table(rows):
+    hdr = f"{'mode':7} {'N':>8} {'D':>4} {'H/Hk':>6} {'method':10} {'ms':>10} {'TFLOP/s':>8} {'xSDPA':>6} {'xFlex':>6} {'peak GiB':>9} {'err':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        ms = f"{r['ms']:.3f}" if "ms" in r else r.get("error", "-")[:10]
+        tf = f"{r['tflops']:.1f}" if "tflops" in r else "-"
+        ratio = r.get("tflops_ratio_vs_sdpa", r.get("speedup_vs_sdpa"))
+        ratio = f"{ratio:.2f}" if ratio is not None else "-"
+        if r.get("sdpa_ratio_from_N"):
+            ratio += "*"
+        fx = f"{r['speedup_vs_flex']:.1f}" if "speedup_vs_flex" in r else "-"
+        pk = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
+        err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
+        print(f"{r['mode']:7} {r['N']:>8} {r['D']:>4} {str(r['H']) + '/' + str(r['Hk']):>6} {r['method']:10} {ms:>10} "
+              f"{tf:>8} {ratio:>6} {fx:>6} {pk:>9} {err:>8}")
+    print("xSDPA: useful TFLOP/s over SDPA-flash's (decode: SDPA time / time); * = SDPA measured at a smaller N."
+          " xFlex: FlexAttention time / Triton time.")
+
+
+def write_results(rows, args, gpu):
+    import triton
+
+    os.makedirs(args.out, exist_ok=True)
+    stem = f"{gpu.replace(' ', '-').replace('/', '-')}-{datetime.date.today().isoformat()}"
+    meta = dict(
+        gpu=gpu, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+        python=platform.python_version(), command="python " + " ".join(sys.argv), branches=LONGNET,
+        dtype="bfloat16", causal=True, date=datetime.datetime.now().isoformat(timespec="seconds"),
+        flops="useful: 4*D per computed (query, key) pair of the dilated pattern (dense causal for SDPA); fwd+bwd = 3.5x fwd",
+    )
+    path = os.path.join(args.out, stem + ".json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print("wrote", path)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    for j, mode in enumerate(["fwd", "fwdbwd", "decode"]):
+        for method, style in [("sdpa", "o-"), ("flex", "s-"), ("reference", "^-"), ("triton", "D-")]:
+            for D in sorted({r["D"] for r in rows}):
+                for Hk in sorted({r["Hk"] for r in rows}):
+                    pts = sorted((r["N"], r["ms"], r["peak_gib"]) for r in rows if r["mode"] == mode
+                                 and r["method"] == method and r["D"] == D and r["Hk"] == Hk and "ms" in r)
+                    if not pts:
+                        continue
+                    lab = f"{method} D={D} Hk={Hk}"
+                    axes[0, j].loglog([p[0] for p in pts], [p[1] for p in pts], style, label=lab, base=2)
+                    axes[1, j].loglog([p[0] for p in pts], [p[2] for p in pts], style, label=lab, base=2)
+        axes[0, j].set_title(f"{mode}: time (ms)" + (" per token, N = cache length" if mode == "decode" else ""))
+        axes[1, j].set_title(f"{mode}: peak memory (GiB)")
+        for i in range(2):
+            axes[i, j].set_xlabel("N (tokens)")
+            axes[i, j].grid(True, which="both", alpha=0.3)
+    axes[0, 0].legend(fontsize=6)
+    fig.suptitle(f"Dilated attention (LongNet branches), bf16, causal, B=1, H=16 - {gpu}")
+    fig.tight_layout()
+    png = os.path.join(args.out, stem + ".png")
+    fig.savefig(png, dpi=110)
+    print("wrote", png)
+
+
+if __name__ == "__main__":
+    main()
