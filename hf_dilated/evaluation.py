@@ -66,7 +66,8 @@ def sequence_nll(model: Any, input_ids: torch.Tensor, logits_chunk: int = 4096) 
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         labels = input_ids[:, start + 1 : stop + 1]
-        total += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").double().item()
+        nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        total += nll.double().sum().item()  # float64 sum: 64K tokens of float32 NLL would lose digits
         count += labels.numel()
     return total, count
 
