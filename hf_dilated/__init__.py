@@ -17,6 +17,7 @@ from .integrations.transformers import (
 )
 from .modules import DilatedAttention, MultiheadDilatedAttention
 from .ops import dense_attention, dilated_attention, resolve_layout
+from .patching import list_recipes, load_recipe, patch, save_patched, unpatch
 
 register()
 
@@ -24,6 +25,11 @@ __all__ = [
     "__version__",
     "ATTENTION_NAME",
     "DilatedAttention",
+    "list_recipes",
+    "load_recipe",
+    "patch",
+    "save_patched",
+    "unpatch",
     "MultiheadDilatedAttention",
     "dilated_attention_forward",
     "dilated_mask",

@@ -201,3 +201,27 @@ def test_smollm2_degenerate_equals_sdpa_and_longnet_stays_close(smollm2, shakesp
     assert torch.isfinite(sparse.loss)
     # Untrained for dilation, SmolLM2 loses a little: measured 4.61 against 4.10 dense on this text (12%).
     assert abs(sparse.loss.item() - dense.loss.item()) < 0.15 * dense.loss.item(), (sparse.loss.item(), dense.loss.item())
+
+
+def test_sliding_window_layers_left_dense_keep_their_window(rng):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=64)
+    model = Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (2, 40), generator=rng)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :7] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        dense = model(ids, attention_mask=mask, position_ids=pos).logits
+        full_layers = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+        switch(model, DilatedAttentionConfig(segment_lengths=[64], dilation_rates=[1], layers=full_layers, backend="torch"))
+        same = model(ids, attention_mask=mask, position_ids=pos).logits
+        torch.testing.assert_close(same[0], dense[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(same[1, 7:], dense[1, 7:], rtol=1e-4, atol=1e-4)
+        switch(model, DilatedAttentionConfig(segment_lengths=[64], dilation_rates=[1], backend="torch"))
+        with pytest.raises(ValueError, match="sliding-window layer"):
+            model(ids)

@@ -67,12 +67,6 @@ def _reject_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict[st
         raise ValueError(f"{name}: attention logit softcapping is not supported by '{ATTENTION_NAME}' attention")
     if kwargs.get("s_aux") is not None:
         raise ValueError(f"{name}: attention sinks (s_aux) are not supported by '{ATTENTION_NAME}' attention")
-    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    if sliding:
-        raise ValueError(
-            f"{name} is a sliding-window layer (window {sliding}); '{ATTENTION_NAME}' attention replaces full-attention "
-            "layers only: leave this layer out with DilatedAttentionConfig(layers=[...]) or a patch recipe"
-        )
     if dropout and dropout > 0:
         raise ValueError(
             f"attention dropout ({dropout}) is not supported by '{ATTENTION_NAME}' attention; "
@@ -95,7 +89,7 @@ def dilated_attention_forward(
 
     ``query [B, Hq, Nq, D]``, ``key/value [B, Hk, Nk, D]`` (GQA by head ratio, no repeat), ``attention_mask`` as
     :func:`dilated_mask` returns it. Returns ``([B, Nq, Hq, D], None)``. Layers outside ``config.layers`` get exact
-    dense attention under the same padding and packing rules.
+    dense attention under the same padding and packing rules (sliding-window layers keep their window).
     """
     _reject_unsupported(module, dropout, kwargs)
     if attention_mask is not None and attention_mask.ndim != 2:
@@ -118,11 +112,18 @@ def dilated_attention_forward(
         cu_seqlens_q=kwargs.get("cu_seq_lens_q"),
         cu_seqlens_k=kwargs.get("cu_seq_lens_k"),
     )
-    if config.applies_to(getattr(module, "layer_idx", None)):
+    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
+    if sliding is not None and config.applies_to(getattr(module, "layer_idx", None)):
+        raise ValueError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) is a sliding-window layer (window "
+            f"{sliding}); '{ATTENTION_NAME}' attention replaces full-attention layers only: leave it dense with "
+            "DilatedAttentionConfig(layers=[...]) or a patch recipe"
+        )
+    if sliding is None and config.applies_to(getattr(module, "layer_idx", None)):
         backend = choose_backend(config.backend, query)
         out, _ = run_backend(backend, query, key, value, config.branches, layout, bool(is_causal), float(scale), 0)
     else:
-        out = dense_attention(query, key, value, layout, bool(is_causal), float(scale))
+        out = dense_attention(query, key, value, layout, bool(is_causal), float(scale), window=sliding)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -131,10 +131,13 @@ def dense_attention(
     layout: TokenLayout,
     is_causal: bool,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact dense attention under the same position / sequence / padding rules (for layers left dense).
 
-    Uses SDPA's fused kernels; a boolean mask is built only when padding or packing makes one necessary.
+    ``window`` (Transformers' ``sliding_window`` attention kwarg) keeps keys with ``p - p' < window`` (causal) or
+    ``|p - p'| < window`` (bidirectional). Uses SDPA's fused kernels; a boolean mask is built only when padding,
+    packing or a window makes one necessary.
     """
     Nq, Nk = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
@@ -142,13 +145,16 @@ def dense_attention(
         rep = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(rep, dim=1)
         value = value.repeat_interleave(rep, dim=1)
-    if layout.contiguous and (not is_causal or Nq == Nk or Nq == 1):
+    if window is None and layout.contiguous and (not is_causal or Nq == Nk or Nq == 1):
         return F.scaled_dot_product_attention(
             query, key, value, is_causal=is_causal and Nq > 1, scale=scale
         )
     allowed = layout.k_valid[:, None, :] & (layout.q_seq[:, :, None] == layout.k_seq[:, None, :])
+    distance = layout.q_pos[:, :, None] - layout.k_pos[:, None, :]
     if is_causal:
-        allowed = allowed & (layout.k_pos[:, None, :] <= layout.q_pos[:, :, None])
+        allowed = allowed & (distance >= 0)
+    if window is not None:
+        allowed = allowed & (distance.abs() < window)
     allowed = allowed & layout.q_valid[:, :, None]
     # Rows with no key (padding queries) attend to nothing: give them one key and zero their output after.
     empty = ~allowed.any(-1, keepdim=True)
