@@ -135,7 +135,7 @@ def flex_pattern(branches, N, H, device):
     qb = torch.arange(nb, device=device)
     start = (qb // span) * span
     num = (qb - start + 1).to(torch.int32)
-    idx = start[:, None] + torch.arange(span, device=device)[None, :]
+    idx = start[:, None] + torch.arange(nb, device=device)[None, :]  # [q blocks, kv blocks], first `num` used
     idx = torch.where(idx <= qb[:, None], idx, 0).to(torch.int32)
     block_mask = BlockMask.from_kv_blocks(num[None, None], idx[None, None], BLOCK_SIZE=bs, mask_mod=mask_mod,
                                           seq_lengths=(N, N))
@@ -202,7 +202,7 @@ def main():
     ap.add_argument("--gqa", type=int, nargs="+", default=[1, 4], help="query heads per kv head")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd", "decode"])
-    ap.add_argument("--methods", nargs="+", default=["sdpa", "flex", "reference", "triton"])
+    ap.add_argument("--methods", nargs="+", default=["triton", "reference", "sdpa", "flex"])
     ap.add_argument("--max-sdpa", type=int, default=262144, help="largest N for dense SDPA (1M takes ~15 s a call)")
     ap.add_argument("--max-flex", type=int, default=262144)
     ap.add_argument("--flex-dims", type=int, nargs="+", default=[128], help="head dims FlexAttention runs at")

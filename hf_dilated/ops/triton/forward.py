@@ -12,15 +12,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E_F = 1.4426950408889634
+LOG2E = tl.constexpr(LOG2E_F)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
 def mm(a, b, UPCAST: tl.constexpr):
-    """``tl.dot``; ``UPCAST`` works around the interpreter's wrong bfloat16 dots (CPU tests only)."""
-    if UPCAST:
+    """``tl.dot`` by mode: 0 plain (bf16 / fp16), 1 float32 operands (works around the interpreter's wrong bfloat16
+    dots, CPU tests only), 2 three-pass tf32 for float32 inputs (near-float32 accuracy on the tensor cores)."""
+    if UPCAST == 1:
         c = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif UPCAST == 2:
+        c = tl.dot(a, b, input_precision="tf32x3")
     else:
         c = tl.dot(a, b)
     return c

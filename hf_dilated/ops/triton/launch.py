@@ -13,7 +13,7 @@ import triton
 from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kernel
 from .configs import bwd_config, decode_config, fwd_config, interpreting
 from .decode import dilated_decode_kernel
-from .forward import LOG2E, dilated_fwd_branch_kernel
+from .forward import LOG2E_F as LOG2E, dilated_fwd_branch_kernel
 from .schedule import branch_items
 
 
@@ -21,8 +21,11 @@ def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _upcast(q: torch.Tensor) -> bool:
-    return interpreting() and q.dtype == torch.bfloat16
+def _upcast(q: torch.Tensor) -> int:
+    """Dot mode of ``forward.mm``: 1 for bfloat16 under the interpreter, 2 for float32 on a GPU, else 0."""
+    if interpreting():
+        return int(q.dtype == torch.bfloat16)
+    return 2 if q.dtype == torch.float32 else 0
 
 
 def forward(q, k, v, branches, runs, cache_key, is_causal: bool, scale: float, head_offset: int):
@@ -96,8 +99,8 @@ def backward(do, q, k, v, o, lse, branches, runs, cache_key, is_causal: bool, sc
     return dq, dk, dv
 
 
-SCRATCH_FRACTION = 0.25
-SCRATCH_MIN_BYTES = 256 * 2**20
+SCRATCH_FRACTION = 0.125
+SCRATCH_MIN_BYTES = 2**30
 
 
 def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, items, is_causal, scale, head_offset, kv_cfg, q_cfg):
