@@ -3,7 +3,7 @@
 ``python scripts/finetune.py --help`` (or ``hf-dilated finetune --help``) lists every option. What a run does:
 
 1. Loads a checkpoint: ``--model smollm2`` (SmolLM2-135M-Instruct from its GGUF asset), ``--model tiny`` (a small
-   random Llama built from a config, for smoke tests) or a local Hugging Face directory (possibly saved by an
+   random Llama built from a config with a byte-level tokenizer, for smoke tests) or a local Hugging Face directory (possibly saved by an
    earlier run, already carrying its ``dilated_attention`` config).
 2. Switches attention: ``--attn dilated`` patches the model (branches from ``--segment-lengths`` /
    ``--dilation-rates``, else the config stored in the checkpoint, else defaults from the trained context);
@@ -217,7 +217,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # Model
 # ---------------------------------------------------------------------------------------------------------------------
 class ByteTokenizer:
-    """UTF-8 bytes as tokens (+ EOS = 256): the tokenizer of ``--model tiny`` when the SmolLM2 asset is missing."""
+    """UTF-8 bytes as tokens (+ EOS = 256): the tokenizer of ``--model tiny`` (no asset needed, a 257-token head)."""
 
     vocab_size = 257
     eos_token_id = 256
@@ -236,12 +236,12 @@ class ByteTokenizer:
 
 def load_tokenizer(model: str):
     """The tokenizer of a ``--model`` value."""
-    if model in ("smollm2", "tiny"):
+    if model == "tiny":
+        return ByteTokenizer()
+    if model == "smollm2":
         tok = assets.load_smollm2_tokenizer()
         if tok is None:
-            if model == "smollm2":
-                raise RuntimeError(assets.SMOLLM2_MISSING)
-            return ByteTokenizer()
+            raise RuntimeError(assets.SMOLLM2_MISSING)
         return tok
     if (Path(model) / ByteTokenizer.marker).exists():
         return ByteTokenizer()
@@ -268,6 +268,25 @@ def tiny_llama(vocab_size: int, layers: int = 2, hidden: int = 64, seed: int = 0
     return LlamaForCausalLM(cfg)
 
 
+def strip_gguf_quantization(model):
+    """Mark a model loaded from GGUF as the plain float model it is.
+
+    Transformers dequantizes GGUF weights on load but keeps the model flagged as quantized, so ``Trainer`` refuses
+    full fine-tuning and ``save_pretrained`` would write a ``quantization_config``. Other quantizations are kept
+    (and refused by Trainer with its own message unless LoRA is used).
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or type(quantizer).__name__ != "GgufHfQuantizer":
+        return model
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model, "quantization_method"):
+        model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
+
+
 def load_model(args: argparse.Namespace, tokenizer):
     """Load the ``--model`` checkpoint in float32 (master weights; bf16 comes from autocast)."""
     if args.model == "tiny":
@@ -276,7 +295,7 @@ def load_model(args: argparse.Namespace, tokenizer):
         loaded = assets.load_smollm2(dtype=torch.float32)
         if loaded is None:
             raise RuntimeError(assets.SMOLLM2_MISSING)
-        return loaded[0]
+        return strip_gguf_quantization(loaded[0])
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -646,6 +665,7 @@ def _trainer_classes():
             timed = self.step_times[self.warmup_steps :] or self.step_times
             mean = sum(timed) / len(timed) if timed else float("nan")
             return {
+                "steps_run": len(self.step_times),
                 "steps_timed": len(timed),
                 "step_time_mean_s": mean,
                 "tokens_per_step": self.tokens_per_step,
@@ -788,6 +808,29 @@ def _latest_checkpoint(output_dir: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------------------------------
+def make_trainer(model, args: argparse.Namespace, train_dataset, eval_dataset=None, *, bf16: bool | None = None, callbacks=()):
+    """``(trainer, measure)``: our ``Trainer`` (chunked loss) over packed rows, with the measuring callback."""
+    if bf16 is None:
+        bf16 = use_bf16(args.bf16)
+    # No KV cache in training or evaluation: besides wasting memory, a cache makes Transformers' dense masks ignore
+    # the packing in position_ids (documents would attend to each other under sdpa).
+    unwrap_causal_lm(model).config.use_cache = False
+    has_eval = eval_dataset is not None and len(eval_dataset) > 0
+    targs = training_arguments(args, bf16, has_eval=has_eval)
+    LongContextTrainer, MeasureCallback = _trainer_classes()
+    measure = MeasureCallback(args.batch_size * args.grad_accum * args.seq_len, args.timing_warmup_steps, args.max_train_seconds)
+    trainer = LongContextTrainer(
+        model=model,
+        args=targs,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset if has_eval else None,
+        data_collator=make_collator(args.collator),
+        callbacks=[measure, *callbacks],
+        loss_chunk_size=args.loss_chunk_size,
+    )
+    return trainer, measure
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Load, patch, build data, train, evaluate, save; returns (and writes) the results dict."""
     import hf_dilated  # noqa: F401  (registers the "dilated" attention)
@@ -812,19 +855,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         check_chunked_loss_supported(model)
 
     data = build_datasets(args, tokenizer)
-    collator = make_collator(args.collator)
-    targs = training_arguments(args, bf16, has_eval=len(data.eval) > 0)
-    LongContextTrainer, MeasureCallback = _trainer_classes()
-    measure = MeasureCallback(args.batch_size * args.grad_accum * args.seq_len, args.timing_warmup_steps, args.max_train_seconds)
-    trainer = LongContextTrainer(
-        model=model,
-        args=targs,
-        train_dataset=data.train,
-        eval_dataset=data.eval if len(data.eval) else None,
-        data_collator=collator,
-        callbacks=[measure],
-        loss_chunk_size=args.loss_chunk_size,
-    )
+    trainer, measure = make_trainer(model, args, data.train, data.eval, bf16=bf16)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     results: dict[str, Any] = {
