@@ -198,10 +198,10 @@ def check_sdpa(result, q, k, v, do):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[16384, 65536, 262144, 1048576])
-    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--gqa", type=int, nargs="+", default=[1, 4], help="query heads per kv head")
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd", "decode"])
+    ap.add_argument("--modes", nargs="+", default=["decode", "fwd", "fwdbwd"])
     ap.add_argument("--methods", nargs="+", default=["triton", "reference", "sdpa", "flex"])
     ap.add_argument("--max-sdpa", type=int, default=262144, help="largest N for dense SDPA (1M takes ~15 s a call)")
     ap.add_argument("--max-flex", type=int, default=262144)

@@ -1,5 +1,5 @@
-"""Launch configurations (block sizes, warps, pipeline stages) per head dim, measured on an H100 (see
-``benchmarks/NOTES_triton.md``), with conservative fallbacks for other GPUs. Under ``TRITON_INTERPRET=1`` the blocks
+"""Launch configurations (block sizes, warps, pipeline stages) per head dim, measured on an H100 with
+``benchmarks/tune_triton.py`` (N = 64K, bf16, causal, LongNet branches; see ``benchmarks/NOTES_triton.md``), with conservative fallbacks for other GPUs. Under ``TRITON_INTERPRET=1`` the blocks
 are small so that tiny test problems still run several blocks per loop (and the masked and unmasked paths)."""
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ def _hopper() -> bool:
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim.
-_FWD_HOPPER = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+_FWD_HOPPER = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
 _FWD_OTHER = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
 # dk/dv kernel (BLOCK_M queries streamed, BLOCK_N keys held) and dq kernel (BLOCK_M queries held, BLOCK_N keys streamed).
-_BWD_KV_HOPPER = {64: (32, 128, 8, 3), 128: (64, 64, 8, 2), 256: (32, 32, 8, 1)}
-_BWD_Q_HOPPER = {64: (128, 64, 8, 3), 128: (128, 64, 8, 2), 256: (32, 32, 8, 1)}
+_BWD_KV_HOPPER = {64: (32, 64, 4, 3), 128: (64, 128, 8, 2), 256: (32, 32, 8, 1)}
+_BWD_Q_HOPPER = {64: (64, 64, 4, 3), 128: (128, 64, 8, 2), 256: (32, 32, 8, 1)}
 _BWD_OTHER = {64: (32, 64, 4, 2), 128: (32, 32, 4, 1), 256: (16, 32, 4, 1)}
 
 
