@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from . import assets
-from .config import CONFIG_KEY, DilatedAttentionConfig
+from .config import CONFIG_KEY, DilatedAttentionConfig, trained_context
 
 ATTN_CHOICES = ("dilated", "sdpa")
 PACKING_CHOICES = ("documents", "stream")
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dilation-rates", type=_int_list, default=None, help="dilated branches r_i, e.g. 1,2,4")
     g.add_argument("--dilated-layers", type=_int_list, default=None, help="decoder layers that use dilated attention (default: all)")
     g.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"), help="dilated-attention backend")
+    g.add_argument("--extend-branches", action=argparse.BooleanOptionalAction, default=True, help="when patching without explicit branches: extend the recipe's branches (doubling w and r) until a segment covers --seq-len, instead of stopping at the trained context")
     g.add_argument("--rope-scaling", default="none", choices=("none", "recipe", "linear", "dynamic", "yarn"), help="RoPE scaling to --seq-len applied by the patch (dilated only; 'recipe': the architecture's choice)")
     g.add_argument("--tiny-layers", type=int, default=2, help="layers of --model tiny")
     g.add_argument("--tiny-hidden", type=int, default=64, help="hidden size of --model tiny (4 query heads, 2 kv heads)")
@@ -304,8 +305,10 @@ def load_model(args: argparse.Namespace, tokenizer):
 def use_attention(model, args: argparse.Namespace) -> DilatedAttentionConfig | None:
     """Switch ``model`` to ``--attn``: ``"dilated"`` through :func:`hf_dilated.patching.patch`, or dense ``"sdpa"``.
 
-    A checkpoint saved patched loads dilated already; it keeps its stored branches unless the command line gives
-    new ones (then it is unpatched and patched again). Returns the dilated config in effect (``None`` for sdpa).
+    Without ``--segment-lengths`` the recipe's branches are used, extended to ``--seq-len`` (``--extend-branches``,
+    default) with RoPE left as trained unless ``--rope-scaling`` says otherwise. A checkpoint saved patched loads
+    dilated already; it keeps its stored branches unless the command line gives new ones (then it is unpatched and
+    patched again). Returns the dilated config in effect (``None`` for sdpa).
     """
     from .patching import is_patched, patch, unpatch
 
@@ -333,13 +336,15 @@ def use_attention(model, args: argparse.Namespace) -> DilatedAttentionConfig | N
     branches = None
     if args.segment_lengths is not None:
         branches = DilatedAttentionConfig(segment_lengths=args.segment_lengths, dilation_rates=args.dilation_rates)
+    trained = trained_context(model.config) or args.seq_len
+    reach = args.extend_branches or args.rope_scaling != "none"
     patch(
         model,
         branches,
         layers=args.dilated_layers if args.dilated_layers is not None else "all",
         backend=None if args.backend == "auto" else args.backend,
-        context_length=args.seq_len if args.rope_scaling != "none" else None,
-        rope=args.rope_scaling if args.rope_scaling != "none" else "none",
+        context_length=args.seq_len if reach and args.seq_len > trained else None,
+        rope=args.rope_scaling,
     )
     return DilatedAttentionConfig.from_model_config(model.config)
 

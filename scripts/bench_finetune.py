@@ -1,0 +1,284 @@
+#!/usr/bin/env python
+"""Fine-tuning benchmark: SmolLM2-135M on Shakespeare, "dilated" against "sdpa", at 16K and 64K tokens per sequence.
+
+One command, made to fit one 10-minute GPU call (``--budget-s``, default 560 s, bounds everything):
+
+    python scripts/bench_finetune.py --out "$OUT"
+
+1. Converts the SmolLM2 GGUF once to a float32 Hugging Face directory (``--work-dir``), so that each run loads in a
+   second or two instead of dequantizing the GGUF again.
+2. Runs ``hf_dilated.finetune`` once per (context, attention), each in its own process (clean peak-memory counters;
+   an out-of-memory sdpa run cannot take the others down), with identical settings: bf16 autocast, activation
+   checkpointing, batch 1, AdamW at a constant learning rate after warm-up, chunked LM-head loss, the same rows in the
+   same order. Rows use ``--packing stream`` (positions 0..N-1, plays separated by EOS): dense sdpa then takes its
+   fastest path (flash, ``is_causal``, no mask), the fair baseline. Dilated branches are the SmolLM2 recipe's extended
+   to the sequence (``w = 2048 .. N``, ``r = 1 .. N/2048``); RoPE is left as trained for both.
+   Each run trains for at most ``--steps`` optimizer steps and at most its share of the time budget, and evaluates
+   perplexity on held-out plays (the same 128K tokens at every context) before and after.
+3. Writes ``OUT/<context>_<attn>/results.json`` (+ ``loss.png``, ``log.txt``) per run, and ``OUT/summary.json`` and
+   ``OUT/loss_curves.png`` for all of them; the summary is rewritten after every run, so a cut-off command still
+   leaves what finished.
+
+``--probe`` instead searches the longest context that trains (two optimizer steps without running out of memory or
+past ``--probe-step-s`` seconds per step) for each implementation, doubling from 128K tokens:
+
+    python scripts/bench_finetune.py --out "$OUT" --probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(msg: str) -> None:
+    print(f"[bench_finetune {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, help="output directory (on the GPU machine: $OUT)")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (converted from its GGUF once) or a local HF directory")
+    p.add_argument("--work-dir", default="/tmp/hf_dilated_bench", help="where the converted model goes (not in --out)")
+    p.add_argument("--contexts", default="16384,65536", help="tokens per sequence, comma-separated")
+    p.add_argument("--attns", default="dilated,sdpa", help="attention implementations, comma-separated")
+    p.add_argument("--steps", default="16384:300,65536:150", help="max optimizer steps per context (ctx:steps,...)")
+    p.add_argument("--budget-s", type=float, default=560.0, help="wall-clock budget of the whole command")
+    p.add_argument("--weights", default="16384:1,65536:1.7", help="share of the training time per context (ctx:weight)")
+    p.add_argument("--overhead-s", type=float, default=40.0, help="time reserved per run for start-up and evaluation")
+    p.add_argument("--eval-tokens", type=int, default=131072, help="held-out tokens evaluated at every context")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--packing", default="stream", choices=("stream", "documents"))
+    p.add_argument("--probe", action="store_true", help="search the longest context that trains instead")
+    p.add_argument("--probe-contexts", default="131072,262144,524288,1048576")
+    p.add_argument("--probe-step-s", type=float, default=120.0, help="a probe step slower than this counts as not training")
+    p.add_argument("--extra", default="", help="extra finetune.py options for every run, as one string")
+    return p.parse_args(argv)
+
+
+def _pairs(text: str, cast=float) -> dict[int, float]:
+    out = {}
+    for item in text.split(","):
+        if item.strip():
+            k, v = item.split(":")
+            out[int(k)] = cast(v)
+    return out
+
+
+def ctx_name(ctx: int) -> str:
+    return f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
+
+
+def prepare_model(args: argparse.Namespace) -> str:
+    """A local float32 HF directory of the model (converted from GGUF once)."""
+    if args.model != "smollm2":
+        return args.model
+    target = Path(args.work_dir) / "smollm2-135m-instruct"
+    if (target / "config.json").exists():
+        return str(target)
+    t0 = time.time()
+    import torch
+
+    from hf_dilated import assets
+    from hf_dilated.finetune import strip_gguf_quantization
+
+    loaded = assets.load_smollm2(dtype=torch.float32)
+    if loaded is None:
+        raise SystemExit(assets.SMOLLM2_MISSING)
+    model, tok = loaded
+    strip_gguf_quantization(model)
+    model.save_pretrained(target)
+    tok.save_pretrained(target)
+    log(f"converted SmolLM2 GGUF to {target} in {time.time() - t0:.0f}s")
+    return str(target)
+
+
+def run_one(model_dir: str, ctx: int, attn: str, out: Path, steps: int, train_s: float, timeout_s: float,
+            args: argparse.Namespace, extra: list[str]) -> dict:
+    run_dir = out / f"{ctx_name(ctx)}_{attn}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    eval_rows = max(args.eval_tokens // ctx, 1) if args.eval_tokens else 0
+    cmd = [
+        sys.executable, "-m", "hf_dilated.finetune",
+        "--model", model_dir, "--attn", attn, "--seq-len", str(ctx), "--packing", args.packing,
+        "--max-steps", str(steps), "--max-train-seconds", f"{max(train_s, 1.0):.0f}",
+        "--lr", str(args.lr), "--warmup-steps", "10", "--lr-scheduler", "constant_with_warmup",
+        "--batch-size", "1", "--grad-accum", "1", "--bf16", "yes", "--gradient-checkpointing",
+        "--loss-chunk-size", "4096", "--editions", "modern", "--no-save", "--disable-tqdm",
+        "--timing-warmup-steps", "3", "--output-dir", str(run_dir),
+    ]
+    if eval_rows:
+        cmd += ["--eval-docs", "6", "--max-eval-samples", str(eval_rows)]
+    else:
+        cmd += ["--eval-docs", "0"]
+    cmd += extra
+    log(f"run {ctx} {attn}: steps<={steps}, train<={train_s:.0f}s, timeout {timeout_s:.0f}s")
+    t0 = time.time()
+    with open(run_dir / "log.txt", "w") as fh:
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=max(timeout_s, 5))
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.time() - t0
+    res_path = run_dir / "results.json"
+    res = json.loads(res_path.read_text()) if res_path.exists() else {}
+    if rc != 0 and res.get("status") in (None, "running", "ok"):
+        res["status"] = "timeout" if rc == "timeout" else f"failed (exit {rc})"
+    tail = (run_dir / "log.txt").read_text(errors="replace").splitlines()[-15:]
+    row = {
+        "context": ctx,
+        "attn": attn,
+        "status": res.get("status", "failed"),
+        "wall_s": round(wall, 1),
+        "steps": res.get("global_step"),
+        "stopped_by_time": res.get("stopped_by_time"),
+        "tokens_per_second": res.get("tokens_per_second"),
+        "step_time_mean_s": res.get("step_time_mean_s"),
+        "peak_memory_gib": round(res["peak_memory_bytes"] / 2**30, 2) if res.get("peak_memory_bytes") else None,
+        "peak_memory_reserved_gib": round(res["peak_memory_reserved_bytes"] / 2**30, 2) if res.get("peak_memory_reserved_bytes") else None,
+        "eval_before": res.get("eval_before"),
+        "eval_after": res.get("eval_after"),
+        "dilated_attention": res.get("dilated_attention"),
+        "loss_curve": [(c["step"], c["loss"]) for c in res.get("loss_curve", [])],
+        "results": str(res_path.relative_to(out)) if res_path.exists() else None,
+    }
+    if row["status"] != "ok":
+        row["log_tail"] = tail
+    log(f"  -> {row['status']} in {wall:.0f}s: steps {row['steps']}, tokens/s {row['tokens_per_second']}, "
+        f"peak {row['peak_memory_gib']} GiB, eval {row['eval_before']} -> {row['eval_after']}")
+    return row
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def write_summary(out: Path, rows: list[dict], meta: dict, name: str = "summary.json") -> None:
+    by = {(r["context"], r["attn"]): r for r in rows}
+    for r in rows:
+        base = by.get((r["context"], "sdpa"))
+        if r["attn"] != "sdpa" and base and base.get("tokens_per_second") and r.get("tokens_per_second"):
+            r["speedup_vs_sdpa"] = round(r["tokens_per_second"] / base["tokens_per_second"], 2)
+    (out / name).write_text(json.dumps({**meta, "runs": rows}, indent=2, default=str))
+
+
+def plot(out: Path, rows: list[dict], meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6.5 * len(contexts), 4.2), squeeze=False)
+    for ax, ctx in zip(axes[0], contexts):
+        for r in rows:
+            if r["context"] != ctx or not r["loss_curve"]:
+                continue
+            steps, losses = zip(*r["loss_curve"])
+            tps = f"{r['tokens_per_second']:.0f} tok/s" if r.get("tokens_per_second") else r["status"]
+            mem = f", {r['peak_memory_gib']} GiB" if r.get("peak_memory_gib") else ""
+            k = max(1, len(losses) // 20)  # moving average over 5% of the run, raw steps drawn faintly
+            smooth = [sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1]) for i in range(len(losses))]
+            (line,) = ax.plot(steps, smooth, lw=1.4, label=f"{r['attn']} ({tps}{mem})")
+            if k > 1:
+                ax.plot(steps, losses, lw=0.6, alpha=0.3, color=line.get_color())
+            for key, marker in (("eval_before", "o"), ("eval_after", "s")):
+                if r.get(key):
+                    x = 0 if key == "eval_before" else r["steps"]
+                    ax.scatter([x], [r[key]["loss"]], marker=marker, s=30, zorder=3, color=line.get_color())
+        ax.set_title(f"SmolLM2-135M, {ctx_name(ctx)} tokens/sequence")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.text(0.99, 0.98, "lines: train loss; o / s: eval before / after", transform=ax.transAxes, ha="right", va="top", fontsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{meta['environment']['device']}: fine-tuning on Shakespeare, dilated vs sdpa", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "loss_curves.png", dpi=120)
+    plt.close(fig)
+
+
+def bench(args: argparse.Namespace, out: Path, model_dir: str, deadline: float, meta: dict) -> None:
+    contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+    attns = [a.strip() for a in args.attns.split(",") if a.strip()]
+    steps = _pairs(args.steps, int)
+    weights = _pairs(args.weights)
+    extra = args.extra.split() if args.extra else []
+    plan = [(c, a) for c in contexts for a in attns]  # sdpa after dilated at each context: an sdpa OOM ends last
+    rows: list[dict] = []
+    for i, (ctx, attn) in enumerate(plan):
+        remaining = deadline - time.time()
+        left = plan[i:]
+        total_w = sum(weights.get(c, 1.0) for c, _ in left)
+        train_s = (remaining - args.overhead_s * len(left)) * weights.get(ctx, 1.0) / total_w
+        if remaining < args.overhead_s or train_s < 10:
+            rows.append({"context": ctx, "attn": attn, "status": "skipped (time budget)", "loss_curve": []})
+            continue
+        timeout = remaining - args.overhead_s * (len(left) - 1) * 0.5
+        rows.append(run_one(model_dir, ctx, attn, out, steps.get(ctx, 100), train_s, timeout, args, extra))
+        write_summary(out, rows, meta)
+        plot(out, rows, meta)
+
+
+def probe(args: argparse.Namespace, out: Path, model_dir: str, deadline: float, meta: dict) -> None:
+    attns = [a.strip() for a in args.attns.split(",") if a.strip()]
+    contexts = [int(c) for c in args.probe_contexts.split(",") if c.strip()]
+    extra = ["--editions", "all", "--timing-warmup-steps", "1"] + (args.extra.split() if args.extra else [])
+    rows, longest = [], {}
+    for attn in attns:
+        for ctx in contexts:
+            remaining = deadline - time.time()
+            if remaining < 60:
+                rows.append({"context": ctx, "attn": attn, "status": "skipped (time budget)", "loss_curve": []})
+                break
+            timeout = min(remaining - 5, 90 + 2.5 * args.probe_step_s)
+            saved_eval, args.eval_tokens = args.eval_tokens, 0
+            row = run_one(model_dir, ctx, attn, out / "probe", 2, 2 * args.probe_step_s, timeout, args, extra)
+            args.eval_tokens = saved_eval
+            ok = row["status"] == "ok" and row["steps"] == 2 and (row.get("step_time_mean_s") or 1e9) <= args.probe_step_s
+            row["trains"] = ok
+            rows.append(row)
+            write_summary(out, rows, {**meta, "longest_training_context": longest}, "probe_summary.json")
+            if not ok:
+                break
+            longest[attn] = ctx
+    write_summary(out, rows, {**meta, "longest_training_context": longest}, "probe_summary.json")
+    log(f"longest context that trains: {longest}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    start = time.time()
+    deadline = start + args.budget_s
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model_dir = prepare_model(args)
+    meta = {"environment": environment(), "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}}
+    if args.probe:
+        probe(args, out, model_dir, deadline, meta)
+    else:
+        bench(args, out, model_dir, deadline, meta)
+    log(f"done in {time.time() - start:.0f}s; results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
