@@ -13,7 +13,7 @@
    restarts ``position_ids`` at 0 at every document (and at every piece of a document split across rows), so
    attention never crosses documents and the first token of a document is never a target; ``--packing stream``
    numbers a row 0..N-1 (the dense model's fastest path: no mask at all). Whole plays are held out for evaluation.
-4. Trains with ``Trainer``: bf16 autocast on GPU, activation checkpointing, optional LoRA (merged before saving),
+4. Trains with ``Trainer``: bf16 autocast on GPU (``--precision``), activation checkpointing, optional LoRA (merged before saving),
    perplexity before and after, checkpoints every ``--save-steps`` and ``--resume``.
 5. Writes ``results.json`` (loss curve, eval loss / perplexity before and after, tokens/s, peak memory, versions)
    and ``loss.png`` into ``--output-dir``, and the final model (full, or LoRA merged) into ``OUTPUT/model``, which
@@ -63,6 +63,7 @@ ATTN_CHOICES = ("dilated", "sdpa")
 PACKING_CHOICES = ("documents", "stream")
 COLLATOR_CHOICES = ("rows", "flatten")
 EDITION_CHOICES = ("modern", "folio", "all")
+PRECISION_CHOICES = ("auto", "autocast-bf16", "bf16", "fp32")
 IGNORE_INDEX = -100
 RESULTS_FILE = "results.json"
 PLOT_FILE = "loss.png"
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--max-grad-norm", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--bf16", default="auto", choices=("auto", "yes", "no"), help="bf16 autocast (auto: on CUDA with bf16 support)")
+    g.add_argument("--precision", default="auto", choices=PRECISION_CHOICES, help="'autocast-bf16': float32 weights, bf16 compute (Trainer's bf16=True); 'bf16': weights and compute in bf16, no autocast; 'fp32'; 'auto': autocast-bf16 on a CUDA device with bf16, else fp32")
     g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True, help="activation checkpointing of every decoder layer")
     g.add_argument("--loss-chunk-size", type=int, default=4096, help="tokens per LM-head/cross-entropy chunk (0: the model's own loss)")
     g.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
@@ -288,8 +289,17 @@ def strip_gguf_quantization(model):
     return model
 
 
+def bf16_parameters(model):
+    """Cast the parameters (not the buffers) to bf16, as ``from_pretrained(dtype=torch.bfloat16)`` leaves a model:
+    RoPE's ``inv_freq`` stays float32, so a saved bf16 model reloads as exactly the same function."""
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    return model
+
+
 def load_model(args: argparse.Namespace, tokenizer):
-    """Load the ``--model`` checkpoint in float32 (master weights; bf16 comes from autocast)."""
+    """Load the ``--model`` checkpoint in float32 (master weights under ``--precision autocast-bf16``)."""
     if args.model == "tiny":
         return tiny_llama(len(tokenizer), args.tiny_layers, args.tiny_hidden, args.seed)
     if args.model == "smollm2":
@@ -681,14 +691,18 @@ def _trainer_classes():
     return LongContextTrainer, MeasureCallback
 
 
+def resolve_precision(flag: str) -> str:
+    """``"autocast-bf16"``, ``"bf16"`` or ``"fp32"`` for a ``--precision`` value."""
+    if flag not in PRECISION_CHOICES:
+        raise ValueError(f"--precision must be one of {PRECISION_CHOICES}, got {flag!r}")
+    if flag != "auto":
+        return flag
+    return "autocast-bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+
+
 def use_bf16(flag: str) -> bool:
-    if flag == "yes":
-        if not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
-            raise ValueError("--bf16 yes needs a CUDA device with bf16 support")
-        return True
-    if flag == "no":
-        return False
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    """Whether Trainer runs bf16 autocast (``TrainingArguments(bf16=True)``) for a ``--precision`` value."""
+    return resolve_precision(flag) == "autocast-bf16"
 
 
 def training_arguments(args: argparse.Namespace, bf16: bool, has_eval: bool):
@@ -816,7 +830,7 @@ def _latest_checkpoint(output_dir: str) -> str:
 def make_trainer(model, args: argparse.Namespace, train_dataset, eval_dataset=None, *, bf16: bool | None = None, callbacks=()):
     """``(trainer, measure)``: our ``Trainer`` (chunked loss) over packed rows, with the measuring callback."""
     if bf16 is None:
-        bf16 = use_bf16(args.bf16)
+        bf16 = use_bf16(args.precision)
     # No KV cache in training or evaluation: besides wasting memory, a cache makes Transformers' dense masks ignore
     # the packing in position_ids (documents would attend to each other under sdpa).
     unwrap_causal_lm(model).config.use_cache = False
@@ -849,10 +863,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not Path(resume_from).is_dir():
             raise ValueError(f"--resume {resume_from}: not a checkpoint directory")
     set_seed(args.seed)
-    bf16 = use_bf16(args.bf16)
+    precision = resolve_precision(args.precision)
+    bf16 = precision == "autocast-bf16"
 
     tokenizer = load_tokenizer(args.model)
     model = load_model(args, tokenizer)
+    if precision == "bf16":
+        bf16_parameters(model)
     dcfg = use_attention(model, args)
     if args.lora_r:
         model = attach_lora(model, args)
@@ -873,7 +890,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "collator": args.collator,
         "batch_size": args.batch_size,
         "grad_accum": args.grad_accum,
-        "bf16": bf16,
+        "precision": precision,
         "gradient_checkpointing": args.gradient_checkpointing,
         "lora_r": args.lora_r,
         "loss_chunk_size": args.loss_chunk_size,
@@ -937,7 +954,8 @@ def verify_reload(model_dir: Path, args: argparse.Namespace, trainer, data: Data
 
     import hf_dilated
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    dtype = torch.bfloat16 if resolve_precision(args.precision) == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     expected = hf_dilated.ATTENTION_NAME if args.attn == "dilated" else "sdpa"
     if model.config._attn_implementation != expected:
         raise RuntimeError(

@@ -56,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-tokens", type=int, default=131072, help="held-out tokens evaluated at every context")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--packing", default="stream", choices=("stream", "documents"))
+    p.add_argument("--precision", default="autocast-bf16", choices=("autocast-bf16", "bf16", "fp32"), help="finetune.py --precision of every run")
     p.add_argument("--probe", action="store_true", help="search the longest context that trains instead")
     p.add_argument("--probe-contexts", default="131072,262144,524288,1048576")
     p.add_argument("--probe-step-s", type=float, default=120.0, help="a probe step slower than this counts as not training")
@@ -110,7 +111,7 @@ def run_one(model_dir: str, ctx: int, attn: str, out: Path, steps: int, train_s:
         "--model", model_dir, "--attn", attn, "--seq-len", str(ctx), "--packing", args.packing,
         "--max-steps", str(steps), "--max-train-seconds", f"{max(train_s, 1.0):.0f}",
         "--lr", str(args.lr), "--warmup-steps", "10", "--lr-scheduler", "constant_with_warmup",
-        "--batch-size", "1", "--grad-accum", "1", "--bf16", "yes", "--gradient-checkpointing",
+        "--batch-size", "1", "--grad-accum", "1", "--precision", args.precision, "--gradient-checkpointing",
         "--loss-chunk-size", "4096", "--editions", "modern", "--no-save", "--disable-tqdm",
         "--timing-warmup-steps", "3", "--output-dir", str(run_dir),
     ]
@@ -155,6 +156,29 @@ def run_one(model_dir: str, ctx: int, attn: str, out: Path, steps: int, train_s:
     log(f"  -> {row['status']} in {wall:.0f}s: steps {row['steps']}, tokens/s {row['tokens_per_second']}, "
         f"peak {row['peak_memory_gib']} GiB, eval {row['eval_before']} -> {row['eval_after']}")
     return row
+
+
+AUTOCAST_CHECK = """
+import torch, hf_dilated
+from hf_dilated.finetune import tiny_llama
+m = tiny_llama(257).cuda()
+hf_dilated.patch(m, hf_dilated.DilatedAttentionConfig(segment_lengths=[64, 128], dilation_rates=[1, 2]))
+ids = torch.randint(0, 256, (1, 256), device="cuda")
+with torch.autocast("cuda", dtype=torch.bfloat16):
+    loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+loss.backward()
+assert torch.isfinite(loss)
+"""
+
+
+def autocast_problem() -> str | None:
+    """``None`` when a dilated model trains under CUDA bf16 autocast, else the error (then runs use pure bf16)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    proc = subprocess.run([sys.executable, "-c", AUTOCAST_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["failed"])[-1]
 
 
 def environment() -> dict:
@@ -272,6 +296,12 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model_dir = prepare_model(args)
     meta = {"environment": environment(), "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}}
+    if args.precision == "autocast-bf16" and "dilated" in args.attns:
+        problem = autocast_problem()
+        if problem:
+            log(f"dilated attention fails under bf16 autocast ({problem}); every run uses --precision bf16 instead")
+            args.precision = "bf16"
+            meta["precision_fallback"] = {"to": "bf16", "reason": problem}
     if args.probe:
         probe(args, out, model_dir, deadline, meta)
     else:

@@ -200,6 +200,18 @@ def test_resumed_run_continues_from_the_same_step_and_loss(tmp_path, have_text):
     assert resumed["eval_after"]["loss"] == pytest.approx(full_res["eval_after"]["loss"], rel=1e-5)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "autocast-bf16"])
+def test_bf16_training_and_reload(tmp_path, have_text, precision):
+    """Both bf16 modes (pure bf16 weights; float32 weights under Trainer's bf16 autocast, the GPU default) train,
+    and the saved model reloads as the same function."""
+    out = tmp_path / precision
+    ft.main([*TINY_RUN, "--max-steps", "2", "--precision", precision, "--output-dir", str(out)])
+    res = json.loads((out / ft.RESULTS_FILE).read_text())
+    assert res["precision"] == precision
+    assert all(math.isfinite(c["loss"]) for c in res["loss_curve"])
+    assert res["reload"]["loss"] == pytest.approx(res["eval_after"]["loss"], rel=1e-6)
+
+
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no checkpoint"):
         ft.main([*TINY_RUN, "--output-dir", str(tmp_path), "--resume"])
