@@ -33,9 +33,10 @@ once; the result equals the model's own loss (``sum / num_items_in_batch``, as T
 Dropout and determinism. Dilated attention has no attention dropout: a model whose config sets
 ``attention_dropout > 0`` is refused here before training (and by the attention function itself).
 ``--deterministic`` sets ``TrainingArguments(full_determinism=True)``, i.e. ``torch.use_deterministic_algorithms``,
-``CUBLAS_WORKSPACE_CONFIG`` and seeded workers; the PyTorch reference op then runs with deterministic scatter
-kernels. On CPU runs are bitwise reproducible without the flag (a resumed run repeats the losses of an uninterrupted
-one, see the tests); on GPU, without it, atomics in backward kernels can change the last bits from run to run.
+``CUBLAS_WORKSPACE_CONFIG`` and seeded workers. The Triton kernels are deterministic by construction (each gradient
+row is summed by one program, no atomics); the PyTorch reference backend scatters gradients with ``index_put``, whose
+CUDA accumulation uses atomics unless ``--deterministic`` is on. Data order follows ``--seed``. On CPU runs are
+bitwise reproducible without the flag: a resumed run repeats the losses of an uninterrupted one (see the tests).
 """
 
 from __future__ import annotations
@@ -977,7 +978,12 @@ def verify_reload(model_dir: Path, args: argparse.Namespace, trainer, data: Data
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        validate_args(args)
+    except ValueError as exc:  # a bad option: usage and the message, exit status 2, as argparse does
+        parser.error(str(exc))
     results = run(args)
     summary = {k: results.get(k) for k in ("attn", "seq_len", "global_step", "tokens_per_second", "peak_memory_bytes")}
     for key in ("eval_before", "eval_after", "reload"):
