@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without installing the package
+    sys.path.insert(0, str(ROOT))
 
 
 def log(msg: str) -> None:
@@ -230,7 +232,7 @@ def plot(out: Path, rows: list[dict], meta: dict) -> None:
         ax.set_title(f"SmolLM2-135M, {ctx_name(ctx)} tokens/sequence")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss (nats/token)")
-        ax.text(0.99, 0.98, "lines: train loss; o / s: eval before / after", transform=ax.transAxes, ha="right", va="top", fontsize=7)
+        ax.text(0.99, 0.01, "lines: train loss; o / s: eval before / after", transform=ax.transAxes, ha="right", va="bottom", fontsize=7)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{meta['environment']['device']}: fine-tuning on Shakespeare, dilated vs sdpa", fontsize=10)

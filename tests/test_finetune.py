@@ -148,11 +148,12 @@ def test_chunked_loss_equals_model_loss_and_gradients(tmp_path, rng):
 # ---------------------------------------------------------------------------------------------------------------------
 # Tiny model, end to end through main(): results, save/reload, resume
 # ---------------------------------------------------------------------------------------------------------------------
-TINY_RUN = [
-    "--model", "tiny", *SMALL_BRANCHES, "--seq-len", "128", "--max-train-tokens", "3000", "--eval-docs", "1",
+TINY_BASE = [
+    "--model", "tiny", "--seq-len", "128", "--max-train-tokens", "3000", "--eval-docs", "1",
     "--max-eval-tokens", "400", "--lr", "3e-3", "--warmup-steps", "0", "--lr-scheduler", "linear",
     "--loss-chunk-size", "64", "--disable-tqdm",
 ]
+TINY_RUN = [*TINY_BASE, *SMALL_BRANCHES]
 
 
 def test_main_writes_results_and_saved_model_reloads_dilated(tmp_path, have_text):
@@ -200,15 +201,28 @@ def test_resumed_run_continues_from_the_same_step_and_loss(tmp_path, have_text):
     assert resumed["eval_after"]["loss"] == pytest.approx(full_res["eval_after"]["loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "autocast-bf16"])
-def test_bf16_training_and_reload(tmp_path, have_text, precision):
-    """Both bf16 modes (pure bf16 weights; float32 weights under Trainer's bf16 autocast, the GPU default) train,
-    and the saved model reloads as the same function."""
-    out = tmp_path / precision
-    ft.main([*TINY_RUN, "--max-steps", "2", "--precision", precision, "--output-dir", str(out)])
-    res = json.loads((out / ft.RESULTS_FILE).read_text())
-    assert res["precision"] == precision
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--precision", "bf16"],  # bf16 weights and compute
+        ["--precision", "autocast-bf16"],  # float32 weights under Trainer's bf16 autocast: the GPU default
+        ["--lora-r", "4", "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj"],  # saved LoRA-merged
+        ["--collator", "flatten", "--batch-size", "2", "--packing", "documents"],  # DataCollatorWithFlattening
+        ["--attn", "sdpa"],  # the dense baseline of the same script
+    ],
+    ids=["bf16", "autocast-bf16", "lora", "flatten", "sdpa"],
+)
+def test_training_variants_save_and_reload_to_the_same_eval_loss(tmp_path, have_text, options):
+    run = TINY_BASE if "sdpa" in options else TINY_RUN
+    ft.main([*run, *options, "--max-steps", "2", "--output-dir", str(tmp_path)])
+    res = json.loads((tmp_path / ft.RESULTS_FILE).read_text())
+    assert res["status"] == "ok" and res["global_step"] == 2
     assert all(math.isfinite(c["loss"]) for c in res["loss_curve"])
+    if "--lora-r" in options:
+        assert res["trainable_parameters"] < res["parameters"] / 5
+    assert res["reload"]["attn_implementation"] == (
+        "sdpa" if "sdpa" in options else hf_dilated.ATTENTION_NAME
+    )
     assert res["reload"]["loss"] == pytest.approx(res["eval_after"]["loss"], rel=1e-6)
 
 
