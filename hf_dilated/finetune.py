@@ -226,8 +226,10 @@ class ByteTokenizer:
     eos_token_id = 256
     marker = "byte_tokenizer.json"
 
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
-        return {"input_ids": list(text.encode("utf-8"))}
+    def __call__(self, text: str | list[str], add_special_tokens: bool = False) -> dict[str, list]:
+        if isinstance(text, str):
+            return {"input_ids": list(text.encode("utf-8"))}
+        return {"input_ids": [list(t.encode("utf-8")) for t in text]}
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -434,6 +436,9 @@ def split_documents(docs: list[tuple[str, str]], eval_docs: int) -> tuple[list, 
 def tokenize_documents(tokenizer, docs: list[tuple[str, str]], max_tokens: int | None = None) -> list[list[int]]:
     """Token ids of each document followed by EOS; with ``max_tokens``, the first ``max_tokens`` tokens of them."""
     eos = tokenizer.eos_token_id
+    if max_tokens is None:  # one batched call: fast tokenizers spread it over all cores
+        encoded = tokenizer([text for _, text in docs], add_special_tokens=False)["input_ids"]
+        return [list(ids) + ([int(eos)] if eos is not None else []) for ids in encoded]
     out, total = [], 0
     for _, text in docs:
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -295,7 +294,6 @@ def main(argv=None) -> int:
     deadline = start + args.budget_s
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model_dir = prepare_model(args)
     meta = {"environment": environment(), "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}}
     if args.precision == "autocast-bf16" and "dilated" in args.attns:
