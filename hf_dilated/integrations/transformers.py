@@ -15,7 +15,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from ..config import DilatedAttentionConfig
-from ..ops.dispatch import choose_backend, dense_attention, run_backend
+from ..ops.dispatch import check_tensors, choose_backend, dense_attention, run_backend
 from ..ops.layout import resolve_layout
 
 ATTENTION_NAME = "dilated"
@@ -92,6 +92,19 @@ def dilated_attention_forward(
     dense attention under the same padding and packing rules (sliding-window layers keep their window).
     """
     _reject_unsupported(module, dropout, kwargs)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Under autocast (Trainer's bf16=True) RoPE leaves q, k in float32 while v is bf16: run the op, like SDPA
+        # under autocast, in the autocast dtype, and keep autocast from re-casting inside the op.
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+        with torch.autocast(device_type, enabled=False):
+            return _attend(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
+    return _attend(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
+
+
+def _attend(module, query, key, value, attention_mask, scaling, is_causal, kwargs) -> tuple[torch.Tensor, None]:
+    check_tensors(query, key, value)
     if attention_mask is not None and attention_mask.ndim != 2:
         raise ValueError(
             f"'{ATTENTION_NAME}' attention takes a 2-D key mask [B, Nk]; got a {attention_mask.ndim}-D mask of shape "

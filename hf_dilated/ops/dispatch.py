@@ -17,7 +17,8 @@ def triton_available(device: torch.device) -> bool:
     return triton_backend.is_available(device)
 
 
-def _check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+def check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Raise a ``ValueError`` naming the fault when q, k, v are not ``[B, H, N, D]`` tensors the op accepts."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, H, N, D], got {getattr(t, 'shape', type(t))}")
@@ -107,7 +108,7 @@ def dilated_attention(
     Returns:
         ``[B, Hq, Nq, D]`` in the dtype of ``query`` (and the lse when ``return_lse``).
     """
-    _check_tensors(query, key, value)
+    check_tensors(query, key, value)
     branches = validate_branches(segment_lengths, dilation_rates)
     if scale is None:
         scale = query.shape[-1] ** -0.5
