@@ -225,3 +225,18 @@ def test_sliding_window_layers_left_dense_keep_their_window(rng):
         switch(model, DilatedAttentionConfig(segment_lengths=[64], dilation_rates=[1], backend="torch"))
         with pytest.raises(ValueError, match="sliding-window layer"):
             model(ids)
+
+
+def test_whole_model_compiles_fullgraph_with_the_triton_backend(rng):
+    pytest.importorskip("triton")
+    if not hf_dilated.ops.dispatch.triton_available(torch.device("cpu")) and not torch.cuda.is_available():
+        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = switch(tiny_llama(), DilatedAttentionConfig(segment_lengths=[8, 16, 32], dilation_rates=[1, 2, 4], backend="triton"))
+    model.to(device)
+    ids = torch.randint(0, 128, (1, 40), generator=rng).to(device)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(ids).logits
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits  # fullgraph: a break raises
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)

@@ -56,7 +56,8 @@ def _normalize_position_ids(position_ids: torch.Tensor, batch: int) -> torch.Ten
 
 def _from_cu_seqlens(cu: torch.Tensor, n: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     cu = cu.long().flatten()
-    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
+    checkable = not torch.compiler.is_compiling()  # values cannot be read while tracing
+    if checkable and (cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any())):
         raise ValueError(f"{name} must be non-decreasing offsets from 0 to the packed length {n}, got {cu.tolist()}")
     cols = torch.arange(n, device=cu.device)
     seq = torch.searchsorted(cu, cols, right=True) - 1
@@ -108,7 +109,7 @@ def resolve_layout(
             raise ValueError("cu_seqlens (packed sequences) need batch size 1 and equal query and key lengths")
         k_pos, k_seq = _from_cu_seqlens(cu_seqlens_k.to(device), kv_len, "cu_seqlens_k")
         q_pos, q_seq = _from_cu_seqlens(cu_seqlens_q.to(device), q_len, "cu_seqlens_q")
-        if not torch.equal(q_seq, k_seq):
+        if not torch.compiler.is_compiling() and not torch.equal(q_seq, k_seq):
             raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same packed sequences")
         return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, k_valid.clone(), contiguous=False)
 
@@ -129,6 +130,9 @@ def resolve_layout(
         q_seq = torch.zeros_like(q_pos)
         q_valid = torch.ones_like(q_pos, dtype=torch.bool)
 
+    if torch.compiler.is_compiling():
+        # No data-dependent branches while tracing: kernels find the runs themselves inside the custom op.
+        return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, q_valid, contiguous=False)
     contiguous = bool(k_valid.all()) and bool(
         torch.equal(k_pos, torch.arange(kv_len, device=device).expand(batch, -1))
     ) and bool(torch.equal(q_pos, k_pos[:, kv_len - q_len :]))
