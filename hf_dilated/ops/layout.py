@@ -7,7 +7,9 @@ flash-style ``cu_seqlens``) into one compact description, O(B * N) integers, tha
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -36,6 +38,38 @@ class TokenLayout:
     @property
     def batch_size(self) -> int:
         return self.k_pos.shape[0]
+
+
+class _IdentityMemo:
+    """Remembers a few recent results of a function of tensors, keyed by the tensors' identity and version.
+
+    Every attention layer of one forward (and its recomputation under activation checkpointing) receives the same
+    ``attention_mask`` / ``position_ids`` objects: resolving them once instead of per layer saves the host syncs
+    that would otherwise stall the GPU queue at each layer. The entries hold the tensors, so an id cannot be reused
+    while cached, and an in-place change bumps the version and misses.
+    """
+
+    def __init__(self, size: int = 2):
+        self.size = size
+        self.entries: OrderedDict = OrderedDict()
+
+    def __call__(self, fn: Callable[..., Any], tensors: tuple, extra: tuple) -> Any:
+        if torch.compiler.is_compiling() or any(t is not None and t.is_inference() for t in tensors):
+            return fn()  # inference tensors keep no version counter: no safe key
+        key = (tuple(None if t is None else (id(t), t._version) for t in tensors), extra)
+        hit = self.entries.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
+            self.entries.move_to_end(key)
+            return hit[1]
+        value = fn()
+        self.entries[key] = (tensors, value)
+        if len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return value
+
+
+_LAYOUTS = _IdentityMemo()
+_RUNS = _IdentityMemo()
 
 
 def _sequence_ids_from_positions(pos: torch.Tensor) -> torch.Tensor:
@@ -74,7 +108,7 @@ def resolve_layout(
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
 ) -> TokenLayout:
-    """Build the :class:`TokenLayout` of one call.
+    """Build the :class:`TokenLayout` of one call (memoized on the identity of its tensor arguments).
 
     Rules (SPEC.md): ``attention_mask`` is a ``[B, Nk]`` key mask (True / 1 = real token).
     With ``Nq == Nk`` (training, prefill), ``position_ids`` (``[B, N]``) give every token's position and packed
@@ -83,6 +117,21 @@ def resolve_layout(
     With ``Nq < Nk`` (decoding against a cache), keys hold one sequence per row at positions that count the real
     keys; ``position_ids`` (``[B, Nq]``) give the queries' positions, else the queries are the last ``Nq`` keys.
     """
+    args = (batch, q_len, kv_len, torch.device(device), attention_mask, position_ids, cu_seqlens_q, cu_seqlens_k)
+    tensors = (attention_mask, position_ids, cu_seqlens_q, cu_seqlens_k)
+    return _LAYOUTS(lambda: _resolve_layout(*args), tensors, (batch, q_len, kv_len, str(torch.device(device))))
+
+
+def _resolve_layout(
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> TokenLayout:
     if q_len > kv_len:
         raise ValueError(f"query length ({q_len}) must not exceed key length ({kv_len})")
     if attention_mask is not None:
@@ -158,6 +207,12 @@ def _runs_of(pos: torch.Tensor, seq: torch.Tensor, valid: torch.Tensor) -> list[
 
 
 def token_runs(layout: TokenLayout) -> torch.Tensor | None:
+    """See :func:`_token_runs`; memoized on the identity of the layout's tensors."""
+    tensors = (layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid)
+    return _RUNS(lambda: _token_runs(layout), tensors, (layout.contiguous,))
+
+
+def _token_runs(layout: TokenLayout) -> torch.Tensor | None:
     """The layout as runs, one per (batch row, sequence): a CPU int64 tensor ``[R, 7]`` with rows
     ``(b, q_col0, q_pos0, q_len, k_col0, k_pos0, k_len)``: the sequence's queries sit at columns
     ``q_col0 + (p - q_pos0)`` for positions ``p`` in ``[q_pos0, q_pos0 + q_len)`` and its keys likewise.
