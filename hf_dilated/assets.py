@@ -82,7 +82,7 @@ def load_smollm2(dtype=None, **kwargs):
     """``(model, tokenizer)`` of SmolLM2-135M-Instruct from its GGUF (dequantized), or ``None`` when missing."""
     if not smollm2_available():
         return None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = smollm2_gguf()
     tok = load_smollm2_tokenizer()

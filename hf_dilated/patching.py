@@ -202,34 +202,6 @@ def recipe_for(model: Any) -> Recipe:
     )
 
 
-@lru_cache(maxsize=1)
-def integration_keeps_sliding_layers() -> bool:
-    """Whether the installed ``"dilated"`` attention function runs sliding-window layers (left dense) exactly.
-
-    Probed once on a tiny input: a layer outside ``config.layers`` called with ``sliding_window=w`` must return
-    causal attention over the last ``w`` keys. Recipes that keep sliding-window layers refuse to patch otherwise.
-    """
-    from types import SimpleNamespace
-
-    from .integrations import transformers as integration
-
-    torch_gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 8, 4, generator=torch_gen, dtype=torch.float64) for _ in range(3))
-    window = 3
-    module = torch.nn.Module()
-    module.config = SimpleNamespace(**{CONFIG_KEY: {"segment_lengths": [8], "dilation_rates": [1], "layers": []}})
-    module.layer_idx, module.is_causal, module.sliding_window = 0, True, window
-    try:
-        out, _ = integration.dilated_attention_forward(module, q, k, v, None, scaling=0.5, sliding_window=window)
-    except ValueError:
-        return False
-    i = torch.arange(8)
-    allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
-    scores = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~allowed, float("-inf"))
-    ref = (scores.softmax(-1) @ v).transpose(1, 2)
-    return out.shape == ref.shape and bool(torch.allclose(out.to(ref.dtype), ref, atol=1e-6))
-
-
 def _uses_generic_dispatch(model: Any) -> bool:
     from .integrations.transformers import supports_dilated_attention
 
@@ -286,12 +258,6 @@ def _check_model(model: Any, recipe: Recipe) -> None:
     if _has_sinks(model):
         raise ValueError(f"{type(model).__name__} uses attention sinks, which dilated attention does not compute")
     sliding = sliding_window_layers(model.config)
-    if sliding and recipe.sliding_window == "keep" and not integration_keeps_sliding_layers():
-        raise ValueError(
-            f"{type(model).__name__} has sliding-window attention on layers {sliding}; recipe {recipe.name!r} keeps "
-            "them exact, but the installed 'dilated' attention function does not compute sliding-window layers, so "
-            "this model cannot be patched with this version of hf_dilated"
-        )
     if sliding and recipe.sliding_window == "refuse":
         raise ValueError(
             f"{type(model).__name__} has sliding-window attention on layers {sliding} (sliding_window="

@@ -52,7 +52,6 @@ def _branch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One branch ``(w, r)``: output ``[B, H, Nq, D]`` and lse ``[B, H, Nq]`` (-inf where the branch skips a query)."""
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
     Dv = v.shape[-1]
     group = H // k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
