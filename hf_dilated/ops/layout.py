@@ -117,21 +117,12 @@ def resolve_layout(
     With ``Nq < Nk`` (decoding against a cache), keys hold one sequence per row at positions that count the real
     keys; ``position_ids`` (``[B, Nq]``) give the queries' positions, else the queries are the last ``Nq`` keys.
     """
-    args = (batch, q_len, kv_len, torch.device(device), attention_mask, position_ids, cu_seqlens_q, cu_seqlens_k)
     tensors = (attention_mask, position_ids, cu_seqlens_q, cu_seqlens_k)
-    return _LAYOUTS(lambda: _resolve_layout(*args), tensors, (batch, q_len, kv_len, str(torch.device(device))))
+    shape = (batch, q_len, kv_len, str(torch.device(device)))
+    return _LAYOUTS(lambda: _resolve_layout(batch, q_len, kv_len, device, *tensors), tensors, shape)
 
 
-def _resolve_layout(
-    batch: int,
-    q_len: int,
-    kv_len: int,
-    device: torch.device,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-) -> TokenLayout:
+def _resolve_layout(batch, q_len, kv_len, device, attention_mask, position_ids, cu_seqlens_q, cu_seqlens_k) -> TokenLayout:
     if q_len > kv_len:
         raise ValueError(f"query length ({q_len}) must not exceed key length ({kv_len})")
     if attention_mask is not None:
