@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -28,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import DilatedAttentionConfig
+from .environment import run_environment
 from .patching import is_patched, patch, patch_summary, unpatch
 
 VARIANTS = ("dense", "dense+rope", "dilated", "dilated+rope")
@@ -186,27 +185,8 @@ def evaluate(
         "variants_help": {v: VARIANTS_HELP[v] for v in variants},
         "patches": summaries,
         "results": rows,
-        "environment": environment(device, next(model.parameters()).dtype),
+        "environment": run_environment(device, next(model.parameters()).dtype),
     }
-
-
-def environment(device: torch.device, dtype: torch.dtype) -> dict:
-    import transformers
-
-    from . import __version__
-
-    env = {
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "hf_dilated": __version__,
-        "python": platform.python_version(),
-        "command": " ".join(sys.argv),
-    }
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    return env
 
 
 def format_table(result: dict) -> str:
@@ -239,7 +219,7 @@ def plot(result: dict, path: str | Path) -> Path:
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("perplexity")
     env = result.get("environment", {})
-    ax.set_title(f"{Path(str(result['model'])).name}: dense vs dilated ({env.get('gpu', env.get('device', ''))}, {env.get('dtype', '')})", fontsize=9)
+    ax.set_title(f"{Path(str(result['model'])).name}: dense vs dilated ({env.get('device', '')}, {env.get('dtype', '')})", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -45,7 +45,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import resource
 import sys
 import time
@@ -57,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from . import assets
+from .environment import run_environment
 from .config import CONFIG_KEY, DilatedAttentionConfig, trained_context
 
 ATTN_CHOICES = ("dilated", "sdpa")
@@ -738,28 +738,6 @@ def peak_memory() -> dict[str, Any]:
     return {"kind": "cpu_max_rss", "peak_memory_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
 
 
-def environment() -> dict[str, Any]:
-    import transformers
-
-    import hf_dilated
-
-    env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "hf_dilated": hf_dilated.__version__,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-    }
-    try:
-        import peft
-
-        env["peft"] = peft.__version__
-    except ImportError:
-        pass
-    return env
-
-
 def _eval_metrics(metrics: dict[str, float]) -> dict[str, float]:
     loss = float(metrics["eval_loss"])
     return {"loss": loss, "perplexity": math.exp(loss) if loss < 50 else float("inf")}
@@ -888,7 +866,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "train_documents": data.train_docs,
         "eval_documents": data.eval_docs,
         "args": {k: v for k, v in vars(args).items()},
-        "environment": environment(),
+        "environment": run_environment(),
     }
 
     if torch.cuda.is_available():

@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing the package
     sys.path.insert(0, str(ROOT))
 
+from hf_dilated.environment import run_environment  # noqa: E402
+
 
 def log(msg: str) -> None:
     print(f"[bench_finetune {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -182,19 +184,6 @@ def autocast_problem() -> str | None:
     return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["failed"])[-1]
 
 
-def environment() -> dict:
-    import torch
-    import transformers
-
-    return {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-
-
 def write_summary(out: Path, rows: list[dict], meta: dict, name: str = "summary.json") -> None:
     by = {(r["context"], r["attn"]): r for r in rows}
     for r in rows:
@@ -295,7 +284,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model(args)
-    meta = {"environment": environment(), "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}}
+    meta = {"environment": run_environment(), "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}}
     if args.precision == "autocast-bf16" and "dilated" in args.attns:
         problem = autocast_problem()
         if problem:

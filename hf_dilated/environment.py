@@ -1,0 +1,39 @@
+"""What produced a result: versions, device and command, recorded in every results JSON (eval, fine-tuning)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run_environment(device: Any = None, dtype: Any = None) -> dict[str, Any]:
+    """Versions (python, torch, transformers, hf_dilated, and triton / peft where installed), the device by name
+    (the GPU's, or ``cpu (N cores)``), the dtype when given, the command line and the date."""
+    import torch
+    import transformers
+
+    from . import __version__
+
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_dilated": __version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    if dtype is not None:
+        env["dtype"] = str(dtype).removeprefix("torch.")
+    for package in ("triton", "peft"):
+        try:
+            env[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return env
