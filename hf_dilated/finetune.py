@@ -817,7 +817,6 @@ def make_trainer(model, args: argparse.Namespace, train_dataset, eval_dataset=No
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Load, patch, build data, train, evaluate, save; returns (and writes) the results dict."""
-    import hf_dilated  # noqa: F401  (registers the "dilated" attention)
     from transformers import set_seed
 
     out = Path(args.output_dir)
