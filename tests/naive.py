@@ -24,8 +24,14 @@ def naive_positions(B, Nq, Nk, attention_mask=None, position_ids=None):
 
 
 def naive_dilated_attention(q, k, v, branches, *, is_causal=True, scale=None, q_pos=None, k_pos=None,
-                            q_seq=None, k_seq=None, k_valid=None, q_valid=None, head_offset=0):
-    """q [B,Hq,Nq,D], k/v [B,Hk,Nk,D] (float64 recommended). Positions default to 0..N-1 with queries last."""
+                            q_seq=None, k_seq=None, k_valid=None, q_valid=None, head_offset=0,
+                            window=None, global_tokens=0, dropout_p=0.0, keep=None):
+    """q [B,Hq,Nq,D], k/v [B,Hk,Nk,D] (float64 recommended). Positions default to 0..N-1 with queries last.
+
+    ``window``: every branch also needs ``0 <= p - p' < window`` (causal) or ``|p - p'| < window``.
+    ``global_tokens = g``: one more branch (index ``len(branches)``) of the keys at positions ``p' < g``.
+    ``dropout_p`` with ``keep(branch, b [B,1,1,1], h [1,H,1,1], q_col [1,1,Nq,1], k_col [1,1,1,Nk]) -> bool``: each
+    branch's probabilities are dropped by ``keep`` and scaled by ``1 / (1 - p)``, merged with the undropped lse."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     dev = q.device
@@ -45,24 +51,56 @@ def naive_dilated_attention(q, k, v, branches, *, is_causal=True, scale=None, q_
     k_pos, q_pos, k_seq, q_seq = (t.to(dev).long() for t in (k_pos, q_pos, k_seq, q_seq))
     k_valid, q_valid = k_valid.to(dev).bool(), q_valid.to(dev).bool()
     heads = torch.arange(Hq, device=dev) + head_offset
-    mult = torch.zeros(B, Hq, Nq, Nk, dtype=q.dtype, device=dev)
-    for w, r in branches:
+    masks = []  # per branch: [B, H, Nq, Nk] bool, the (query, key) pairs the branch attends
+    dist = q_pos[:, :, None] - k_pos[:, None, :]
+    for w, r in list(branches) + ([(None, 1)] if global_tokens else []):
         off = (heads % r)[None, :, None]  # [1, H, 1]
         sel_q = (q_pos[:, None, :] % r == off) & q_valid[:, None, :]  # [B, H, Nq]
         sel_k = (k_pos[:, None, :] % r == off) & k_valid[:, None, :]  # [B, H, Nk]
-        same = (q_seq[:, :, None] == k_seq[:, None, :]) & (q_pos[:, :, None] // w == k_pos[:, None, :] // w)
+        same = q_seq[:, :, None] == k_seq[:, None, :]
+        if w is None:
+            same = same & (k_pos[:, None, :] < global_tokens)
+        else:
+            same = same & (q_pos[:, :, None] // w == k_pos[:, None, :] // w)
         if is_causal:
-            same = same & (k_pos[:, None, :] <= q_pos[:, :, None])
-        mult = mult + (sel_q[..., :, None] & sel_k[..., None, :] & same[:, None]).to(q.dtype)
+            same = same & (dist >= 0)
+        if window is not None:
+            same = same & ((dist < window) & (dist >= 0) if is_causal else dist.abs() < window)
+        masks.append(sel_q[..., :, None] & sel_k[..., None, :] & same[:, None])
     group = Hq // Hk
     kr = k.repeat_interleave(group, 1)
     vr = v.repeat_interleave(group, 1)
+    if dropout_p:
+        return _naive_dropped(q, kr, vr, masks, scale, dropout_p, keep)
+    mult = sum(m.to(q.dtype) for m in masks)
     scores = scale * q @ kr.transpose(-1, -2) + torch.log(mult.clamp_min(1e-300))
     scores = torch.where(mult > 0, scores, torch.full_like(scores, -math.inf))
     has = (mult > 0).any(-1, keepdim=True)
     p = torch.softmax(torch.where(has, scores, torch.zeros_like(scores)), -1)
     p = torch.where(has & (mult > 0), p, torch.zeros_like(p))
     return p @ vr
+
+
+def _naive_dropped(q, kr, vr, masks, scale, dropout_p, keep):
+    """Per-branch softmax, dropout by ``keep``, merge by the undropped log-sum-exps (SPEC.md, dropout)."""
+    B, H, Nq, _ = q.shape
+    Nk = kr.shape[2]
+    b = torch.arange(B)[:, None, None, None]
+    h = torch.arange(H)[None, :, None, None]
+    qc = torch.arange(Nq)[None, None, :, None]
+    kc = torch.arange(Nk)[None, None, None, :]
+    outs, lses = [], []
+    for i, m in enumerate(masks):
+        s = torch.where(m, scale * q @ kr.transpose(-1, -2), torch.full((), -math.inf, dtype=q.dtype))
+        lse = torch.logsumexp(s, -1)  # -inf where the branch selects no key
+        p = torch.where(m, torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None]), 0)
+        p = torch.where(keep(i, b, h, qc, kc).to(q.device), p / (1 - dropout_p), 0)
+        outs.append(p @ vr)
+        lses.append(lse)
+    lse = torch.stack(lses)
+    total = torch.logsumexp(lse, 0)
+    wts = torch.where(torch.isfinite(lse), torch.exp(lse - torch.where(torch.isfinite(total), total, 0)), 0)
+    return sum(w[..., None] * o for w, o in zip(wts.unbind(0), outs))
 
 
 def rel_err(a, b):
