@@ -13,6 +13,8 @@ from typing import Any, Iterable, Sequence
 CONFIG_KEY = "dilated_attention"
 BACKENDS = ("auto", "torch", "triton")
 DEFAULT_MIN_SEGMENT = 2048
+# A layer left dense is one branch (DENSE_SEGMENT, 1): a segment longer than any position (SPEC.md), within int32.
+DENSE_SEGMENT = 2**30
 
 
 def _check_int_list(name: str, values: Any) -> list[int]:
