@@ -43,18 +43,18 @@ def _mm(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _key_ok(qc, qp, qs, kc, KPOS, KSEQ, KOK, kbase, Nk, IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr):
-    """``[BLOCK_M, BLOCK_N]`` bool: which keys (columns ``kc``) each query (columns ``qc``) may attend."""
+def _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, kbase, Nk, IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` bool: which keys (columns ``kc``) each query (columns ``qc``, valid ``qv``) may attend."""
     kmask = kc < Nk
     if CONTIG:
-        ok = kmask[None, :] & (qs[:, None] >= 0)
+        ok = kmask[None, :] & qv[:, None]
         if IS_CAUSAL:
             ok = ok & (kc[None, :] <= qc[:, None])
     else:
         kp = tl.load(KPOS + kbase + kc, mask=kmask, other=0)
         ks = tl.load(KSEQ + kbase + kc, mask=kmask, other=-2)
         kv = tl.load(KOK + kbase + kc, mask=kmask, other=0) != 0
-        ok = (kv & kmask)[None, :] & (ks[None, :] == qs[:, None])
+        ok = (kv & kmask)[None, :] & qv[:, None] & (ks[None, :] == qs[:, None])
         if IS_CAUSAL:
             ok = ok & (kp[None, :] <= qp[:, None])
     return ok
@@ -62,16 +62,16 @@ def _key_ok(qc, qp, qs, kc, KPOS, KSEQ, KOK, kbase, Nk, IS_CAUSAL: tl.constexpr,
 
 @triton.jit
 def _query_meta(QPOS, QSEQ, QOK, qbase, qr, qc, qmask, CONTIG: tl.constexpr):
-    """Positions and sequence ids of a query tile; invalid queries get sequence -1 (they match no key)."""
+    """Positions, sequence ids and validity of a query tile (rows outside the queries are invalid)."""
     if CONTIG:
         qp = qc
-        qs = tl.where(qmask, 0, -1)
+        qs = qc * 0
+        qv = qmask
     else:
         qp = tl.load(QPOS + qbase + qr, mask=qmask, other=0)
-        qs = tl.load(QSEQ + qbase + qr, mask=qmask, other=-1)
+        qs = tl.load(QSEQ + qbase + qr, mask=qmask, other=0)
         qv = tl.load(QOK + qbase + qr, mask=qmask, other=0) != 0
-        qs = tl.where(qv, qs, -1)
-    return qp, qs
+    return qp, qs, qv
 
 
 @triton.jit
@@ -93,7 +93,7 @@ def bs_fwd_kernel(
     qc = t * BLOCK_M + tl.arange(0, BLOCK_M)
     qr = qc - q_offset
     qmask = (qr >= 0) & (qr < Nq)
-    qp, qs = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
+    qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
     i = (t * BLOCK_M) // BLOCK
     lh = h // ratio
     kvh = (h // group).to(tl.int64)
@@ -118,7 +118,7 @@ def bs_fwd_kernel(
             lim = tl.minimum(lim, q_last + 1 - k0)  # sub-tiles wholly above the diagonal hold no allowed key
         for sub in range(0, lim, BLOCK_N):
             kc = k0 + sub + cols
-            ok = _key_ok(qc, qp, qs, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
+            ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
             kmask = kc < Nk
             kc64 = kc.to(tl.int64)[:, None]
             k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
@@ -161,7 +161,7 @@ def bs_bwd_dq_kernel(
     qc = t * BLOCK_M + tl.arange(0, BLOCK_M)
     qr = qc - q_offset
     qmask = (qr >= 0) & (qr < Nq)
-    qp, qs = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
+    qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
     i = (t * BLOCK_M) // BLOCK
     lh = h // ratio
     kvh = (h // group).to(tl.int64)
@@ -190,7 +190,7 @@ def bs_bwd_dq_kernel(
             lim = tl.minimum(lim, q_last + 1 - k0)
         for sub in range(0, lim, BLOCK_N):
             kc = k0 + sub + cols
-            ok = _key_ok(qc, qp, qs, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
+            ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
             kmask = kc < Nk
             kc64 = kc.to(tl.int64)[:, None]
             k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
@@ -256,8 +256,8 @@ def bs_bwd_dkdv_kernel(
                 qc = q0 + sub + rows
                 qr = qc - q_offset
                 qmask = (qr >= 0) & (qr < Nq)
-                qp, qs = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
-                ok = tl.trans(_key_ok(qc, qp, qs, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG))
+                qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
+                ok = tl.trans(_key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG))
                 qr64 = qr.to(tl.int64)
                 q = tl.load(q_row + qr64[:, None] * stride_qn, mask=qmask[:, None], other=0.0)
                 do = tl.load(do_row + qr64[:, None] * stride_dn, mask=qmask[:, None], other=0.0)
