@@ -195,7 +195,7 @@ def test_random_block_mask_gqa(rng, backend, causal):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @kernel
 def test_named_patterns_half(rng, dtype):
-    B, H, Hk, N, D, b = 1, 2, 1, 64, 32, 16
+    B, H, Hk, N, D, b = 1, 2, 1, 96, 32, 32  # 32-token blocks: two 16-row tiles per block under the interpreter
     n = N // b
     lay = union(local_blocks(n, b, 1), global_blocks(n, b, 1), dilated_blocks(n, b, [2, 4], [1, 2], num_heads=H))
     q, k, v = qkv(rng, B, H, Hk, N, N, D, dtype)
@@ -376,6 +376,29 @@ def test_transformers_attention_function(rng):
 # ---- GPU: realistic sizes ---------------------------------------------------------------------------------------------
 
 gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_custom_op_compiles_to_one_node(rng):
+    from hf_dilated.ops.block_sparse import block_sparse_op
+    from hf_dilated.ops.layout import resolve_layout
+
+    B, H, N, D, b = 1, 4, 1024, 64, 64
+    lay = union(local_blocks(N // b, b, 2), global_blocks(N // b, b, 1)).to("cuda")
+    q, k, v = (t.detach().cuda().requires_grad_() for t in qkv(rng, B, H, H, N, N, D, torch.bfloat16))
+    tokens = resolve_layout(B, N, N, q.device)
+    lay.transposed  # noqa: B018 (built outside the graph)
+    torch.library.opcheck(torch.ops.hf_dilated.block_sparse_fwd.default,
+                          (q, k, v, lay.kv_count, lay.kv_index, tokens.q_pos, tokens.q_seq, tokens.q_valid,
+                           tokens.k_pos, tokens.k_seq, tokens.k_valid, b, True, True, D**-0.5),
+                          test_utils=("test_schema", "test_faketensor"))
+    fn = torch.compile(lambda q, k, v: block_sparse_op(q, k, v, lay, tokens, True, D**-0.5)[0], fullgraph=True)
+    out = fn(q, k, v)
+    ref = block_sparse_attention(q, k, v, lay, backend="triton")
+    assert rel(out.float(), ref.float()) < 1e-3
+    out.float().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
 @gpu

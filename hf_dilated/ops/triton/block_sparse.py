@@ -61,6 +61,19 @@ def _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, kbase, Nk, IS_CAUSAL: tl.conste
 
 
 @triton.jit
+def _edge(k0, q0, q_whole, Nk, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr):
+    """Whether the tile (keys from column ``k0``, queries from ``q0``) needs its mask. Contiguous layouts skip it for
+    interior tiles: every row a query, every key real and, when causal, every key before every query."""
+    if CONTIG:
+        edge = (k0 + BLOCK_N > Nk) | (q_whole == 0)
+        if IS_CAUSAL:
+            edge = edge | (k0 + BLOCK_N - 1 > q0)
+    else:
+        edge = k0 >= 0  # always true: masks come from per-token data
+    return edge
+
+
+@triton.jit
 def _query_meta(QPOS, QSEQ, QOK, qbase, qr, qc, qmask, CONTIG: tl.constexpr):
     """Positions, sequence ids and validity of a query tile (rows outside the queries are invalid)."""
     if CONTIG:
@@ -103,34 +116,31 @@ def bs_fwd_kernel(
                 mask=qmask[:, None], other=0.0)
     cnt = tl.load(CNT + b * stride_cb + lh * stride_ch + i)
     idx_row = IDX + b * stride_ib + lh * stride_ih + i * stride_iq
-    q_last = t * BLOCK_M + BLOCK_M - 1
+    q_first = t * BLOCK_M
+    q_whole = (q_first >= q_offset) & (q_first + BLOCK_M <= Nk)  # every row of the tile is a query
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
     cols = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for a in range(0, cnt):
-        j = tl.load(idx_row + a)
-        k0 = j * BLOCK
-        lim = tl.minimum(BLOCK, Nk - k0)
-        if IS_CAUSAL and CONTIG:
-            lim = tl.minimum(lim, q_last + 1 - k0)  # sub-tiles wholly above the diagonal hold no allowed key
-        for sub in range(0, lim, BLOCK_N):
-            kc = k0 + sub + cols
+    for s in range(0, cnt * (BLOCK // BLOCK_N)):
+        k0 = tl.load(idx_row + s // (BLOCK // BLOCK_N)) * BLOCK + (s % (BLOCK // BLOCK_N)) * BLOCK_N
+        kc = k0 + cols
+        kmask = kc < Nk
+        kc64 = kc.to(tl.int64)[:, None]
+        k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
+        qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
+        if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
             ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
-            kmask = kc < Nk
-            kc64 = kc.to(tl.int64)[:, None]
-            k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
-            qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
             qk = tl.where(ok, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
-            m_i = m_new
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -177,29 +187,27 @@ def bs_bwd_dq_kernel(
     delta = tl.load(Delta + b * stride_lb + h64 * stride_lh + qr64, mask=qmask, other=0.0)
     cnt = tl.load(CNT + b * stride_cb + lh * stride_ch + i)
     idx_row = IDX + b * stride_ib + lh * stride_ih + i * stride_iq
-    q_last = t * BLOCK_M + BLOCK_M - 1
+    q_first = t * BLOCK_M
+    q_whole = (q_first >= q_offset) & (q_first + BLOCK_M <= Nk)  # every row of the tile is a query
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
     cols = tl.arange(0, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for a in range(0, cnt):
-        j = tl.load(idx_row + a)
-        k0 = j * BLOCK
-        lim = tl.minimum(BLOCK, Nk - k0)
-        if IS_CAUSAL and CONTIG:
-            lim = tl.minimum(lim, q_last + 1 - k0)
-        for sub in range(0, lim, BLOCK_N):
-            kc = k0 + sub + cols
+    for s in range(0, cnt * (BLOCK // BLOCK_N)):
+        k0 = tl.load(idx_row + s // (BLOCK // BLOCK_N)) * BLOCK + (s % (BLOCK // BLOCK_N)) * BLOCK_N
+        kc = k0 + cols
+        kmask = kc < Nk
+        kc64 = kc.to(tl.int64)[:, None]
+        k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
+        v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
+        qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
+        p = tl.math.exp2(qk - lse[:, None])
+        if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
             ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
-            kmask = kc < Nk
-            kc64 = kc.to(tl.int64)[:, None]
-            k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
-            v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
-            qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
-            p = tl.where(ok, tl.math.exp2(qk - lse[:, None]), 0.0)
-            dp = _mm(do, tl.trans(v), UPCAST)
-            ds = p * (dp - delta[:, None])
-            dq += _mm(ds.to(k.dtype), k, UPCAST)
+            p = tl.where(ok, p, 0.0)
+        dp = _mm(do, tl.trans(v), UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq += _mm(ds.to(k.dtype), k, UPCAST)
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + h64 * stride_dqh + qr64[:, None] * stride_dqn + d[None, :],
              dq.to(DQ.dtype.element_ty), mask=qmask[:, None])
@@ -245,31 +253,28 @@ def bs_bwd_dkdv_kernel(
         do_row = DO + b * stride_db + h64 * stride_dh + d[None, :]
         l_row = L + b * stride_lb + h64 * stride_lh
         dl_row = Delta + b * stride_lb + h64 * stride_lh
-        for a in range(0, cnt):
-            i = tl.load(idx_row + a)
-            q0 = i * BLOCK
-            lo = tl.maximum(q_offset - q0, 0)
-            if IS_CAUSAL and CONTIG:
-                lo = tl.maximum(lo, k_first - q0)  # queries before the key tile see none of it
-            lo = (lo // BLOCK_M) * BLOCK_M
-            for sub in range(lo, BLOCK, BLOCK_M):
-                qc = q0 + sub + rows
-                qr = qc - q_offset
-                qmask = (qr >= 0) & (qr < Nq)
+        for s in range(0, cnt * (BLOCK // BLOCK_M)):
+            q0 = tl.load(idx_row + s // (BLOCK // BLOCK_M)) * BLOCK + (s % (BLOCK // BLOCK_M)) * BLOCK_M
+            qc = q0 + rows
+            qr = qc - q_offset
+            qmask = (qr >= 0) & (qr < Nq)
+            qr64 = qr.to(tl.int64)
+            q = tl.load(q_row + qr64[:, None] * stride_qn, mask=qmask[:, None], other=0.0)
+            do = tl.load(do_row + qr64[:, None] * stride_dn, mask=qmask[:, None], other=0.0)
+            lse = tl.load(l_row + qr64, mask=qmask, other=0.0)
+            lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+            delta = tl.load(dl_row + qr64, mask=qmask, other=0.0)
+            qkT = _mm(k, tl.trans(q), UPCAST) * qk_scale
+            pT = tl.math.exp2(qkT - lse[None, :])
+            q_whole = (q0 >= q_offset) & (q0 + BLOCK_M <= Nk)
+            if _edge(k_first, q0, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
                 qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
                 ok = tl.trans(_key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG))
-                qr64 = qr.to(tl.int64)
-                q = tl.load(q_row + qr64[:, None] * stride_qn, mask=qmask[:, None], other=0.0)
-                do = tl.load(do_row + qr64[:, None] * stride_dn, mask=qmask[:, None], other=0.0)
-                lse = tl.load(l_row + qr64, mask=qmask, other=0.0)
-                lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-                delta = tl.load(dl_row + qr64, mask=qmask, other=0.0)
-                qkT = _mm(k, tl.trans(q), UPCAST) * qk_scale
-                pT = tl.where(ok, tl.math.exp2(qkT - lse[None, :]), 0.0)
-                dv += _mm(pT.to(do.dtype), do, UPCAST)
-                dpT = _mm(v, tl.trans(do), UPCAST)
-                dsT = pT * (dpT - delta[None, :])
-                dk += _mm(dsT.to(q.dtype), q, UPCAST)
+                pT = tl.where(ok, pT, 0.0)
+            dv += _mm(pT.to(do.dtype), do, UPCAST)
+            dpT = _mm(v, tl.trans(do), UPCAST)
+            dsT = pT * (dpT - delta[None, :])
+            dk += _mm(dsT.to(q.dtype), q, UPCAST)
     dk = dk * scale
     tl.store(DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :],
              dk.to(DK.dtype.element_ty), mask=kmask[:, None])
