@@ -73,6 +73,12 @@ def _attend(module, query, key, value, attention_mask, scaling, is_causal, kwarg
     config = BlockSparseConfig.from_model_config(module.config)
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if query.shape[2] < key.shape[2] and attention_mask is not None and not torch.compiler.is_compiling():
+        # A static cache holds unfilled slots after the last written key: drop them, so that the new queries are
+        # the last key columns (blocks are tiles of key columns, see ops/block_sparse/layout.py).
+        filled = int(attention_mask.any(0).nonzero().max()) + 1 if attention_mask.any() else key.shape[2]
+        if query.shape[2] <= filled < key.shape[2]:
+            key, value, attention_mask = key[:, :, :filled], value[:, :, :filled], attention_mask[:, :filled]
     tokens = resolve_layout(
         query.shape[0], query.shape[2], key.shape[2], query.device, attention_mask=attention_mask,
         position_ids=kwargs.get("position_ids"), cu_seqlens_q=kwargs.get("cu_seq_lens_q"),

@@ -119,7 +119,7 @@ _TRANSPOSED: dict = {}
 
 
 def _transpose_of(kv_count: torch.Tensor, kv_index: torch.Tensor, block_size: int):
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or type(kv_index) is not torch.Tensor:  # traced (fake / functional tensors)
         return kv_count.new_empty(0), kv_index.new_empty(0)  # built inside the backward op
     key = (id(kv_index), kv_index._version, id(kv_count))
     hit = _TRANSPOSED.get(key)
