@@ -161,9 +161,15 @@ def test_compact_layout_and_transpose(rng):
     idx = lay.kv_index.long()
     ok = idx >= 0
     assert (idx[..., 1:][ok[..., 1:]] > idx[..., :-1][ok[..., 1:]]).all()  # increasing
-    qc, qi = lay.transposed
-    back = BlockLayout(16, 9, qc, qi).to_mask()
-    assert torch.equal(back, mask.transpose(-1, -2))
+    ptr, flat = lay.transposed
+    back = torch.zeros(2, 3, 9, 9, dtype=torch.bool)
+    for li in range(2):
+        for h in range(3):
+            for j in range(9):
+                rows = flat[li, h, ptr[li, h, j]:ptr[li, h, j + 1]].long()
+                assert (rows[1:] > rows[:-1]).all()
+                back[li, h, rows, j] = True
+    assert torch.equal(back, mask)
 
 
 def test_layout_construction_is_compact_and_fast():

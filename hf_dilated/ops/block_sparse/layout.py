@@ -89,27 +89,20 @@ class BlockLayout:
 
     @functools.cached_property
     def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q_count [L, Hl, n_blocks], q_index [L, Hl, n_blocks, A'])``: per key block its active query blocks."""
+        """``(q_ptr [L, Hl, n_blocks + 1], q_flat [L, Hl, n_blocks * A])`` int32, true CSR of the transpose: the
+        query blocks that read key block ``j`` are ``q_flat[..., q_ptr[j]:q_ptr[j + 1]]``, increasing. (A padded
+        form would be ``(N / b)^2`` wide for the sink block, which every query block reads.)"""
         L, H, n, A = self.kv_index.shape
         active = self.kv_index >= 0
         i = torch.arange(n, device=self.device, dtype=torch.int64).view(1, 1, n, 1).expand(L, H, n, A)
-        j = torch.where(active, self.kv_index.long(), n)  # inactive entries go to a spare row n
-        # Sort (row of the transpose, then query block) with one key: j * (n + 1) + i.
-        key = (j * (n + 1) + i).reshape(L, H, n * A)
-        key, _ = torch.sort(key, dim=-1)
+        j = torch.where(active, self.kv_index.long(), n)  # inactive entries sort last, under a spare row n
+        key, _ = torch.sort((j * (n + 1) + i).reshape(L, H, n * A), dim=-1)
         jj, ii = key // (n + 1), key % (n + 1)
         counts = torch.zeros(L, H, n + 1, dtype=torch.int64, device=self.device)
         counts.scatter_add_(-1, jj, torch.ones_like(jj))
-        start = torch.cumsum(counts, -1) - counts
-        slot = torch.arange(n * A, device=self.device).expand(L, H, -1) - torch.gather(start, -1, jj)
-        q_count = counts[..., :n]
-        width = max(int(q_count.max()), 1)
-        keep = jj < n
-        flat = torch.where(keep, jj * width + slot, n * width)  # inactive entries land in one spare slot
-        q_index = torch.full((L, H, n * width + 1), -1, dtype=torch.int64, device=self.device)
-        q_index.scatter_(-1, flat, torch.where(keep, ii, -1))
-        q_index = q_index[..., : n * width].view(L, H, n, width)
-        return q_count.to(torch.int32).contiguous(), q_index.to(torch.int32).contiguous()
+        ptr = torch.nn.functional.pad(torch.cumsum(counts[..., :n], -1), (1, 0))
+        flat = torch.where(jj < n, ii, -1)
+        return ptr.to(torch.int32).contiguous(), flat.to(torch.int32).contiguous()
 
     def check_for(self, batch: int, q_heads: int, kv_len: int) -> None:
         """Raise ``ValueError`` naming the fault when this layout cannot serve a call of these sizes."""

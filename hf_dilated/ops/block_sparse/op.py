@@ -65,7 +65,7 @@ def _(q, k, v, kv_count, kv_index, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid,
 def block_sparse_bwd(
     do: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, kv_count: torch.Tensor, kv_index: torch.Tensor,
-    q_count: torch.Tensor, q_index: torch.Tensor,
+    q_ptr: torch.Tensor, q_flat: torch.Tensor,
     q_pos: torch.Tensor, q_seq: torch.Tensor, q_valid: torch.Tensor,
     k_pos: torch.Tensor, k_seq: torch.Tensor, k_valid: torch.Tensor,
     block_size: int, contiguous: bool, is_causal: bool, scale: float, has_dlse: bool,
@@ -75,9 +75,9 @@ def block_sparse_bwd(
     if _kernels_ok(q, k, v, block_size):
         from ..triton import block_sparse as kernels
 
-        if q_index.numel() == 0:  # the forward ran without grad mode: build the transpose now
-            q_count, q_index = blocks.transposed
-        return kernels.backward(do, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, tokens, block_size,
+        if q_flat.numel() == 0:  # traced, or the forward ran without grad mode: build the transpose now
+            q_ptr, q_flat = blocks.transposed
+        return kernels.backward(do, q, k, v, out, lse, kv_count, kv_index, q_ptr, q_flat, tokens, block_size,
                                 contiguous, is_causal, scale, dlse if has_dlse else None)
     layout = _token_layout(*tokens, contiguous)
 
@@ -108,8 +108,8 @@ def _backward(ctx, dout, dlse):
     has_dlse = dlse is not None
     dout = torch.zeros_like(out) if dout is None else dout
     dlse = lse.new_zeros(()) if dlse is None else dlse
-    q_count, q_index = _transpose_of(kv_count, kv_index, b)
-    dq, dk, dv = block_sparse_bwd(dout, dlse, q, k, v, out, lse, kv_count, kv_index, q_count, q_index, *tokens,
+    q_ptr, q_flat = _transpose_of(kv_count, kv_index, b)
+    dq, dk, dv = block_sparse_bwd(dout, dlse, q, k, v, out, lse, kv_count, kv_index, q_ptr, q_flat, *tokens,
                                   *ctx.params, has_dlse)
     return (dq, dk, dv) + (None,) * 12
 

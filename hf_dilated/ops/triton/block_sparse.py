@@ -43,18 +43,26 @@ def _mm(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, kbase, Nk, IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr):
-    """``[BLOCK_M, BLOCK_N]`` bool: which keys (columns ``kc``) each query (columns ``qc``, valid ``qv``) may attend."""
+def _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, kbase, Nk, IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr,
+            TRANS: tl.constexpr = False):
+    """Which keys (columns ``kc``) each query (columns ``qc``, valid ``qv``) may attend: ``[BLOCK_M, BLOCK_N]`` bool,
+    or ``[BLOCK_N, BLOCK_M]`` with ``TRANS`` (built in that orientation, no transpose of a bool tile)."""
     kmask = kc < Nk
     if CONTIG:
-        ok = kmask[None, :] & qv[:, None]
-        if IS_CAUSAL:
-            ok = ok & (kc[None, :] <= qc[:, None])
+        kp = kc
+        kv = kmask
+        ks = kc * 0
     else:
         kp = tl.load(KPOS + kbase + kc, mask=kmask, other=0)
         ks = tl.load(KSEQ + kbase + kc, mask=kmask, other=-2)
-        kv = tl.load(KOK + kbase + kc, mask=kmask, other=0) != 0
-        ok = (kv & kmask)[None, :] & qv[:, None] & (ks[None, :] == qs[:, None])
+        kv = (tl.load(KOK + kbase + kc, mask=kmask, other=0) != 0) & kmask
+        ks = tl.where(kv, ks, -2)
+    if TRANS:
+        ok = kv[:, None] & qv[None, :] & (ks[:, None] == qs[None, :])
+        if IS_CAUSAL:
+            ok = ok & (kp[:, None] <= qp[None, :])
+    else:
+        ok = kv[None, :] & qv[:, None] & (ks[None, :] == qs[:, None])
         if IS_CAUSAL:
             ok = ok & (kp[None, :] <= qp[:, None])
     return ok
@@ -215,7 +223,7 @@ def bs_bwd_dq_kernel(
 
 @triton.jit
 def bs_bwd_dkdv_kernel(
-    Q, K, V, DO, L, Delta, DK, DV, QCNT, QIDX, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK,
+    Q, K, V, DO, L, Delta, DK, DV, QPTR, QIDX, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -223,7 +231,7 @@ def bs_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+    stride_cb, stride_ch, stride_ib, stride_ih,
     Nq, Nk, q_offset, group, ratio, scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr,
@@ -247,8 +255,10 @@ def bs_bwd_dkdv_kernel(
         h = kvh * group + g
         h64 = h.to(tl.int64)
         lh = h // ratio
-        cnt = tl.load(QCNT + b * stride_cb + lh * stride_ch + j)
-        idx_row = QIDX + b * stride_ib + lh * stride_ih + j * stride_iq
+        ptr = QPTR + b * stride_cb + lh * stride_ch + j
+        p0 = tl.load(ptr)
+        cnt = tl.load(ptr + 1) - p0
+        idx_row = QIDX + b * stride_ib + lh * stride_ih + p0
         q_row = Q + b * stride_qb + h64 * stride_qh + d[None, :]
         do_row = DO + b * stride_db + h64 * stride_dh + d[None, :]
         l_row = L + b * stride_lb + h64 * stride_lh
@@ -269,7 +279,7 @@ def bs_bwd_dkdv_kernel(
             q_whole = (q0 >= q_offset) & (q0 + BLOCK_M <= Nk)
             if _edge(k_first, q0, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
                 qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
-                ok = tl.trans(_key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG))
+                ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG, True)
                 pT = tl.where(ok, pT, 0.0)
             dv += _mm(pT.to(do.dtype), do, UPCAST)
             dpT = _mm(v, tl.trans(do), UPCAST)
@@ -326,10 +336,11 @@ def _rowmajor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _layout_strides(count: torch.Tensor, index: torch.Tensor, batch: int):
-    """Strides of ``count [L, Hl, n]`` and ``index [L, Hl, n, A]``; a shared batch (``L == 1``) gets stride 0."""
+    """Strides of ``count [L, Hl, n]`` and ``index [L, Hl, n, A]`` (or the flat ``[L, Hl, E]`` of the transpose,
+    without the last); a shared batch (``L == 1``) gets stride 0."""
     cb = count.stride(0) if count.shape[0] == batch and batch > 1 else 0
     ib = index.stride(0) if index.shape[0] == batch and batch > 1 else 0
-    return cb, count.stride(1), ib, index.stride(1), index.stride(2)
+    return (cb, count.stride(1), ib, index.stride(1)) + ((index.stride(2),) if index.ndim == 4 else ())
 
 
 def _meta(tokens, contiguous):
@@ -366,9 +377,10 @@ def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, i
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, kv_count, kv_index, q_count, q_index, tokens, block: int, contiguous: bool,
+def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, block: int, contiguous: bool,
              is_causal: bool, scale: float, dlse=None):
-    """``(dq, dk, dv)`` in the dtypes of q, k, v; a gradient ``dlse`` on the lse enters as ``delta - dlse``."""
+    """``(dq, dk, dv)`` in the dtypes of q, k, v; a gradient ``dlse`` on the lse enters as ``delta - dlse``.
+    ``q_ptr, q_flat``: the layout's transpose in CSR form (``BlockLayout.transposed``)."""
     q, k, v, o, do = (_rowmajor(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
     B, H, Nq, D = q.shape
@@ -395,10 +407,10 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_count, q_index, tokens, 
     )
     grid = (triton.cdiv(Nk, kv_cfg["BLOCK_N"]), Hk, B)
     bs_bwd_dkdv_kernel[grid](
-        q, k, v, do, lse, delta, dk, dv, q_count, q_index, *meta,
+        q, k, v, do, lse, delta, dk, dv, q_ptr, q_flat, *meta,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
         *dk.stride()[:3], *dv.stride()[:3],
-        *_layout_strides(q_count, q_index, B),
+        *_layout_strides(q_ptr, q_flat, B),
         Nq, Nk, q_offset, group, ratio, scale, scale * LOG2E_F, **common, **kv_cfg,
     )
     LAUNCHES["backward"] += 1
