@@ -316,6 +316,17 @@ def write(rows, errors, args, gpu, seconds):
     for r in rows:
         print(f"{r['method']:<20}{r['N']:>8}{r['fwd_ms']:>10.2f}{r['fwd_bwd_ms']:>10.2f}"
               f"{r.get('fwd_tflops', float('nan')):>9.1f}{r.get('fwd_bwd_tflops', float('nan')):>9.1f}{r['err']:>10.2e}")
+    by = {(r["method"], r["N"]): r for r in rows}
+    for (method, N), r in sorted(by.items(), key=lambda x: x[0][1]):
+        other = {"ours": "flex_blockmask", "ours_dense_layout": "sdpa_flash"}.get(method)
+        if other and (other, N) in by:
+            o = by[(other, N)]
+            print(f"{method} vs {other} at N={N}: fwd {o['fwd_ms'] / r['fwd_ms']:.2f}x, "
+                  f"fwd+bwd {o['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x faster")
+        if method == "ours":
+            print(f"layout build at N={N}: {r['layout_build_ms']:.1f} ms (+ {r['layout_transpose_ms']:.1f} ms transpose)")
+        if method == "adaptive":
+            print(f"adaptive at N={N}: {r['speedup_fwd']:.2f}x (fwd), {r['speedup_fwd_bwd']:.2f}x (fwd+bwd) dense SDPA")
     for e in errors:
         print("ERROR", e["section"], e["error"])
     try:
