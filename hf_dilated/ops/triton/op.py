@@ -1,54 +1,106 @@
 """The Triton backend as ``torch.library`` custom ops with fake implementations and registered autograd.
 
-``torch.ops.hf_dilated.dilated_attention_fwd`` and ``..._bwd`` take the layout as plain tensors, so that
-``torch.compile(fullgraph=True)`` traces them as single opaque nodes (no graph break in attention). Inside, each call
-either runs the Triton kernels or, where the layout cannot be addressed in place (a sequence split over several runs)
-or the shape is outside the kernels' range (head dim not a power of two in 16..256, value head dim != query head dim,
-float64), the PyTorch reference: explicitly, never a wrong answer.
+``torch.ops.hf_dilated.dilated_attention_fwd`` and ``..._bwd`` take the layout as plain tensors and the dropout seed
+as an int64 scalar tensor, so that ``torch.compile(fullgraph=True)`` traces them as single opaque nodes (no graph
+break, no host value). Inside, each call runs the Triton kernels, or, where they cannot (:func:`fallback_reason`),
+the PyTorch reference with a one-time warning naming the reason; with ``strict`` it raises ``ValueError`` instead.
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import Optional
 
 import torch
 
 from ..layout import TokenLayout
 from ..reference import dilated_attention_reference
 from . import launch
+from .schedule import RUN_B, RUN_K_COL, RUN_K_LEN, RUN_K_POS, RUN_Q_COL, RUN_Q_LEN, RunPlan, layout_runs
+
+MAX_HEAD_DIM = 256
+_WARNED: set = set()
 
 
 def _layout(q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, contiguous) -> TokenLayout:
     return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, q_valid, contiguous)
 
 
-def kernels_support(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernels cover these shapes and dtypes (otherwise the op runs the reference)."""
-    d = q.shape[-1]
-    return (
-        q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and v.shape[-1] == d
-        and 16 <= d <= 256
-        and d & (d - 1) == 0
-    )
+def shape_fallback_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the kernels cannot take these tensors (dtype, head dims), or ``None``. No host sync."""
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"{q.dtype} inputs (the kernels run float16, bfloat16 and float32)"
+    if v.shape[-1] != q.shape[-1]:
+        return f"value head dim {v.shape[-1]} differs from the query head dim {q.shape[-1]}"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]} above {MAX_HEAD_DIM}"
+    return None
 
 
-def _plan(layout: TokenLayout, q: torch.Tensor, k: torch.Tensor):
-    """``(runs, cache_key)``, or ``(None, None)`` when the layout is not expressible as runs."""
-    B, _, Nq, _ = q.shape
-    Nk = k.shape[2]
-    runs = layout.runs()
-    key = ("contiguous", B, Nq, Nk) if layout.contiguous else None
-    return runs, key
+LAYOUT_REASON = ("a sequence whose valid tokens' positions do not step with their columns (e.g. positions counted "
+                 "across a hole in the mask), or positions beyond 2^30")
 
 
-def _decode_desc(layout: TokenLayout, runs: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-    """Per-row key descriptors for the decode kernel, or ``None`` when a row is not one query run against one key run."""
+def fallback_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout) -> str | None:
+    """Why the Triton kernels cannot run this call, or ``None`` when they can (the check the op itself makes). The
+    layout part reads the layout on the host (once, memoized) unless ``layout.contiguous``."""
+    reason = shape_fallback_reason(q, k, v)
+    if reason is None and layout_runs(layout) is None:
+        reason = LAYOUT_REASON
+    return reason
+
+
+def _plan(layout: TokenLayout, q: torch.Tensor, k: torch.Tensor, strict: bool):
+    """``(plan, cache_key)`` for the kernels, or ``(None, None)`` after the fallback warning (raising with ``strict``)."""
+    plan = layout_runs(layout)
+    if plan is None:
+        return _fallback(LAYOUT_REASON, strict), None
+    key = ("contiguous", q.shape[0], q.shape[2], k.shape[2]) if layout.contiguous else None
+    return plan, key
+
+
+def _fallback(reason: str, strict: bool) -> None:
+    msg = f"hf_dilated: the Triton kernels do not cover {reason}"
+    if strict:
+        raise ValueError(msg + "; use backend='torch' or backend='auto'")
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(msg + "; running the PyTorch reference instead (slower, more memory)", stacklevel=3)
+    launch.LAUNCHES["reference"] += 1
+    return None
+
+
+def _decode_desc(layout: TokenLayout, plan: RunPlan, q: torch.Tensor, k: torch.Tensor):
+    """Per-row key descriptors for the decode kernel, or ``None`` when a row is not one query run against one key
+    run holding all its valid queries."""
+    runs = plan.runs
     B, Nq = q.shape[0], q.shape[2]
-    if Nq > 64 or Nq >= k.shape[2] or runs.shape[0] != B or not torch.equal(runs[:, 0], torch.arange(B)):
+    if Nq > 64 or Nq >= k.shape[2] or runs.shape[0] != B or not torch.equal(runs[:, RUN_B], torch.arange(B)):
         return None
-    if not layout.contiguous and not torch.equal(runs[:, 3], layout.q_valid.sum(-1).cpu()):
-        return None  # some valid query is in no run (no keys of its sequence): leave it to the general path
-    desc = torch.stack([runs[:, 4] - runs[:, 5], runs[:, 5], runs[:, 5] + runs[:, 6]], 1)
+    if not layout.contiguous:
+        cols = torch.arange(Nq)
+        inside = (cols >= runs[:, RUN_Q_COL, None]) & (cols < (runs[:, RUN_Q_COL] + runs[:, RUN_Q_LEN])[:, None])
+        if bool((layout.q_valid.cpu() & ~inside).any()):
+            return None  # some valid query is in no run (no keys of its sequence): leave it to the general path
+    desc = torch.stack([runs[:, RUN_K_COL] - runs[:, RUN_K_POS], runs[:, RUN_K_POS],
+                        runs[:, RUN_K_POS] + runs[:, RUN_K_LEN]], 1)
     return desc.to(torch.int32).to(q.device)
+
+
+def _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p, seed):
+    return launch.Problem(tuple(zip(segment_lengths, dilation_rates)), is_causal, scale, head_offset,
+                          int(window or 0), int(global_tokens), float(dropout_p), seed)
+
+
+def _reference(q, k, v, pb: launch.Problem, layout: TokenLayout):
+    extra = {}  # only what differs from the defaults, so the call works on any reference signature
+    if pb.window:
+        extra["window"] = pb.window
+    if pb.global_tokens:
+        extra["global_tokens"] = pb.global_tokens
+    if pb.dropout_p:
+        extra.update(dropout_p=pb.dropout_p, seed=pb.seed)
+    return dilated_attention_reference(q, k, v, pb.branches, layout, pb.is_causal, pb.scale, pb.head_offset, **extra)
 
 
 @torch.library.custom_op("hf_dilated::dilated_attention_fwd", mutates_args=())
@@ -58,23 +110,23 @@ def dilated_attention_fwd(
     k_pos: torch.Tensor, k_seq: torch.Tensor, k_valid: torch.Tensor,
     segment_lengths: list[int], dilation_rates: list[int],
     contiguous: bool, is_causal: bool, scale: float, head_offset: int,
+    window: int, global_tokens: int, dropout_p: float, seed: Optional[torch.Tensor], strict: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    branches = tuple(zip(segment_lengths, dilation_rates))
+    pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p, seed)
     layout = _layout(q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, contiguous)
-    if kernels_support(q, k, v):
-        runs, key = _plan(layout, q, k)
-        if runs is not None:
-            desc = _decode_desc(layout, runs, q, k)
-            if desc is not None:
-                return launch.decode(q, k, v, branches, q_pos, q_valid, desc, is_causal, scale, head_offset)
-            return launch.forward(q, k, v, branches, runs, key, is_causal, scale, head_offset)
-    out, lse = dilated_attention_reference(q, k, v, branches, layout, is_causal, scale, head_offset)
+    reason = shape_fallback_reason(q, k, v)
+    plan, key = (_fallback(reason, strict), None) if reason else _plan(layout, q, k, strict)
+    if plan is not None:
+        desc = _decode_desc(layout, plan, q, k)
+        if desc is not None:
+            return launch.decode(q, k, v, pb, plan, layout, desc)
+        return launch.forward(q, k, v, pb, plan, (q_valid, k_valid), key)
+    out, lse = _reference(q, k, v, pb, layout)
     return out.contiguous(), lse.float().contiguous()
 
 
 @dilated_attention_fwd.register_fake
-def _(q, k, v, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, segment_lengths, dilation_rates,
-      contiguous, is_causal, scale, head_offset):
+def _(q, k, v, *args):
     B, H, Nq, _ = q.shape
     return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=torch.float32)
 
@@ -86,18 +138,20 @@ def dilated_attention_bwd(
     q_pos: torch.Tensor, q_seq: torch.Tensor, q_valid: torch.Tensor,
     k_pos: torch.Tensor, k_seq: torch.Tensor, k_valid: torch.Tensor,
     segment_lengths: list[int], dilation_rates: list[int],
-    contiguous: bool, is_causal: bool, scale: float, head_offset: int, has_dlse: bool,
+    contiguous: bool, is_causal: bool, scale: float, head_offset: int,
+    window: int, global_tokens: int, dropout_p: float, seed: Optional[torch.Tensor], strict: bool, has_dlse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    branches = tuple(zip(segment_lengths, dilation_rates))
+    pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p, seed)
     layout = _layout(q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, contiguous)
-    if kernels_support(q, k, v):
-        runs, key = _plan(layout, q, k)
-        if runs is not None:
-            return launch.backward(do, q, k, v, out, lse, branches, runs, key, is_causal, scale, head_offset,
+    if shape_fallback_reason(q, k, v) is None:
+        plan, key = _plan(layout, q, k, strict)
+        if plan is not None:
+            return launch.backward(do, q, k, v, out, lse, pb, plan, (q_valid, k_valid), key,
                                    dlse if has_dlse else None)
+
     # The reference's own autograd, as a functional vjp (the op body runs below the autograd dispatch key).
     def ref(qq, kk, vv):
-        o, l = dilated_attention_reference(qq, kk, vv, branches, layout, is_causal, scale, head_offset)
+        o, l = _reference(qq, kk, vv, pb, layout)
         return o, torch.where(torch.isfinite(l), l, torch.zeros_like(l))
 
     (o, l), vjp = torch.func.vjp(ref, q, k, v)
@@ -106,15 +160,18 @@ def dilated_attention_bwd(
 
 
 @dilated_attention_bwd.register_fake
-def _(do, dlse, q, k, v, out, lse, *args):
+def _(do, dlse, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, ws, rs, contiguous, is_causal, scale, head_offset = inputs
+    q, k, v, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, *params = inputs
+    *params, seed, strict = params
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid)
-    ctx.params = (list(ws), list(rs), contiguous, is_causal, scale, head_offset)
+    ctx.seed = seed
+    ctx.params = [list(x) if isinstance(x, (list, tuple)) else x for x in params]
+    ctx.strict = strict
 
 
 def _backward(ctx, dout, dlse):
@@ -125,21 +182,37 @@ def _backward(ctx, dout, dlse):
     if dlse is None:
         dlse = lse.new_zeros(())
     dq, dk, dv = dilated_attention_bwd(
-        dout, dlse, q, k, v, out, lse, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, *ctx.params, has_dlse
+        dout, dlse, q, k, v, out, lse, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, *ctx.params, ctx.seed,
+        ctx.strict, has_dlse,
     )
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 17
 
 
 torch.library.register_autograd("hf_dilated::dilated_attention_fwd", _backward, setup_context=_setup_context)
 
 
-def dilated_attention_op(query, key, value, branches, layout: TokenLayout, is_causal: bool, scale: float,
-                         head_offset: int = 0):
-    """Call the custom op with a :class:`TokenLayout`; returns ``(out, lse)``, differentiable w.r.t. q, k, v
-    (and through the lse as well)."""
+def dilated_attention_triton(query, key, value, branches, layout: TokenLayout, is_causal: bool, scale: float,
+                             head_offset: int = 0, *, window: int | None = None, global_tokens: int = 0,
+                         dropout_p: float = 0.0, seed: torch.Tensor | None = None, strict: bool = False):
+    """Dilated attention per SPEC.md on the Triton kernels: ``(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq]
+    float32)``, differentiable w.r.t. q, k, v and through the lse.
+
+    ``window``: sliding window on every branch (None: none); ``global_tokens``: SPEC's global-token branch;
+    ``dropout_p`` > 0 with ``seed`` (int64 scalar tensor, any device): SPEC's dropout, the same draw in backward.
+    Calls the kernels cannot run (:func:`fallback_reason`: float64, head dim above 256, value head dim != query
+    head dim, layouts not expressible as runs) run the PyTorch reference after a one-time warning naming the reason,
+    or raise ``ValueError`` with ``strict=True`` (what ``backend="triton"`` should pass)."""
     ws = [int(w) for w, _ in branches]
     rs = [int(r) for _, r in branches]
+    if dropout_p:
+        if not 0.0 < float(dropout_p) < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        if not isinstance(seed, torch.Tensor) or seed.numel() != 1 or seed.dtype != torch.int64:
+            raise ValueError(f"dropout_p > 0 needs seed, an int64 scalar tensor, got {seed!r}")
+    else:
+        seed = None
     return torch.ops.hf_dilated.dilated_attention_fwd(
         query, key, value, layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid,
         ws, rs, bool(layout.contiguous), bool(is_causal), float(scale), int(head_offset),
+        int(window or 0), int(global_tokens), float(dropout_p), seed, bool(strict),
     )
