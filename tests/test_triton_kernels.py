@@ -225,10 +225,11 @@ def layout_of(q_pos, k_pos, k_valid=None, q_valid=None, q_seq=None, k_seq=None):
     """A TokenLayout written out by hand (the kernels' reading of a layout, independent of how callers build it)."""
     B, Nq = q_pos.shape
     Nk = k_pos.shape[1]
-    k_valid = torch.ones(B, Nk, dtype=torch.bool) if k_valid is None else k_valid
-    q_valid = (k_valid[:, Nk - Nq:] if Nq == Nk or q_valid is None else q_valid) if q_valid is None else q_valid
-    q_seq = torch.zeros(B, Nq, dtype=torch.long) if q_seq is None else q_seq
-    k_seq = torch.zeros(B, Nk, dtype=torch.long) if k_seq is None else k_seq
+    dev = q_pos.device
+    k_valid = torch.ones(B, Nk, dtype=torch.bool, device=dev) if k_valid is None else k_valid
+    q_valid = k_valid[:, Nk - Nq:] if q_valid is None else q_valid
+    q_seq = torch.zeros(B, Nq, dtype=torch.long, device=dev) if q_seq is None else q_seq
+    k_seq = torch.zeros(B, Nk, dtype=torch.long, device=dev) if k_seq is None else k_seq
     return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, q_valid, contiguous=False)
 
 
@@ -417,17 +418,35 @@ def test_layout_runs():
 
 
 @cpu
+@pytest.mark.parametrize("decode", [False, True])
+def test_counted_positions_across_holes_gathered(rng, decode):
+    """Positions counted across holes (as generate() computes them) do not step with the columns: the kernels run on
+    the gathered valid tokens and scatter back, exact; invalid queries give 0 and an lse of -inf."""
+    B, N = 2, 30
+    _, valid = _holes(rng, B, N)
+    counted = (valid.long().cumsum(-1) - 1).clamp_min(0)
+    nq = 3 if decode else N
+    if decode:
+        valid[:, -nq:] = True
+        counted = (valid.long().cumsum(-1) - 1).clamp_min(0)
+    lay = layout_of(counted[:, -nq:], counted, valid, valid[:, -nq:])
+    assert layout_runs(lay) is None
+    q, k, v = make_qkv(rng, B, 2, 1, nq, N, 16, torch.float32, "cpu")
+    out, lse = check_op(q, k, v, [(8, 1), (16, 2)], TOL[torch.float32], layout=lay, decode=decode, head_offset=1,
+                        global_tokens=2)
+    hidden = ~valid[:, -nq:]
+    assert (out.transpose(1, 2)[hidden] == 0).all() and torch.isinf(lse.transpose(1, 2)[hidden]).all()
+
+
+@cpu
 def test_fallbacks_warn_once_and_strict_raises(rng, monkeypatch):
     """What the kernels cannot run goes to the reference with one warning per reason, still exact; strict raises."""
     monkeypatch.setattr(op, "_WARNED", set())
-    valid = torch.ones(1, 30, dtype=torch.bool)
-    valid[0, 10:14] = False
-    counted = (valid.long().cumsum(-1) - 1).clamp_min(0)
-    lay = layout_of(counted[:, -2:], counted, valid, torch.ones(1, 2, dtype=torch.bool))
-    q, k, v = make_qkv(rng, 1, 2, 2, 2, 30, 16, torch.float32, "cpu")
+    pos = torch.tensor([[0, 1, 2, 5, 6, 7, 8, 9, 12, 13]])  # one sequence whose positions jump
+    lay = layout_of(pos, pos)
+    q, k, v = make_qkv(rng, 1, 2, 2, 10, 10, 16, torch.float32, "cpu")
     assert "positions" in fallback_reason(q, k, v, lay)
-    want = naive_dilated_attention(*(t.double() for t in (q, k, v)), [(8, 1), (16, 2)], q_pos=counted[:, -2:],
-                                   k_pos=counted, k_valid=valid)
+    want = naive_dilated_attention(*(t.double() for t in (q, k, v)), [(8, 1), (16, 2)], q_pos=pos, k_pos=pos)
     before = launch.LAUNCHES["reference"]
     with pytest.warns(UserWarning, match="do not cover") as caught:
         for _ in range(2):
@@ -436,13 +455,22 @@ def test_fallbacks_warn_once_and_strict_raises(rng, monkeypatch):
     assert rel_err(out, want) < TOL[torch.float32]
     with pytest.raises(ValueError, match="do not cover"):
         dilated_attention_triton(q, k, v, ((8, 1), (16, 2)), lay, True, 0.25, strict=True)
+    # Dropout where the kernels would have to gather the tokens (columns change): refused under strict.
+    valid = torch.ones(1, 10, dtype=torch.bool)
+    valid[0, 4] = False
+    counted = (valid.long().cumsum(-1) - 1).clamp_min(0)
+    holes = layout_of(counted, counted, valid)
+    assert fallback_reason(q, k, v, holes) is None and "dropout" in fallback_reason(q, k, v, holes, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout"):
+        dilated_attention_triton(q, k, v, ((8, 1),), holes, True, 0.25, dropout_p=0.1, seed=seed_of(rng), strict=True)
     q64, k64, v64 = (t.detach().double() for t in (q, k, v))
-    assert "float64" in fallback_reason(q64, k64, v64, resolve_layout(1, 2, 30, q.device))
+    assert "float64" in fallback_reason(q64, k64, v64, resolve_layout(1, 10, 10, q.device))
     with pytest.raises(ValueError, match="float64"):
-        dilated_attention_triton(q64, k64, v64, ((8, 1),), resolve_layout(1, 2, 30, q.device), True, 0.25, strict=True)
+        dilated_attention_triton(q64, k64, v64, ((8, 1),), resolve_layout(1, 10, 10, q.device), True, 0.25,
+                                 strict=True)
     big = torch.zeros(1, 1, 2, 264)
     assert "head dim 264" in fallback_reason(big, big, big, resolve_layout(1, 2, 2, q.device))
-    assert fallback_reason(q, k, v, resolve_layout(1, 2, 30, q.device)) is None
+    assert fallback_reason(q, k, v, resolve_layout(1, 10, 10, q.device)) is None
 
 
 @cpu
@@ -526,3 +554,72 @@ def test_gpu_decode(rng, nq):
     _gpu_skip()
     q, k, v = make_qkv(rng, 2, 16, 4, nq, 20000, 128, torch.bfloat16, "cuda")
     check(q, k, v, LONGNET_SMALL + [(4096, 16)], TOL[torch.bfloat16], use_naive=False, decode=True)
+
+
+GPU_BRANCHES = [(256, 1), (512, 2), (1024, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+def test_gpu_window_global_dropout(rng, dtype, D):
+    """Every head dim (padded in the kernel), window + global tokens + dropout at once, against the float64 oracle."""
+    _gpu_skip()
+    q, k, v = make_qkv(rng, 1, 8, 2, 1500, 1500, D, dtype, "cuda")
+    check_op(q, k, v, GPU_BRANCHES, TOL[dtype], head_offset=1, window=300, global_tokens=4, dropout_p=0.1,
+             seed=seed_of(rng))
+    check_op(q, k, v, GPU_BRANCHES, TOL[dtype], is_causal=False, window=200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_dense_sliding_window_layer(rng, causal):
+    """A Gemma-style local layer (dense segment, window 512, 4:1 GQA, D=256) exact, then at 64K tokens forward and
+    backward within a few times the q/k/v bytes (no N x N)."""
+    _gpu_skip()
+    q, k, v = make_qkv(rng, 1, 8, 2, 2500, 2500, 256, torch.bfloat16, "cuda")
+    check_op(q, k, v, [(DENSE_SEGMENT, 1)], TOL[torch.bfloat16], is_causal=causal, window=512)
+    N = 65536
+    q, k, v = make_qkv(rng, 1, 8, 2, N, N, 256, torch.bfloat16, "cuda")
+    lay = resolve_layout(1, N, N, q.device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with kernels_run("forward", "backward"):
+        out, _ = dilated_attention_triton(q, k, v, ((DENSE_SEGMENT, 1),), lay, causal, 256 ** -0.5, window=512,
+                                          strict=True)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    torch.cuda.synchronize()
+    qkv = q.nbytes + k.nbytes + v.nbytes
+    assert torch.cuda.max_memory_allocated() - base < 10 * qkv, "dense sliding-window layer is not memory-linear"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_mask_holes(rng, dtype):
+    """Left padding and holes inside the rows (positions step with columns), with global tokens and dropout."""
+    _gpu_skip()
+    B, N = 2, 2048
+    valid = torch.rand(B, N, generator=rng) > 0.05
+    valid[1, :300] = False
+    pos = torch.arange(N).expand(B, N).clone()
+    pos[1] = (pos[1] - 300).clamp_min(0)
+    lay = layout_of(pos.cuda(), pos.cuda(), valid.cuda(), valid.cuda())
+    q, k, v = make_qkv(rng, B, 8, 4, N, N, 128, dtype, "cuda")
+    check_op(q, k, v, GPU_BRANCHES, TOL[dtype], layout=lay, global_tokens=2, dropout_p=0.1, seed=seed_of(rng))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq", [1, 16])
+def test_gpu_decode_features(rng, nq):
+    """Decode against an 8K cache with holes, a window, global tokens and dropout."""
+    _gpu_skip()
+    B, N = 2, 8192
+    valid = torch.rand(B, N, generator=rng) > 0.02
+    valid[:, -nq:] = True
+    pos = torch.arange(N).expand(B, N)
+    lay = layout_of(pos[:, -nq:].cuda(), pos.cuda(), valid.cuda(), torch.ones(B, nq, dtype=torch.bool).cuda())
+    q, k, v = make_qkv(rng, B, 16, 4, nq, N, 128, torch.bfloat16, "cuda")
+    branches = [(1024, 1), (2048, 2), (4096, 4), (8192, 8)]
+    check_op(q, k, v, branches, TOL[torch.bfloat16], layout=lay, decode=True, window=3000, global_tokens=4,
+             dropout_p=0.1, seed=seed_of(rng))

@@ -13,10 +13,11 @@ from typing import Optional
 
 import torch
 
-from ..layout import TokenLayout
+from ..layout import TokenLayout, _IdentityMemo
 from ..reference import dilated_attention_reference
 from . import launch
-from .schedule import RUN_B, RUN_K_COL, RUN_K_LEN, RUN_K_POS, RUN_Q_COL, RUN_Q_LEN, RunPlan, layout_runs
+from .schedule import RUN_B, RUN_K_COL, RUN_K_LEN, RUN_K_POS, RUN_Q_COL, RUN_Q_LEN, Compaction, RunPlan, compact, \
+    layout_runs
 
 MAX_HEAD_DIM = 256
 _WARNED: set = set()
@@ -37,29 +38,47 @@ def shape_fallback_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     return None
 
 
-LAYOUT_REASON = ("a sequence whose valid tokens' positions do not step with their columns (e.g. positions counted "
-                 "across a hole in the mask), or positions beyond 2^30")
+LAYOUT_REASON = ("a sequence whose valid tokens' positions do not step by one (after gathering the valid tokens), "
+                 "or positions beyond 2^30")
+DROPOUT_GATHER_REASON = ("dropout on a layout whose valid tokens' positions do not step with their columns (positions "
+                         "counted across a hole in the mask): the kernels would gather the tokens and so change the "
+                         "columns that the dropout draw hashes")
+_COMPACT = _IdentityMemo()
 
 
-def fallback_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout) -> str | None:
+def _compaction(layout: TokenLayout) -> Compaction | None:
+    tensors = (layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid)
+    return _COMPACT(lambda: compact(layout), tensors, ())
+
+
+def _route(q, k, v, layout: TokenLayout, dropout_p: float):
+    """``(reason, plan, cache_key, compaction)``: the kernels run ``plan`` in place (``compaction`` None) or on the
+    gathered valid tokens (layouts whose positions step with the valid tokens but not the columns); ``reason`` (not
+    None) says why they cannot run at all."""
+    reason = shape_fallback_reason(q, k, v)
+    if reason is not None:
+        return reason, None, None, None
+    plan = layout_runs(layout)
+    if plan is not None:
+        key = ("contiguous", q.shape[0], q.shape[2], k.shape[2]) if layout.contiguous else None
+        return None, plan, key, None
+    comp = _compaction(layout)
+    if comp is None:
+        return LAYOUT_REASON, None, None, None
+    if dropout_p:
+        return DROPOUT_GATHER_REASON, None, None, None
+    return None, comp.plan, None, comp
+
+
+def fallback_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout,
+                    dropout_p: float = 0.0) -> str | None:
     """Why the Triton kernels cannot run this call, or ``None`` when they can (the check the op itself makes). The
     layout part reads the layout on the host (once, memoized) unless ``layout.contiguous``."""
-    reason = shape_fallback_reason(q, k, v)
-    if reason is None and layout_runs(layout) is None:
-        reason = LAYOUT_REASON
-    return reason
-
-
-def _plan(layout: TokenLayout, q: torch.Tensor, k: torch.Tensor, strict: bool):
-    """``(plan, cache_key)`` for the kernels, or ``(None, None)`` after the fallback warning (raising with ``strict``)."""
-    plan = layout_runs(layout)
-    if plan is None:
-        return _fallback(LAYOUT_REASON, strict), None
-    key = ("contiguous", q.shape[0], q.shape[2], k.shape[2]) if layout.contiguous else None
-    return plan, key
+    return _route(q, k, v, layout, dropout_p)[0]
 
 
 def _fallback(reason: str, strict: bool) -> None:
+    """Warn once per reason that the reference runs (count it in ``launch.LAUNCHES``), or raise with ``strict``."""
     msg = f"hf_dilated: the Triton kernels do not cover {reason}"
     if strict:
         raise ValueError(msg + "; use backend='torch' or backend='auto'")
@@ -114,15 +133,23 @@ def dilated_attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p, seed)
     layout = _layout(q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, contiguous)
-    reason = shape_fallback_reason(q, k, v)
-    plan, key = (_fallback(reason, strict), None) if reason else _plan(layout, q, k, strict)
+    reason, plan, key, comp = _route(q, k, v, layout, pb.dropout_p)
+    if comp is not None:  # run on the gathered valid tokens, scatter back
+        o, lse = _kernels_fwd(comp.gather(q, False), comp.gather(k, True), comp.gather(v, True), pb, plan, None,
+                              comp.layout)
+        return comp.scatter(o, q.shape[2], False), comp.scatter(lse, q.shape[2], False, float("-inf"))
     if plan is not None:
-        desc = _decode_desc(layout, plan, q, k)
-        if desc is not None:
-            return launch.decode(q, k, v, pb, plan, layout, desc)
-        return launch.forward(q, k, v, pb, plan, (q_valid, k_valid), key)
+        return _kernels_fwd(q, k, v, pb, plan, key, layout)
+    _fallback(reason, strict)
     out, lse = _reference(q, k, v, pb, layout)
     return out.contiguous(), lse.float().contiguous()
+
+
+def _kernels_fwd(q, k, v, pb, plan, key, layout):
+    desc = _decode_desc(layout, plan, q, k)
+    if desc is not None:
+        return launch.decode(q, k, v, pb, plan, layout, desc)
+    return launch.forward(q, k, v, pb, plan, (layout.q_valid, layout.k_valid), key)
 
 
 @dilated_attention_fwd.register_fake
@@ -143,11 +170,19 @@ def dilated_attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p, seed)
     layout = _layout(q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, contiguous)
-    if shape_fallback_reason(q, k, v) is None:
-        plan, key = _plan(layout, q, k, strict)
-        if plan is not None:
-            return launch.backward(do, q, k, v, out, lse, pb, plan, (q_valid, k_valid), key,
-                                   dlse if has_dlse else None)
+    reason, plan, key, comp = _route(q, k, v, layout, pb.dropout_p)
+    dlse = dlse if has_dlse else None
+    if comp is not None:
+        gq = lambda t: comp.gather(t, False)  # noqa: E731
+        if dlse is not None:
+            dlse = gq(dlse.expand_as(lse))
+        dq, dk, dv = launch.backward(gq(do), gq(q), comp.gather(k, True), comp.gather(v, True), gq(out), gq(lse), pb,
+                                     plan, (comp.layout.q_valid, comp.layout.k_valid), None, dlse)
+        return (comp.scatter(dq, q.shape[2], False), comp.scatter(dk, k.shape[2], True),
+                comp.scatter(dv, v.shape[2], True))
+    if plan is not None:
+        return launch.backward(do, q, k, v, out, lse, pb, plan, (q_valid, k_valid), key, dlse)
+    _fallback(reason, strict)
 
     # The reference's own autograd, as a functional vjp (the op body runs below the autograd dispatch key).
     def ref(qq, kk, vv):
@@ -155,7 +190,7 @@ def dilated_attention_bwd(
         return o, torch.where(torch.isfinite(l), l, torch.zeros_like(l))
 
     (o, l), vjp = torch.func.vjp(ref, q, k, v)
-    dl = dlse.to(l.dtype).expand_as(l) if has_dlse else torch.zeros_like(l)
+    dl = dlse.to(l.dtype).expand_as(l) if dlse is not None else torch.zeros_like(l)
     return tuple(g.contiguous() for g in vjp((do.to(o.dtype), dl)))
 
 

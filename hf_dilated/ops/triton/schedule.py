@@ -158,3 +158,46 @@ def branch_items(runs: torch.Tensor, w: int, r: int, is_causal: bool, device: to
         if len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return out
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """A layout that is not runs in place, made runs by gathering each row's valid tokens to the front: the kernels
+    run on ``q[:, :, q_cols]`` / ``k[:, :, k_cols]`` (``[B, Nq']`` / ``[B, Nk']`` int64 column indices, a permutation
+    prefix per row, so scattering back never collides) with ``layout`` and ``plan`` describing the gathered tensors."""
+
+    q_cols: torch.Tensor
+    k_cols: torch.Tensor
+    layout: TokenLayout
+    plan: RunPlan
+
+    def gather(self, t: torch.Tensor, keys: bool) -> torch.Tensor:
+        """``t[..., cols, :]`` for ``[B, H, N, D]`` (or ``t[..., cols]`` for ``[B, H, N]``)."""
+        cols = self.k_cols if keys else self.q_cols
+        idx = cols[:, None, :, None] if t.ndim == 4 else cols[:, None, :]
+        return t.gather(2, idx.expand(*t.shape[:2], cols.shape[1], *t.shape[3:]))
+
+    def scatter(self, t: torch.Tensor, n: int, keys: bool, fill: float = 0.0) -> torch.Tensor:
+        """Inverse of :meth:`gather` into a tensor of length ``n`` along the token axis, ``fill`` elsewhere."""
+        cols = self.k_cols if keys else self.q_cols
+        idx = cols[:, None, :, None] if t.ndim == 4 else cols[:, None, :]
+        out = t.new_full((*t.shape[:2], n, *t.shape[3:]), fill)
+        return out.scatter_(2, idx.expand_as(t), t)
+
+
+def _front(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    count = valid.sum(-1)
+    n = max(int(count.max()), 1) if valid.numel() else 1
+    cols = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)[:, :n]
+    return cols, torch.arange(n, device=valid.device)[None] < count[:, None], n
+
+
+def compact(layout: TokenLayout) -> Compaction | None:
+    """The :class:`Compaction` of ``layout``, or ``None`` when even the gathered tokens are not runs (positions of
+    one sequence that do not step by one)."""
+    q_cols, q_valid, _ = _front(layout.q_valid)
+    k_cols, k_valid, _ = _front(layout.k_valid)
+    packed = TokenLayout(layout.q_pos.gather(1, q_cols), layout.q_seq.gather(1, q_cols),
+                         layout.k_pos.gather(1, k_cols), layout.k_seq.gather(1, k_cols), k_valid, q_valid, False)
+    plan = _layout_runs(packed)
+    return None if plan is None else Compaction(q_cols, k_cols, packed, plan)
