@@ -2,8 +2,10 @@
 
 ``torch.ops.hf_dilated.dilated_attention_fwd`` and ``..._bwd`` take the layout as plain tensors and the dropout seed
 as an int64 scalar tensor, so that ``torch.compile(fullgraph=True)`` traces them as single opaque nodes (no graph
-break, no host value). Inside, each call runs the Triton kernels, or, where they cannot (:func:`fallback_reason`),
-the PyTorch reference with a one-time warning naming the reason; with ``strict`` it raises ``ValueError`` instead.
+break, no host value). Inside, each call runs the Triton kernels: in place on the layout's runs, or on the gathered
+valid tokens (scattered back) when positions step with the valid tokens but not with the columns. Where they cannot
+(:func:`fallback_reason`) it runs the PyTorch reference with a one-time warning naming the reason; with ``strict``
+it raises ``ValueError`` instead.
 """
 
 from __future__ import annotations
