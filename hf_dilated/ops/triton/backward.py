@@ -20,8 +20,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import LOG2E, allowed, drop_keep, drop_rows, first_selected, key_range, load_item, load_rows, mm, n_rows, \
-    query_range
+from .tiles import (
+    LOG2E, allowed, drop_keep, drop_rows, first_selected, key_range, load_item, load_rows, mm, n_rows,
+    query_range, tile_mask,
+)
 
 
 @triton.jit
@@ -126,7 +128,7 @@ def dilated_bwd_dkdv_kernel(
                 dsT = pT * (dpT - delta[None, :])
             dk += mm(dsT.to(q.dtype), q, UPCAST)
     dk = dk * scale
-    smask = in_range[:, None] & dmask[None, :]
+    smask = tile_mask(in_range, dmask, EVEN_D)
     dk_ptrs = DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :]
     dv_ptrs = DV + b * stride_dvb + kvh64 * stride_dvh + kc64 * stride_dvn + d[None, :]
     if not FIRST:
@@ -211,7 +213,7 @@ def dilated_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += mm(ds.to(k.dtype), k, UPCAST)
     dq = dq * scale
-    smask = in_range[:, None] & dmask[None, :]
+    smask = tile_mask(in_range, dmask, EVEN_D)
     dq_ptrs = DQ + b * stride_dqb + h64 * stride_dqh + qc64[:, None] * stride_dqn + d[None, :]
     if not FIRST:
         dq += tl.load(dq_ptrs, mask=smask, other=0.0).to(tl.float32)

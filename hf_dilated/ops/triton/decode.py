@@ -17,7 +17,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import allowed, drop_keep, drop_rows, finish, first_selected, load_rows, mm, n_rows, softmax_step
+from .tiles import (
+    allowed, drop_keep, drop_rows, finish, first_selected, load_rows, mm, n_rows, softmax_step, tile_mask,
+)
 
 
 @triton.jit
@@ -102,5 +104,5 @@ def dilated_decode_kernel(
                 acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, keep, inv_keep, DROPOUT, UPCAST)
     out, lse = finish(acc, l_i, m_i)
     tl.store(O + b * stride_ob + h64 * stride_oh + r64[:, None] * stride_on + d[None, :],
-             out.to(O.dtype.element_ty), mask=(rows < Nq)[:, None] & dmask[None, :])
+             out.to(O.dtype.element_ty), mask=tile_mask(rows < Nq, dmask, EVEN_D))
     tl.store(L + b * stride_lb + h64 * stride_lh + r64, lse, mask=rows < Nq)

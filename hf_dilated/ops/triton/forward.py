@@ -14,8 +14,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import allowed, drop_keep, drop_rows, finish, first_selected, key_range, load_item, load_rows, mm, n_rows, \
-    softmax_step
+from .tiles import (
+    allowed, drop_keep, drop_rows, finish, first_selected, key_range, load_item, load_rows, mm, n_rows,
+    softmax_step, tile_mask,
+)
 
 
 @triton.jit
@@ -110,7 +112,7 @@ def dilated_fwd_branch_kernel(
     o_b, lse_b = finish(acc, l_i, m_i)
     o_ptrs = O + b * stride_ob + h64 * stride_oh + qc.to(tl.int64)[:, None] * stride_on + d[None, :]
     l_ptrs = L + b * stride_lb + h64 * stride_lh + qc.to(tl.int64)
-    smask = in_range[:, None] & dmask[None, :]
+    smask = tile_mask(in_range, dmask, EVEN_D)
     if FIRST:
         out = o_b
         lse = lse_b

@@ -68,7 +68,8 @@ def _extras(pb: Problem, plan: RunPlan, layout_valid, B: int, H: int, device):
     """Kernel arguments shared by every launch: validity (int8, read with holes), dropout streams, flags."""
     q_valid, k_valid = layout_valid
     if plan.holes:
-        qv, kv = q_valid.to(device=device, dtype=torch.int8).contiguous(), k_valid.to(device=device, dtype=torch.int8).contiguous()
+        qv = q_valid.to(device=device, dtype=torch.int8).contiguous()
+        kv = k_valid.to(device=device, dtype=torch.int8).contiguous()
     else:
         qv = kv = torch.empty(1, dtype=torch.int8, device=device)
     n_br = len(pb.kernel_branches())
@@ -183,7 +184,8 @@ def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, h0, items, pb: Problem,
             q, k, v, do, lse, delta, dk, dv, it.items, qv, kv, s,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
             *dk.stride()[:3], *dv.stride()[:3],
-            Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr, inv_keep,
+            Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
+            inv_keep,
             HEAD_DIM=hd, D=D, FIRST=first, UPCAST=_upcast(q), **flags, **kv_cfg,
         )
         grid = (it.n_items, triton.cdiv(it.max_q_rows, q_cfg["BLOCK_M"]), H)

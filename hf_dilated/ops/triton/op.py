@@ -133,7 +133,8 @@ def dilated_attention_fwd(
     contiguous: bool, is_causal: bool, scale: float, head_offset: int,
     window: int, global_tokens: int, dropout_p: float, seed: Optional[torch.Tensor], strict: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p, seed)
+    pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p,
+                  seed)
     layout = _layout(q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, contiguous)
     reason, plan, key, comp = _route(q, k, v, layout, pb.dropout_p)
     if comp is not None:  # run on the gathered valid tokens, scatter back
@@ -170,7 +171,8 @@ def dilated_attention_bwd(
     contiguous: bool, is_causal: bool, scale: float, head_offset: int,
     window: int, global_tokens: int, dropout_p: float, seed: Optional[torch.Tensor], strict: bool, has_dlse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p, seed)
+    pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p,
+                  seed)
     layout = _layout(q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, contiguous)
     reason, plan, key, comp = _route(q, k, v, layout, pb.dropout_p)
     dlse = dlse if has_dlse else None

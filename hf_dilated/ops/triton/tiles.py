@@ -115,6 +115,16 @@ def load_rows(ptrs, rmask, dmask, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr)
 
 
 @triton.jit
+def tile_mask(rmask, dmask, EVEN_D: tl.constexpr):
+    """The ``[rows, HEAD_DIM]`` store mask: valid rows, real head dims (no column mask when none is padded)."""
+    if EVEN_D:
+        m = rmask[:, None]
+    else:
+        m = rmask[:, None] & dmask[None, :]
+    return m
+
+
+@triton.jit
 def softmax_step(acc, l_i, m_i, qk, v, keep, inv_keep, DROPOUT: tl.constexpr, UPCAST: tl.constexpr):
     """One online-softmax step over a key tile (``qk`` in log2 units, -inf where masked). The normaliser ``l_i`` sums
     the undropped probabilities; with ``DROPOUT`` the output accumulates only the kept ones, scaled by ``inv_keep``."""
