@@ -470,6 +470,7 @@ def test_fallbacks_warn_once_and_strict_raises(rng, monkeypatch):
                                  strict=True)
     big = torch.zeros(1, 1, 2, 264)
     assert "head dim 264" in fallback_reason(big, big, big, resolve_layout(1, 2, 2, q.device))
+    assert "dilation rates" in fallback_reason(q, k, v, resolve_layout(1, 10, 10, q.device), branches=((2**23, 2**23),))
     assert fallback_reason(q, k, v, resolve_layout(1, 10, 10, q.device)) is None
 
 
@@ -623,3 +624,16 @@ def test_gpu_decode_features(rng, nq):
     branches = [(1024, 1), (2048, 2), (4096, 4), (8192, 8)]
     check_op(q, k, v, branches, TOL[torch.bfloat16], layout=lay, decode=True, window=3000, global_tokens=4,
              dropout_p=0.1, seed=seed_of(rng))
+
+
+@pytest.mark.gpu
+def test_gpu_counted_positions_across_holes(rng):
+    """Positions counted across holes (generate()'s position ids): the kernels on the gathered valid tokens."""
+    _gpu_skip()
+    B, N = 2, 2048
+    valid = torch.rand(B, N, generator=rng) > 0.05
+    valid[0, :100] = False
+    counted = (valid.long().cumsum(-1) - 1).clamp_min(0)
+    lay = layout_of(counted.cuda(), counted.cuda(), valid.cuda(), valid.cuda())
+    q, k, v = make_qkv(rng, B, 8, 2, N, N, 96, torch.bfloat16, "cuda")
+    check_op(q, k, v, GPU_BRANCHES, TOL[torch.bfloat16], layout=lay, global_tokens=1, window=700)

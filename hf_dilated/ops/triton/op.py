@@ -22,6 +22,7 @@ from .schedule import RUN_B, RUN_K_COL, RUN_K_LEN, RUN_K_POS, RUN_Q_COL, RUN_Q_L
     layout_runs
 
 MAX_HEAD_DIM = 256
+MAX_RATE = 2**22  # rows * r stays within int32 next to positions below 2^30
 _WARNED: set = set()
 
 
@@ -53,11 +54,13 @@ def _compaction(layout: TokenLayout) -> Compaction | None:
     return _COMPACT(lambda: compact(layout), tensors, ())
 
 
-def _route(q, k, v, layout: TokenLayout, dropout_p: float):
+def _route(q, k, v, layout: TokenLayout, dropout_p: float, branches=()):
     """``(reason, plan, cache_key, compaction)``: the kernels run ``plan`` in place (``compaction`` None) or on the
     gathered valid tokens (layouts whose positions step with the valid tokens but not the columns); ``reason`` (not
     None) says why they cannot run at all."""
     reason = shape_fallback_reason(q, k, v)
+    if reason is None and any(r > MAX_RATE for _, r in branches):
+        reason = f"dilation rates above {MAX_RATE} (int32 row arithmetic)"
     if reason is not None:
         return reason, None, None, None
     plan = layout_runs(layout)
@@ -73,10 +76,10 @@ def _route(q, k, v, layout: TokenLayout, dropout_p: float):
 
 
 def fallback_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout,
-                    dropout_p: float = 0.0) -> str | None:
+                    dropout_p: float = 0.0, branches=()) -> str | None:
     """Why the Triton kernels cannot run this call, or ``None`` when they can (the check the op itself makes). The
     layout part reads the layout on the host (once, memoized) unless ``layout.contiguous``."""
-    return _route(q, k, v, layout, dropout_p)[0]
+    return _route(q, k, v, layout, dropout_p, branches)[0]
 
 
 def _fallback(reason: str, strict: bool) -> None:
@@ -136,7 +139,7 @@ def dilated_attention_fwd(
     pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p,
                   seed)
     layout = _layout(q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, contiguous)
-    reason, plan, key, comp = _route(q, k, v, layout, pb.dropout_p)
+    reason, plan, key, comp = _route(q, k, v, layout, pb.dropout_p, pb.branches)
     if comp is not None:  # run on the gathered valid tokens, scatter back
         o, lse = _kernels_fwd(comp.gather(q, False), comp.gather(k, True), comp.gather(v, True), pb, plan, None,
                               comp.layout)
@@ -174,7 +177,7 @@ def dilated_attention_bwd(
     pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p,
                   seed)
     layout = _layout(q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, contiguous)
-    reason, plan, key, comp = _route(q, k, v, layout, pb.dropout_p)
+    reason, plan, key, comp = _route(q, k, v, layout, pb.dropout_p, pb.branches)
     dlse = dlse if has_dlse else None
     if comp is not None:
         gq = lambda t: comp.gather(t, False)  # noqa: E731
