@@ -69,7 +69,6 @@ class _IdentityMemo:
 
 
 _LAYOUTS = _IdentityMemo()
-_RUNS = _IdentityMemo()
 
 
 def _sequence_ids_from_positions(pos: torch.Tensor) -> torch.Tensor:
@@ -177,62 +176,3 @@ def _resolve_layout(batch, q_len, kv_len, device, attention_mask, position_ids, 
         torch.equal(k_pos, torch.arange(kv_len, device=device).expand(batch, -1))
     ) and bool(torch.equal(q_pos, k_pos[:, kv_len - q_len :]))
     return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, q_valid, contiguous)
-
-
-def _runs_of(pos: torch.Tensor, seq: torch.Tensor, valid: torch.Tensor) -> list[list[tuple[int, int, int, int]]]:
-    """Per batch row, the maximal runs ``(sequence, first column, first position, length)`` of valid tokens whose
-    columns and positions both step by one (CPU tensors in, Python ints out)."""
-    out = []
-    for b in range(pos.shape[0]):
-        cols = valid[b].nonzero().flatten()
-        if cols.numel() == 0:
-            out.append([])
-            continue
-        p, s = pos[b, cols], seq[b, cols]
-        brk = torch.ones(cols.numel(), dtype=torch.bool)
-        brk[1:] = (cols[1:] != cols[:-1] + 1) | (p[1:] != p[:-1] + 1) | (s[1:] != s[:-1])
-        starts = brk.nonzero().flatten().tolist()
-        ends = starts[1:] + [cols.numel()]
-        out.append([(int(s[i]), int(cols[i]), int(p[i]), e - i) for i, e in zip(starts, ends)])
-    return out
-
-
-def token_runs(layout: TokenLayout) -> torch.Tensor | None:
-    """See :func:`_token_runs`; memoized on the identity of the layout's tensors."""
-    tensors = (layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid)
-    return _RUNS(lambda: _token_runs(layout), tensors, (layout.contiguous,))
-
-
-def _token_runs(layout: TokenLayout) -> torch.Tensor | None:
-    """The layout as runs, one per (batch row, sequence): a CPU int64 tensor ``[R, 7]`` with rows
-    ``(b, q_col0, q_pos0, q_len, k_col0, k_pos0, k_len)``: the sequence's queries sit at columns
-    ``q_col0 + (p - q_pos0)`` for positions ``p`` in ``[q_pos0, q_pos0 + q_len)`` and its keys likewise.
-
-    Kernels that address dilated rows in place (``ops/triton``) need this form. Returns ``None`` when some sequence's
-    valid queries or keys are not one such run (e.g. padding in the middle of a sequence); callers then fall back to
-    the reference. Sequences with queries but no keys (or keys but no queries) attend to / are attended by nothing
-    and are left out. Costs one device-to-host copy of the layout unless ``layout.contiguous``.
-    """
-    B, Nq = layout.q_pos.shape
-    Nk = layout.k_pos.shape[1]
-    if layout.contiguous:
-        rows = [[b, 0, Nk - Nq, Nq, 0, 0, Nk] for b in range(B)]
-        return torch.tensor(rows, dtype=torch.int64).reshape(-1, 7)
-    qr = _runs_of(layout.q_pos.cpu(), layout.q_seq.cpu(), layout.q_valid.cpu())
-    kr = _runs_of(layout.k_pos.cpu(), layout.k_seq.cpu(), layout.k_valid.cpu())
-    rows = []
-    for b in range(B):
-        qs: dict[int, tuple[int, int, int]] = {}
-        ks: dict[int, tuple[int, int, int]] = {}
-        for runs, into in ((qr[b], qs), (kr[b], ks)):
-            for s, c0, p0, n in runs:
-                if s in into:
-                    return None  # one sequence in two runs: not expressible in place
-                into[s] = (c0, p0, n)
-        for s, (qc, qp, qn) in qs.items():
-            if s in ks:
-                rows.append([b, qc, qp, qn, *ks[s]])
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 7)
-
-
-TokenLayout.runs = token_runs  # additive: ``layout.runs()``
