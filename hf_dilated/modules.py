@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import validate_branches
-from .ops.dispatch import dilated_attention
+from .ops.dilated import dilated_attention
 
 
 class DilatedAttention(nn.Module):

@@ -37,11 +37,46 @@ def test_mask_stays_compact():
     emb = torch.randn(2, 40, 64)
     assert create_causal_mask(model.config, emb, None, None) is None
     mask = torch.ones(2, 40, dtype=torch.long)
-    assert create_causal_mask(model.config, emb, mask, None) is None
     mask[1, :5] = 0
+    mask[0, 7] = 0
     built = create_causal_mask(model.config, emb, mask, None)
-    assert built.shape == (2, 40) and built.dtype == torch.bool
+    assert built.shape == (2, 40) and built.dtype == torch.bool  # [B, Nk], never N x N
     assert torch.equal(built, mask.bool())
+    # A given mask is passed on even when all ones (one sequence per row: packing is not inferred), as is.
+    ones = torch.ones(2, 40, dtype=torch.bool)
+    assert create_causal_mask(model.config, emb, ones, None) is ones
+
+
+def test_static_cache_mask_marks_unfilled_slots_without_reading_values():
+    model = switch(tiny_llama(), LONGNET)
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    emb = torch.randn(2, 1, 64)
+    cache.update(torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16), 0)
+    built = create_causal_mask(model.config, emb, None, cache)
+    assert built.shape == (2, 64) and built[:, :31].all() and not built[:, 31:].any()
+
+
+def test_mask_holes_hide_those_keys_only_like_sdpa_and_eager(rng):
+    """A 0 in the middle of a row hides that key and nothing else (Transformers' rule): with the degenerate config the
+    real tokens' logits equal sdpa's and eager's, and greedy decoding picks the same tokens."""
+    ids = torch.randint(3, 128, (2, 24), generator=rng)
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, 3] = mask[1, 5] = 0
+    real = mask.bool()
+    model = tiny_llama(max_position_embeddings=512)
+    with torch.no_grad():
+        want = {}
+        for impl in ("sdpa", "eager"):
+            model.set_attn_implementation(impl)
+            want[impl] = model(ids, attention_mask=mask).logits
+        switch(model, DilatedAttentionConfig(segment_lengths=[512], dilation_rates=[1], backend="torch"))
+        got = model(ids, attention_mask=mask).logits
+    for impl, logits in want.items():
+        torch.testing.assert_close(got[real], logits[real], rtol=1e-5, atol=1e-5, msg=lambda m: f"{impl}: {m}")
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ours = model.generate(ids, **kw)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(ours, model.generate(ids, **kw))
 
 
 def test_degenerate_config_equals_sdpa_and_switching_back_restores(rng):
@@ -121,25 +156,25 @@ def test_per_layer_choice_leaves_other_layers_dense(rng):
     ids = torch.randint(0, 128, (1, 48), generator=rng)
     model = tiny_llama()
     calls = []
-    original = hf_dilated.integrations.transformers.run_backend
+    original = hf_dilated.integrations.transformers.attend
 
     def spy(*args, **kwargs):
-        calls.append(1)
+        calls.append(args[4])  # the branches
         return original(*args, **kwargs)
 
-    hf_dilated.integrations.transformers.run_backend = spy
+    hf_dilated.integrations.transformers.attend = spy
     try:
         with torch.no_grad():
             dense = model(ids).logits
             cfg = DilatedAttentionConfig(segment_lengths=[8, 16], dilation_rates=[1, 2], layers=[1], backend="torch")
             switch(model, cfg)
             one = model(ids).logits
-            assert len(calls) == 1  # layer 1 only
+            assert calls == [hf_dilated.ops.DENSE, ((8, 1), (16, 2))]  # layer 0 dense, layer 1 dilated: one op path
             switch(model, DilatedAttentionConfig(segment_lengths=[8, 16], dilation_rates=[1, 2], layers=[], backend="torch"))
             torch.testing.assert_close(model(ids).logits, dense, rtol=1e-5, atol=1e-5)
-            assert len(calls) == 1
+            assert calls[2:] == [hf_dilated.ops.DENSE] * 2
     finally:
-        hf_dilated.integrations.transformers.run_backend = original
+        hf_dilated.integrations.transformers.attend = original
     assert (one - dense).abs().max() > 1e-4
 
 
@@ -164,14 +199,21 @@ def test_gradients_reach_every_projection(rng):
             assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
 
 
-def test_unsupported_features_raise():
-    model = switch(tiny_llama(attention_dropout=0.1), LONGNET).train()
-    ids = torch.randint(0, 128, (1, 16))
-    with pytest.raises(ValueError, match="dropout"):
-        model(ids)
-    model.eval()
-    with pytest.raises(ValueError, match="output_attentions"):
+def test_output_attentions_warns_once_and_returns_none(rng, caplog):
+    model = switch(tiny_llama(), LONGNET)
+    ids = torch.randint(0, 128, (1, 16), generator=rng)
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        out = model(ids, output_attentions=True)
         model(ids, output_attentions=True)
+        plain = model(ids).logits
+    assert out.attentions is not None and all(a is None for a in out.attentions)
+    torch.testing.assert_close(out.logits, plain)
+    assert sum("output_attentions" in r.getMessage() for r in caplog.records) == 1  # once, like sdpa
+
+
+def test_four_d_masks_are_refused_with_the_reason():
+    model = switch(tiny_llama(), LONGNET)
+    ids = torch.randint(0, 128, (1, 16))
     with pytest.raises(ValueError, match="4-D"):
         model(ids, attention_mask=torch.ones(1, 1, 16, 16, dtype=torch.bool))
 
@@ -231,7 +273,7 @@ def test_sliding_window_layers_left_dense_keep_their_window(rng):
 
 def test_whole_model_compiles_fullgraph_with_the_triton_backend(rng):
     pytest.importorskip("triton")
-    if not hf_dilated.ops.dispatch.triton_available(torch.device("cpu")) and not torch.cuda.is_available():
+    if not hf_dilated.ops.dilated.triton_available(torch.device("cpu")) and not torch.cuda.is_available():
         pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = switch(tiny_llama(), DilatedAttentionConfig(segment_lengths=[8, 16, 32], dilation_rates=[1, 2, 4], backend="triton"))
