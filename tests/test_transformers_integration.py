@@ -284,3 +284,46 @@ def test_whole_model_compiles_fullgraph_with_the_triton_backend(rng):
         eager = model(ids).logits
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits  # fullgraph: a break raises
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "stored, fragment",
+    [({"segment_lengths": [8], "dilation_rates": [1], "layers": [7]}, "layers"), ({}, "segment_lengths"),
+     ({"segment_lengths": [8]}, "dilation_rates"), ([8, 16], "must be a dict"), ("8,16", "must be a dict")],
+)
+def test_malformed_config_json_is_named_before_any_layer_runs(tmp_path, stored, fragment):
+    import json
+
+    tiny_llama().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    data["dilated_attention"] = stored
+    path.write_text(json.dumps(data))
+    model = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation=ATTENTION_NAME)
+    with pytest.raises(ValueError, match=fragment):
+        model(torch.randint(0, 128, (1, 8)))
+
+
+def reference_supports_dropout():
+    import inspect
+
+    return "dropout_p" in inspect.signature(hf_dilated.ops.dilated_attention_reference).parameters
+
+
+def test_attention_dropout_is_zero_in_eval(rng):
+    ids = torch.randint(0, 128, (2, 24), generator=rng)
+    with torch.no_grad():
+        plain = switch(tiny_llama(), LONGNET)(ids).logits
+        dropped = switch(tiny_llama(attention_dropout=0.3), LONGNET).eval()(ids).logits
+    torch.testing.assert_close(dropped, plain, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not reference_supports_dropout(), reason="the reference backend has no dropout yet (owner: ref)")
+def test_attention_dropout_trains(rng):
+    model = switch(tiny_llama(attention_dropout=0.3), LONGNET).train()
+    ids = torch.randint(0, 128, (2, 24), generator=rng)
+    a = model(ids, labels=ids)
+    b = model(ids, labels=ids)
+    assert (a.logits - b.logits).abs().max() > 1e-4  # a fresh draw per step
+    a.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -74,8 +74,7 @@ _RUNS = _IdentityMemo()
 
 def _sequence_ids_from_positions(pos: torch.Tensor) -> torch.Tensor:
     """A new sequence starts wherever the position does not follow the previous one (as Transformers detects packing)."""
-    first = pos[:, :1] - 1
-    return (torch.diff(pos, prepend=first, dim=-1) != 1).cumsum(-1) - 1
+    return (torch.diff(pos, prepend=pos[:, :1], dim=-1) != 1).cumsum(-1) - 1  # the first token starts sequence 0
 
 
 def _normalize_position_ids(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
