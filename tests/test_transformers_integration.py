@@ -354,3 +354,38 @@ def test_sliding_window_layers_decode_with_their_cache_like_sdpa(rng):
     want = model.generate(ids, **kw)
     switch(model, DilatedAttentionConfig(segment_lengths=[64], dilation_rates=[1], layers=[1], backend="torch"))
     assert torch.equal(model.generate(ids, **kw), want)
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read tensor values on the host (a device sync on GPU): .item(), bool(), torch.equal."""
+
+    READS = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func._schema.name in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cache_len", [64, 4096])
+def test_decoding_step_mask_and_layout_need_at_most_one_scalar_read(cache_len):
+    """Per decoding step the mask function and the layout read at most one scalar on the host, whatever the cache
+    length (static cache: none in the mask function), and a forward without mask or positions reads nothing."""
+    from hf_dilated.integrations.transformers import dilated_mask
+    from hf_dilated.ops.layout import resolve_layout
+
+    filled = cache_len // 2
+    for q_offset in (filled, torch.tensor(filled)):  # DynamicCache passes an int, StaticCache a tensor
+        with HostReads() as reads:
+            mask = dilated_mask(2, 1, cache_len, q_offset=q_offset, kv_offset=0, attention_mask=None)
+        assert reads.count == 0 and mask.shape == (2, cache_len)
+        with HostReads() as reads:
+            resolve_layout(2, 1, cache_len, "cpu", attention_mask=mask, position_ids=torch.full((2, 1), filled))
+        assert reads.count <= 1
+    with HostReads() as reads:
+        layout = resolve_layout(2, 64, 64, "cpu")
+        resolve_layout(2, 1, cache_len, "cpu")
+    assert reads.count == 0 and layout.contiguous
