@@ -160,13 +160,17 @@ class DilatedAttentionConfig:
             ctx = trained_context(model_config)
             return cls.for_context(ctx) if ctx else cls()
         parsed = stored if isinstance(stored, cls) else cls.from_dict(stored)
+        return parsed.check_model(model_config)
+
+    def check_model(self, model_config: Any) -> "DilatedAttentionConfig":
+        """Raise a ``ValueError`` naming ``layers`` when it names a layer the model does not have."""
         n_layers = getattr(model_config, "num_hidden_layers", None)
-        if parsed.layers and isinstance(n_layers, int) and parsed.layers[-1] >= n_layers:
+        if self.layers and isinstance(n_layers, int) and self.layers[-1] >= n_layers:
             raise ValueError(
-                f"{CONFIG_KEY}.layers names layer {parsed.layers[-1]}, but the model has {n_layers} layers "
-                f"(indices 0..{n_layers - 1}); got layers={parsed.layers}"
+                f"{CONFIG_KEY}.layers names layer {self.layers[-1]}, but the model has {n_layers} layers "
+                f"(indices 0..{n_layers - 1}); got layers={self.layers}"
             )
-        return parsed
+        return self
 
     @classmethod
     def of(cls, model_config: Any) -> "DilatedAttentionConfig":
@@ -191,7 +195,9 @@ class DilatedAttentionConfig:
         return parsed
 
     def save_to(self, model_config: Any) -> None:
-        """Store this config in ``model_config`` (as a JSON-friendly dict under ``dilated_attention``)."""
+        """Store this config in ``model_config`` (as a JSON-friendly dict under ``dilated_attention``), after checking
+        it against the model (``layers`` within ``num_hidden_layers``)."""
+        self.validate().check_model(model_config)
         setattr(model_config, CONFIG_KEY, self.to_dict())
 
 

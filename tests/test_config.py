@@ -95,3 +95,10 @@ def test_parsed_once_per_model_config_until_the_stored_value_changes(tmp_path):
     assert DilatedAttentionConfig.of(cfg).segment_lengths == [32]
     cfg.save_pretrained(tmp_path)
     assert "_PARSED" not in (tmp_path / "config.json").read_text()
+
+
+def test_save_to_checks_layers_against_the_model():
+    cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2)
+    with pytest.raises(ValueError, match="layers names layer 7"):
+        DilatedAttentionConfig(segment_lengths=[8], dilation_rates=[1], layers=[0, 7]).save_to(cfg)
+    assert getattr(cfg, CONFIG_KEY, None) is None  # nothing stored
