@@ -134,7 +134,7 @@ class DilatedAttentionConfig:
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown {CONFIG_KEY} config keys {sorted(unknown)}; allowed: {sorted(known)}")
+            raise ValueError(f"unknown dilated-attention config keys {sorted(unknown)} in {CONFIG_KEY}; allowed: {sorted(known)}")
         missing = [k for k in ("segment_lengths", "dilation_rates") if k not in data]
         if missing:
             raise ValueError(f"{CONFIG_KEY} must give {' and '.join(missing)} (no silent defaults), got {data!r}")
