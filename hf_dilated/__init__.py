@@ -16,7 +16,7 @@ from .integrations.transformers import (
     supports_dilated_attention,
 )
 from .modules import DilatedAttention, MultiheadDilatedAttention
-from .ops import dense_attention, dilated_attention, resolve_layout
+from .ops import attend, dilated_attention, resolve_layout
 from .patching import list_recipes, load_recipe, patch, save_patched, unpatch
 
 register()
@@ -40,6 +40,6 @@ __all__ = [
     "DilatedAttentionConfig",
     "default_branches",
     "dilated_attention",
-    "dense_attention",
+    "attend",
     "resolve_layout",
 ]
