@@ -355,9 +355,14 @@ def test_head_offset_needs_a_head_parallel_group_when_heads_are_split():
 
 
 def _deepspeed_worker(rank, world, q, k, v, ws, rs):
+    import sys
+
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
 
+    # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce (a C++ build) at init; Ulysses only needs
+    # all_to_all_single, so skip that build.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     set_head_parallel_group(dist.group.WORLD)
 
@@ -377,6 +382,8 @@ def _deepspeed_worker(rank, world, q, k, v, ws, rs):
 
 def test_deepspeed_ulysses_with_dilated(rng):
     """DeepSpeed's Ulysses wrapper hands each rank all tokens of a slice of heads; the global offset keeps it exact."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     pytest.importorskip("deepspeed")
     q = torch.randn(1, 4, 24, 8, generator=rng, dtype=torch.float64)
     k = torch.randn(1, 2, 24, 8, generator=rng, dtype=torch.float64)
