@@ -8,6 +8,8 @@ must use the head's global index, which :func:`head_offset` derives from the hea
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -35,7 +37,17 @@ def set_head_parallel_group(group) -> None:
 
 
 def get_head_parallel_group():
-    return _HEAD_GROUP
+    """The group named by :func:`set_head_parallel_group`, else DeepSpeed's Ulysses group when DeepSpeed has set one
+    up (``register_with_transformers``, or accelerate with ``sp_backend="deepspeed"``), else ``None``."""
+    if _HEAD_GROUP is not None:
+        return _HEAD_GROUP
+    ulysses = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    if ulysses is not None:
+        try:
+            return ulysses.get_sequence_parallel_group()
+        except Exception:  # DeepSpeed imported but no Ulysses group initialized
+            return None
+    return None
 
 
 def world_and_rank(group) -> tuple[int, int]:
@@ -53,7 +65,7 @@ def head_offset(local_heads: int, total_heads: int, group=None) -> int:
     """
     if local_heads == total_heads:
         return 0
-    group = group if group is not None else _HEAD_GROUP
+    group = group if group is not None else get_head_parallel_group()
     world, rank = world_and_rank(group)
     if world == 1 or local_heads * world != total_heads:
         raise ValueError(
