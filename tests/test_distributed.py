@@ -394,3 +394,28 @@ def test_deepspeed_ulysses_with_dilated(rng):
         assert status == "ok", value
     got = torch.cat([value for _, value in ranks], 2)
     assert rel_err(got, hf_dilated.dilated_attention(q, k, v, ws, rs, backend="torch")) < 1e-12
+
+
+# ---- the cost model counts what the plans exchange ------------------------------------------------------------------
+@pytest.mark.parametrize("causal,shift,hq,hk", [(True, 0, 16, 16), (True, 40, 8, 2), (False, 40, 16, 4)])
+def test_cost_model_counts_the_rows_the_plans_exchange(causal, shift, hq, hk):
+    from hf_dilated.distributed import cost_model
+    from hf_dilated.distributed.dilated_ring import build_plan, shard_lengths_and_starts
+    from hf_dilated.ops.layout import resolve_layout
+
+    N, P, branches = 999, 3, ((16, 1), (64, 4), (256, 16))
+    layout = resolve_layout(1, N, N, "cpu", None, (torch.arange(N) + shift)[None])
+    starts = shard_lengths_and_starts(shard_sizes(N, P))
+    exchanged = 0
+    for rank in range(P):
+        plan = build_plan(layout, starts, rank, branches, causal, hq, hk, 0)
+        got = {j: n for j, n in enumerate(plan.recv_splits) if n}
+        assert got == cost_model.rows_received(N, P, rank, branches, hq, hk, causal, shift)
+        assert sum(plan.send_splits) == sum(
+            cost_model.rows_received(N, P, j, branches, hq, hk, causal, shift).get(rank, 0) for j in range(P))
+        exchanged += sum(plan.recv_splits)
+    assert exchanged > 0
+    # Each query reaches at most w / r keys per branch.
+    pairs = sum(cost_model.pairs_computed(N, P, r, branches, hq, causal, shift) for r in range(P))
+    assert 0 < pairs <= N * hq * sum(w // r for w, r in branches)
+    assert cost_model.predict(2**20, 8, shift=16384).step_s > 0
