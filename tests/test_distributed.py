@@ -321,9 +321,10 @@ def test_llama_training_step_matches_single_process(rng):
     for status, value in ranks:
         assert status == "ok", value
         got_loss, grads = value
-        assert abs(got_loss - loss.item()) < 1e-10 * abs(loss.item())
+        # float64 model; Transformers' loss upcasts logits "to float" (float32): float32 tolerances
+        assert abs(got_loss - loss.item()) < 1e-6 * abs(loss.item())
         for name, p in model.named_parameters():
-            assert rel_err(grads[name], p.grad) < 1e-9, name
+            assert rel_err(grads[name], p.grad) < 1e-5, name
 
 
 # ---- head parallelism (Ulysses): a slice of heads with its global offset ------------------------------------------
