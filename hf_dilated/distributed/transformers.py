@@ -55,6 +55,8 @@ def dilated_ring_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if kwargs.get("sliding_window", getattr(module, "sliding_window", None)):
         raise ValueError(f"{name} (layer {layer}) is a sliding-window layer; '{ATTENTION_NAME}' does not shard those")
+    if getattr(config, "global_tokens", 0):
+        raise ValueError(f"'{ATTENTION_NAME}' does not support global_tokens yet (config.dilated_attention); use 'dilated'")
     branches = config.branches if config.applies_to(layer) else ((DENSE_SEGMENT, 1),)
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
