@@ -245,7 +245,7 @@ class Bench:
 
     def weak_scaling(self):
         S = self.args.shard
-        base = None
+        base = rate = None
         for p in self.sizes:
             if self.over_budget():
                 return
@@ -265,8 +265,11 @@ class Bench:
                     for r in range(p))
                 flops = 3.5 * 4 * self.D * cost_model.pairs_computed(n, p, p - 1, self.branches, self.H, True, self.shift)
                 if base is None:
-                    base = ms
+                    base, rate = ms, flops / ms * 1e3  # the cost model's compute rate: measured on one GPU
+                hw = cost_model.Hardware(flops=rate)
+                model = cost_model.predict(n, p, self.branches, self.H, self.Hk, self.D, 2, True, self.shift, hw)
                 self.record(phase="weak_scaling", method="dilated_ring", gpus=p, N=n, shard=S, ms=ms,
+                            predicted_ms=model.step_s * 1e3, predicted_comm_ms=model.comm_s * 1e3,
                             efficiency=base / ms, tflops_per_gpu=flops / ms / 1e9, peak_gib=peak,
                             bytes_per_rank_measured=2 * float(rows) * row_bytes,
                             bytes_per_rank_predicted=2 * predicted_rows * row_bytes)
