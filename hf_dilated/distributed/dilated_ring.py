@@ -27,7 +27,6 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..config import validate_branches
 from ..ops.layout import TokenLayout, resolve_layout
