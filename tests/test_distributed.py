@@ -290,43 +290,56 @@ def _tiny_llama(attn):
     return model
 
 
-def _llama_batch(gen):
+def _llama_batches(gen):
+    """A packed row (position_ids restart, no label across a boundary, as DataCollatorWithFlattening makes it) and a
+    right-padded batch of two rows (attention_mask, labels -100 on padding)."""
     N = 31
     ids = torch.randint(0, LLAMA["vocab_size"], (1, N), generator=gen)
-    pos = _packed_positions(N, [0, 12, 20])[None]
     labels = ids.clone()
-    labels[0, [0, 12, 20]] = -100  # as DataCollatorWithFlattening: no label across a sequence boundary
-    return {"input_ids": ids, "position_ids": pos, "labels": labels}
+    labels[0, [0, 12, 20]] = -100
+    packed = {"input_ids": ids, "position_ids": _packed_positions(N, [0, 12, 20])[None], "labels": labels}
+    ids = torch.randint(0, LLAMA["vocab_size"], (2, 27), generator=gen)
+    mask = torch.ones(2, 27, dtype=torch.long)
+    mask[1, 20:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"packed": packed, "padded": {"input_ids": ids, "attention_mask": mask, "labels": labels}}
 
 
-def _llama_worker(rank, world, batch):
+def _llama_worker(rank, world, batches):
     from hf_dilated.distributed import transformers as ring_tf
     from hf_dilated.distributed.sharding import all_reduce_gradients, global_num_items, reduce_loss
 
     ring_tf.register()
-    model = _tiny_llama("dilated_ring")
-    model.train()
-    local = shard_batch(batch)
-    out = model(**local, num_items_in_batch=global_num_items(local["shift_labels"]), use_cache=False)
-    out.loss.backward()
-    all_reduce_gradients(model.parameters())
-    return float(reduce_loss(out.loss)), {n: p.grad for n, p in model.named_parameters()}
+    results = {}
+    for name, batch in batches.items():
+        model = _tiny_llama("dilated_ring")
+        model.train()
+        local = shard_batch(batch)
+        out = model(**local, num_items_in_batch=global_num_items(local["shift_labels"]), use_cache=False)
+        out.loss.backward()
+        all_reduce_gradients(model.parameters())
+        results[name] = float(reduce_loss(out.loss)), {n: p.grad for n, p in model.named_parameters()}
+    return results
 
 
 def test_llama_training_step_matches_single_process(rng):
-    batch = _llama_batch(rng)
-    model = _tiny_llama("dilated")
-    model.train()
-    loss = model(**batch, use_cache=False).loss
-    loss.backward()
-    ranks = launch(_llama_worker, 2, batch, timeout=120)
+    """A packed and a padded batch through a Llama with a dilated and a dense layer: the sharded step's loss and
+    every parameter gradient equal the single-process step's."""
+    batches = _llama_batches(rng)
+    ranks = launch(_llama_worker, 2, batches, timeout=120)
     for status, value in ranks:
         assert status == "ok", value
-        got_loss, grads = value
-        # float64 model; Transformers' loss upcasts logits "to float" (float32): float32 tolerances
-        assert abs(got_loss - loss.item()) < 1e-6 * abs(loss.item())
-        for name, p in model.named_parameters():
-            assert rel_err(grads[name], p.grad) < 1e-5, name
+    for name, batch in batches.items():
+        model = _tiny_llama("dilated")
+        model.train()
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        for _, value in ranks:
+            got_loss, grads = value[name]
+            # float64 model; Transformers' loss upcasts logits "to float" (float32): float32 tolerances
+            assert abs(got_loss - loss.item()) < 1e-6 * abs(loss.item()), name
+            for param, p in model.named_parameters():
+                assert rel_err(grads[param], p.grad) < 1e-5, (name, param)
 
 
 # ---- head parallelism (Ulysses): a slice of heads with its global offset ------------------------------------------

@@ -65,7 +65,7 @@ def shard_batch(batch, group=None, *, rank: int | None = None, world_size: int |
         if k in SEQUENCE_KEYS and isinstance(v, torch.Tensor) and v.ndim >= 2:
             if v.shape[-1 if k == "position_ids" else 1] != n:
                 raise ValueError(f"{k} has sequence length {v.shape[1]}, input_ids {n}")
-            out[k] = v[..., start:end] if k == "position_ids" else v[:, start:end]
+            out[k] = (v[..., start:end] if k == "position_ids" else v[:, start:end]).contiguous()
         else:
             out[k] = v
     return out
