@@ -127,7 +127,7 @@ class Bench:
             row["elapsed_s"] = round(time.monotonic() - self.t0, 1)
             print(json.dumps(row), flush=True)
             self.rows.append(row)
-            self.save()
+            self.save(plot=False)
 
     # ---- the three methods, on the local shard ----------------------------------------------------------------------
     # Each returns a step closure over this rank's shard (q, k, v, dout); a step returns (out, dq, dk, dv).
@@ -315,7 +315,7 @@ class Bench:
                     sync(self.device)
                     del shard
                     peaks.append(torch.cuda.max_memory_allocated(self.device))
-                slope = (peaks[1] - peaks[0]) / (self.args.shard // 2)
+                slope = max((peaks[1] - peaks[0]) / (self.args.shard // 2), 1.0)
                 fixed = peaks[1] - slope * self.args.shard
                 s_max = int((0.9 * total - fixed) / slope) // 65536 * 65536
                 s_max_t = torch.tensor([s_max], device=self.device)
@@ -339,11 +339,13 @@ class Bench:
             dist.barrier()
 
     # ---- output --------------------------------------------------------------------------------------------------
-    def save(self):
+    def save(self, plot=True):
         os.makedirs(self.out, exist_ok=True)
         path = os.path.join(self.out, self.stamp + ".json")
         with open(path, "w") as f:
             json.dump({"meta": self.meta, "rows": self.rows}, f, indent=1)
+        if not plot:
+            return
         try:
             self.plot(path[:-5] + ".png")
         except Exception as err:  # a plot must not lose the numbers
@@ -426,6 +428,8 @@ def main(argv=None):
     phases = {"check": bench.check, "weak": bench.weak_scaling, "compare": bench.compare, "largest": bench.largest}
     for name in args.phases.split(","):
         phases[name]()
+        if bench.rank == 0:
+            bench.save()  # JSON and plot after every phase: a later failure keeps these
     dist.barrier()
     if bench.rank == 0:
         bench.save()
