@@ -23,7 +23,6 @@ import os
 import platform
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -48,6 +47,18 @@ def rel_err(a, b):
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def gather_sequence(x, p, group):
+    """``[1, H, S, D]`` shards of ``p`` ranks -> ``[1, H, p S, D]``, differentiable (the gradient of each copy returns
+    to its owner and the copies' gradients add up). (torch.distributed.nn.functional.all_gather's backward gave wrong
+    key gradients in a sub-group here.)"""
+    if p == 1:
+        return x
+    _, h, n, d = x.shape
+    rows = x.permute(2, 0, 1, 3).reshape(n, h * d)
+    got = all_to_all(rows.repeat(p, 1), [n] * p, [n] * p, group)
+    return got.view(p * n, 1, h, d).permute(1, 2, 0, 3)
 
 
 class Bench:
@@ -184,9 +195,6 @@ class Bench:
     def dense_step(self, p, n, shard):
         """Dense causal attention with the keys and values all-gathered (Llama-3-style context parallelism without
         load balancing): SDPA (flash) on the local queries against every earlier key."""
-        from torch.distributed.nn.functional import all_gather  # differentiable (deprecated name, still the one)
-
-        warnings.filterwarnings("ignore", category=FutureWarning, module=__name__)
         from torch.nn.attention.bias import causal_lower_right
 
         s, e = shard_range(n, p, self.rank)
@@ -196,8 +204,7 @@ class Bench:
         def step():
             for t in (q, k, v):
                 t.grad = None
-            kk = torch.cat(all_gather(k, group=group), 2)[:, :, :e] if p > 1 else k
-            vv = torch.cat(all_gather(v, group=group), 2)[:, :, :e] if p > 1 else v
+            kk, vv = (gather_sequence(t, p, group)[:, :, :e] for t in (k, v))
             rep = self.H // self.Hk
             kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
             out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal_lower_right(e - s, e))
