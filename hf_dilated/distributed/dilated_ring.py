@@ -299,7 +299,7 @@ def dilated_ring_attention(
                               head_offset=head_offset, backend=backend)
         return (out, lse) if return_lse else out
 
-    extra = (B, n, hq, hk, branches, bool(is_causal), head_offset, str(query.device))
+    extra = (B, n, hq, hk, branches, bool(is_causal), head_offset, str(query.device), id(group), world, rank)
     plan = _PLANS.get((position_ids, attention_mask), extra)
     fields = {
         "batch size": B, "query heads": hq, "key/value heads": hk, "head dim": query.shape[-1],
