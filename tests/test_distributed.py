@@ -306,7 +306,7 @@ def _llama_batches(gen):
 
 
 def _llama_worker(rank, world, batches):
-    from hf_dilated.distributed import transformers as ring_tf
+    from hf_dilated.integrations import dilated_ring as ring_tf
     from hf_dilated.distributed.sharding import all_reduce_gradients, global_num_items, reduce_loss
 
     ring_tf.register()

@@ -3,7 +3,7 @@
 - ``dilated_ring.py``: :func:`dilated_ring_attention`, the op (each rank holds a contiguous shard of the sequence).
 - ``sharding.py``: :func:`~sharding.shard_batch` (input_ids, labels as ``shift_labels``, global ``position_ids``),
   :func:`~sharding.global_num_items`, :func:`~sharding.reduce_loss`, :func:`~sharding.all_reduce_gradients`.
-- ``transformers.py``: the ``"dilated_ring"`` attention implementation (:func:`register`).
+- ``hf_dilated/integrations/dilated_ring.py`` registers the ``"dilated_ring"`` attention implementation.
 - ``group.py``: which process group splits the sequence (and which splits heads, for Ulysses).
 - ``collectives.py``: the differentiable all-to-all and the signature check; ``cost_model.py``: bytes, FLOPs, time.
 
@@ -11,7 +11,7 @@ A training step on ``P`` GPUs (``torchrun --nproc-per-node P train.py``, or ``ac
 ``--num_processes P``), every rank of the group loading the *same* batch::
 
     dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10))   # a dead peer fails after this
-    hf_dilated.distributed.register()
+    import hf_dilated                                      # registers "dilated_ring" with Transformers
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="dilated_ring")  # config.dilated_attention
     local = sharding.shard_batch(batch)
     out = model(**local, num_items_in_batch=sharding.global_num_items(local["shift_labels"]), use_cache=False)
@@ -35,16 +35,12 @@ from .group import (
     set_head_parallel_group,
     set_sequence_parallel_group,
 )
-from .transformers import ATTENTION_NAME, dilated_ring_attention_forward, register
 
 __all__ = [
-    "ATTENTION_NAME",
     "dilated_ring_attention",
-    "dilated_ring_attention_forward",
     "get_head_parallel_group",
     "get_sequence_parallel_group",
     "head_offset",
-    "register",
     "set_head_parallel_group",
     "set_sequence_parallel_group",
 ]

@@ -33,15 +33,8 @@ from ..ops.layout import TokenLayout, resolve_layout
 from .collectives import agree, all_gather_varlen, all_to_all
 from .group import get_sequence_parallel_group, world_and_rank
 
-try:  # the one assembly of round 2 (ops/dilated.py)
-    from ..ops.dilated import attend as _attend_op
-    from ..ops.dilated import check_tensors
-except ImportError:  # pragma: no cover - before ops/dispatch.py became ops/dilated.py
-    from ..ops.dispatch import check_tensors, choose_backend, run_backend
-
-    def _attend_op(query, key, value, layout, branches, *, is_causal, scale, head_offset=0, backend="auto"):
-        backend = choose_backend(backend, query)
-        return run_backend(backend, query, key, value, branches, layout, is_causal, scale, head_offset)
+from ..ops.dilated import attend as _attend_op
+from ..ops.dilated import check_tensors
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,10 @@ import torch
 from ..ops.block_sparse.config import BlockSparseConfig
 from ..ops.block_sparse.op import block_sparse_op, check_tensors, choose_backend, resolve_blocks
 from ..ops.block_sparse.reference import block_sparse_reference
+from ..ops.dilated import DENSE, attend
 from ..ops.layout import resolve_layout
 
 ATTENTION_NAME = "block_sparse"
-
-
-def _dense_attention():
-    try:  # the core helper moves from ops/dispatch.py to ops/dilated.py
-        from ..ops.dilated import dense_attention
-    except ImportError:
-        from ..ops.dispatch import dense_attention
-    return dense_attention
 
 
 def block_sparse_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -92,7 +85,8 @@ def _attend(module, query, key, value, attention_mask, scaling, is_causal, kwarg
         else:
             out, _ = block_sparse_reference(query, key, value, blocks, tokens, bool(is_causal), scale)
     else:
-        out = _dense_attention()(query, key, value, tokens, bool(is_causal), scale, window=sliding)
+        out, _ = attend(query, key, value, tokens, DENSE, is_causal=bool(is_causal), scale=scale, window=sliding,
+                        backend=config.backend)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -17,6 +17,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.utils import logging
 
 from ..config import DilatedAttentionConfig
+from ..distributed.group import head_offset
 from ..ops.dilated import DENSE, attend, draw_seed
 from ..ops.layout import resolve_layout
 
@@ -135,6 +136,8 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, is_caus
         cu_seqlens_k=kwargs.get("cu_seq_lens_k"),
     )
     dropout = float(dropout or 0.0)
+    # Under head parallelism (DeepSpeed Ulysses) this rank holds a slice of the heads: offsets use global indices.
+    total_heads = getattr(module.config, "num_attention_heads", None) or query.shape[1]
     out, _ = attend(
         query,
         key,
@@ -143,6 +146,7 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, is_caus
         config.branches if dilated else DENSE,
         is_causal=bool(is_causal),
         scale=scaling,
+        head_offset=head_offset(query.shape[1], total_heads),
         window=sliding,
         global_tokens=config.global_tokens if dilated else 0,
         dropout_p=dropout,

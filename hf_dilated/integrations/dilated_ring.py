@@ -15,9 +15,9 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from ..config import DENSE_SEGMENT, DilatedAttentionConfig
-from ..integrations.transformers import dilated_mask
-from .dilated_ring import dilated_ring_attention
-from .group import get_sequence_parallel_group
+from ..distributed.dilated_ring import dilated_ring_attention
+from ..distributed.group import get_sequence_parallel_group
+from .transformers import dilated_mask
 
 ATTENTION_NAME = "dilated_ring"
 
