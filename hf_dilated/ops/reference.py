@@ -58,8 +58,13 @@ class _Tiles:
 
 def _tiles(bucket: torch.Tensor, pos: torch.Tensor, b: torch.Tensor, col: torch.Tensor, n_buckets: int) -> _Tiles:
     """Sort tokens by (bucket, position) and cut every bucket into tiles of ``size`` consecutive tokens."""
-    order = torch.argsort(pos, stable=True)
-    order = order[torch.argsort(bucket[order], stable=True)]
+    low = int(pos.min()) if pos.numel() else 0
+    span = (int(pos.max()) - low + 1) if pos.numel() else 1
+    if n_buckets * span < 2**62:
+        order = torch.argsort(bucket * span + (pos - low))
+    else:
+        order = torch.argsort(pos, stable=True)
+        order = order[torch.argsort(bucket[order], stable=True)]
     bucket, pos, b, col = bucket[order], pos[order], b[order], col[order]
     counts = torch.bincount(bucket, minlength=n_buckets)
     size = min(_TILE, _pow2ceil(int(counts.max()))) if bucket.numel() else 1
@@ -136,7 +141,15 @@ def _pairs(q: _Tiles, k: _Tiles, is_causal: bool, window: int | None) -> tuple[t
 
 def _bucket_ids(keys: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
     """Dense ids, in lexicographic order, of the ``[n, 3]`` bucket keys of several token sets together."""
-    ids, inverse = torch.unique(torch.cat(keys), dim=0, return_inverse=True)
+    allk = torch.cat(keys)
+    low = allk.amin(0)
+    span = (allk.amax(0) - low + 1).tolist()
+    if span[0] * span[1] * span[2] < 2**62:  # one int64 per key: a 1-D unique (a sort) instead of unique(dim=0)
+        x = allk - low
+        flat = (x[:, 0] * span[1] + x[:, 1]) * span[2] + x[:, 2]
+        ids, inverse = torch.unique(flat, return_inverse=True)
+    else:
+        ids, inverse = torch.unique(allk, dim=0, return_inverse=True)
     return list(torch.split(inverse, [t.shape[0] for t in keys])), ids.shape[0]
 
 
