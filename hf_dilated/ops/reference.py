@@ -256,7 +256,8 @@ def _budget(q: torch.Tensor) -> int:
 
 
 def _forward(q, k, v, classes: list[_Class], is_causal, scale, window, dropout_p, seed):
-    """Merged ``(out, lse)`` in the accumulation dtype: one online softmax over all classes' pairs."""
+    """Merged ``(out, lse, m, log l)`` in the accumulation dtype: one online softmax over all classes' pairs
+    (``lse = m + log l``; ``m`` is +inf on rows without keys)."""
     B, Hq, Nq, _ = q.shape
     Dv = v.shape[-1]
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -302,18 +303,21 @@ def _forward(q, k, v, classes: list[_Class], is_causal, scale, window, dropout_p
     reached = l_all > 0
     safe = torch.where(reached, l_all, torch.ones_like(l_all))
     out = acc_all / safe[..., None]
-    lse = torch.where(reached, m_all + torch.log(safe), torch.full_like(m_all, -math.inf))
-    return out, lse
+    log_l = torch.log(safe)
+    lse = torch.where(reached, m_all + log_l, torch.full_like(m_all, -math.inf))
+    # The backward takes p = exp((s - m) - log l): exact where one key dominates (s = m), unlike exp(s - fp32(lse)).
+    m_all = torch.where(reached, m_all, torch.full_like(m_all, math.inf))  # rows without keys: p = 0
+    return out, lse, m_all, log_l
 
 
-def _backward(dout, dlse, q, k, v, out, lse, classes, is_causal, scale, window, dropout_p, seed):
-    """Flash-attention backward of every class with the merged lse and ``delta = rowsum(dO * O) - dL``."""
-    acc_dtype = lse.dtype
+def _backward(dout, dlse, q, k, v, out, m, log_l, classes, is_causal, scale, window, dropout_p, seed):
+    """Flash-attention backward of every class with the merged ``lse = m + log l`` and
+    ``delta = rowsum(dO * O) - dL``."""
+    acc_dtype = m.dtype
     dout = dout.to(acc_dtype)
     delta = (dout * out).sum(-1)
     if dlse is not None:
-        delta = delta - torch.where(torch.isfinite(lse), dlse.to(acc_dtype), torch.zeros_like(delta))
-    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        delta = delta - torch.where(torch.isfinite(m), dlse.to(acc_dtype), torch.zeros_like(delta))
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
@@ -323,7 +327,8 @@ def _backward(dout, dlse, q, k, v, out, lse, classes, is_causal, scale, window, 
         Tq, Tk = c.q.size, c.k.size
         Q = _gather_q(c, q, acc_dtype).mul_(scale)
         K, V = _gather_k(c, k, acc_dtype), _gather_k(c, v, acc_dtype)
-        L = _gather_rows(c, lse_safe, math.inf)  # empty rows: p = 0
+        M = _gather_rows(c, m, math.inf)  # empty rows: p = 0
+        logL = _gather_rows(c, log_l, 0.0)
         Dl = _gather_rows(c, delta, 0.0)
         dO = _gather_rows(c, dout, 0.0)
         dQ, dK, dV = torch.zeros_like(Q), torch.zeros_like(K), torch.zeros_like(V)
@@ -332,7 +337,7 @@ def _backward(dout, dlse, q, k, v, out, lse, classes, is_causal, scale, window, 
             Qb, Kb, Vb, dOb = Q[pq], K[pk], V[pk], dO[pq]
             s = torch.matmul(Qb, Kb.transpose(-1, -2)).view(P, KH, GQ, Tq, Tk)
             s.masked_fill_(~_allowed(c, pq, pk, is_causal, window), -math.inf)
-            p = s.view(P, KH, GQ * Tq, Tk).sub_(L[pq][..., None]).exp_()
+            p = s.view(P, KH, GQ * Tq, Tk).sub_(M[pq][..., None]).sub_(logL[pq][..., None]).exp_()
             dp = torch.matmul(dOb, Vb.transpose(-1, -2))
             if dropout_p:
                 z = _dropout_scale(c, pq, pk, dropout_p, seed, p.dtype).view(P, KH, GQ * Tq, Tk)
@@ -363,19 +368,20 @@ class _DilatedAttention(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, classes, is_causal, scale, window, dropout_p, seed = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, m, log_l = output
+        ctx.mark_non_differentiable(m, log_l)
+        ctx.save_for_backward(q, k, v, out, m, log_l)
         ctx.params = (classes, is_causal, scale, window, dropout_p, seed)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+    def backward(ctx, dout, dlse, _dm, _dlog_l):
+        q, k, v, out, m, log_l = ctx.saved_tensors
         classes, is_causal, scale, window, dropout_p, seed = ctx.params
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, classes, is_causal, scale, window, dropout_p, seed)
+        dq, dk, dv = _backward(dout, dlse, q, k, v, out, m, log_l, classes, is_causal, scale, window, dropout_p, seed)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -416,6 +422,6 @@ def dilated_attention_reference(
     if dropout_p:
         seed = seed.reshape(()).to(device=query.device, dtype=torch.int64)
     classes = _plan(layout, branches, query.shape[1], key.shape[1], is_causal, head_offset, window, global_tokens)
-    out, lse = _DilatedAttention.apply(query, key, value, classes, bool(is_causal), float(scale), window,
-                                       dropout_p, seed)
+    out, lse, _, _ = _DilatedAttention.apply(query, key, value, classes, bool(is_causal), float(scale), window,
+                                             dropout_p, seed)
     return out.to(query.dtype), lse
