@@ -246,7 +246,7 @@ def check_backend(fn, q, k, v, branches, layout, tol, *, is_causal=True, scale=N
     q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
     keep = None
     if dropout_p:
-        keep = lambda i, b, h, qc, kc: keep_mask(seed, dropout_p, i, b, h + 0 * head_offset, qc, kc)  # noqa: E731
+        keep = lambda i, b, h, qc, kc: keep_mask(seed, dropout_p, i, b, h, qc, kc)  # noqa: E731  (local head index)
     ref, ref_lse = naive_dilated_attention(
         q64, k64, v64, branches, is_causal=is_causal, scale=scale, head_offset=head_offset, q_pos=layout.q_pos,
         k_pos=layout.k_pos, q_seq=layout.q_seq, k_seq=layout.k_seq, k_valid=layout.k_valid, q_valid=layout.q_valid,
@@ -261,8 +261,8 @@ def check_backend(fn, q, k, v, branches, layout, tol, *, is_causal=True, scale=N
     assert torch.equal(torch.isfinite(lse).cpu() | ~layout.q_valid[:, None].cpu(), finite.cpu() | ~layout.q_valid[:, None].cpu())
     if finite.any():
         assert rel_err(lse[finite], ref_lse[finite]) < tol, f"lse rel err {rel_err(lse[finite], ref_lse[finite])}"
-    g = torch.randn_like(ref) * rows
-    gl = torch.randn_like(ref_lse) * finite
+    g = (torch.randn_like(ref) * rows).to(out.dtype).double()  # representable in out's dtype: no rounding of its own
+    gl = (torch.randn_like(ref_lse) * finite).to(lse.dtype).double()
     loss = (out * g.to(out.dtype)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * gl.to(lse.dtype)).sum()
     ref_loss = (ref * g).sum() + (torch.where(finite, ref_lse, 0) * gl).sum()
     got = torch.autograd.grad(loss, (q, k, v), allow_unused=True)
