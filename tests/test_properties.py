@@ -133,7 +133,8 @@ def build_case(pick) -> Case:
     case = Case(q, k, v, branches, layout, pick.choice([True, False]), pick.int(0, 5), window, global_tokens,
                 dropout_p, seed, "")
     case.description = (
-        f"dtype={dtype} B={B} Hq={Hk * group} Hk={Hk} D={D} Nq={Nq} Nk={Nk} branches={branches} mask={mask} "
+        f"dtype={dtype} B={B} Hq={Hk * group} Hk={Hk} D={D} Nq={Nq} Nk={Nk} layer={kind} decode={Nq < Nk} "
+        f"branches={branches} mask={mask} "
         f"causal={case.is_causal} head_offset={case.head_offset} window={window} global_tokens={global_tokens} "
         f"dropout_p={dropout_p}"
     )
