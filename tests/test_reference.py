@@ -267,14 +267,15 @@ def check_backend(fn, q, k, v, branches, layout, tol, *, is_causal=True, scale=N
     ref_loss = (ref * g).sum() + (torch.where(finite, ref_lse, 0) * gl).sum()
     got = torch.autograd.grad(loss, (q, k, v), allow_unused=True)
     want = torch.autograd.grad(ref_loss, (q64, k64, v64), allow_unused=True)
+    want = [torch.zeros_like(t) if w is None else w for t, w in zip((q64, k64, v64), want)]
+    # A gradient that is exactly 0 by symmetry (one key, or one key reached twice) is 0 only up to the rounding of
+    # delta = rowsum(dO * O) against dO V^T: measure errors against 1e-3 of the whole gradient's norm at least.
+    floor = 1e-3 * float(sum(w.norm() ** 2 for w in want) ** 0.5)
     for name, a, b in zip("qkv", got, want):
         a = torch.zeros_like(b) if a is None else a
-        b = torch.zeros_like(a, dtype=torch.float64) if b is None else b
         assert torch.isfinite(a).all(), f"d{name} not finite"
-        if b.norm() == 0:
-            assert a.norm() == 0, f"d{name} should be 0"
-        else:
-            assert rel_err(a, b) < tol, f"d{name} rel err {rel_err(a, b)}"
+        err = float((a.detach().double() - b).norm()) / max(float(b.norm()), floor, 1e-300)
+        assert err < tol, f"d{name} rel err {err}"
     return out, lse
 
 
