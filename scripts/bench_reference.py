@@ -87,8 +87,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--layers", nargs="+", default=["longnet", "dense"], choices=["longnet", "dense"])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"

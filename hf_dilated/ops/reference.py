@@ -252,7 +252,27 @@ def _token_index(c: _Class):
 
 
 def _budget(q: torch.Tensor) -> int:
-    return min(_MAX_BUDGET, max(_MIN_BUDGET, q.numel() // 2))
+    """Scores per batch of tile pairs: bounded, and a fraction of q's size (so peak memory stays a few q's)."""
+    return min(_MAX_BUDGET, max(_MIN_BUDGET, q.numel() // 2 if q.device.type == "cpu" else q.numel()))
+
+
+_HALF = (torch.float16, torch.bfloat16)
+_BMM_OUT_DTYPE = [True]  # whether torch.bmm(..., out_dtype=float32) works for half operands here (CUDA)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (same leading dims) in float32 (float64 for float64): half operands are multiplied exactly and
+    summed in float32, on the tensor cores where ``bmm(out_dtype=)`` exists (CUDA), else upcast first."""
+    if a.dtype not in _HALF:
+        return torch.matmul(a, b)
+    if a.is_cuda and _BMM_OUT_DTYPE[0]:
+        lead = a.shape[:-2]
+        try:
+            out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
+            return out.view(*lead, a.shape[-2], b.shape[-1])
+        except (RuntimeError, TypeError):
+            _BMM_OUT_DTYPE[0] = False
+    return torch.matmul(a.float(), b.float())
 
 
 def _forward(q, k, v, classes: list[_Class], is_causal, scale, window, dropout_p, seed):
@@ -261,6 +281,7 @@ def _forward(q, k, v, classes: list[_Class], is_causal, scale, window, dropout_p
     B, Hq, Nq, _ = q.shape
     Dv = v.shape[-1]
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    tile_dtype = q.dtype if q.dtype in _HALF else acc_dtype  # half tiles: flash-attention precision, half the bytes
     m_all = q.new_full((B, Hq, Nq), -math.inf, dtype=acc_dtype)
     l_all = q.new_zeros(B, Hq, Nq, dtype=acc_dtype)
     acc_all = q.new_zeros(B, Hq, Nq, Dv, dtype=acc_dtype)
@@ -268,14 +289,17 @@ def _forward(q, k, v, classes: list[_Class], is_causal, scale, window, dropout_p
     for c in classes:
         KH, GQ = c.heads.shape
         Tq, Tk = c.q.size, c.k.size
-        Q = _gather_q(c, q, acc_dtype).mul_(scale)
-        K, V = _gather_k(c, k, acc_dtype), _gather_k(c, v, acc_dtype)
-        m = Q.new_full((c.q.n_tiles, KH, GQ, Tq), -math.inf)
-        l = Q.new_zeros(c.q.n_tiles, KH, GQ, Tq)
-        acc = Q.new_zeros(c.q.n_tiles, KH, GQ, Tq, Dv)
+        Q, K, V = _gather_q(c, q, tile_dtype), _gather_k(c, k, tile_dtype), _gather_k(c, v, tile_dtype)
+        if tile_dtype == acc_dtype:
+            Q.mul_(scale)  # else the float32 scores are scaled (no second rounding of half q)
+        m = Q.new_full((c.q.n_tiles, KH, GQ, Tq), -math.inf, dtype=acc_dtype)
+        l = Q.new_zeros(c.q.n_tiles, KH, GQ, Tq, dtype=acc_dtype)
+        acc = Q.new_zeros(c.q.n_tiles, KH, GQ, Tq, Dv, dtype=acc_dtype)
         for pq, pk in _batches(c, KH * GQ * Tq * Tk, budget):
             P = pq.numel()
-            s = torch.matmul(Q[pq], K[pk].transpose(-1, -2)).view(P, KH, GQ, Tq, Tk)
+            s = _mm(Q[pq], K[pk].transpose(-1, -2)).view(P, KH, GQ, Tq, Tk)
+            if tile_dtype != acc_dtype:
+                s.mul_(scale)
             s.masked_fill_(~_allowed(c, pq, pk, is_causal, window), -math.inf)
             tiles, inv = torch.unique_consecutive(pq, return_inverse=True)
             m_old = m[tiles]
@@ -287,7 +311,7 @@ def _forward(q, k, v, classes: list[_Class], is_causal, scale, window, dropout_p
             l[tiles] = (l[tiles] * alpha).index_add_(0, inv, s.sum(-1))
             if dropout_p:
                 s.mul_(_dropout_scale(c, pq, pk, dropout_p, seed, s.dtype))
-            pv = torch.matmul(s.view(P, KH, GQ * Tq, Tk), V[pk]).view(P, KH, GQ, Tq, Dv)
+            pv = _mm(s.view(P, KH, GQ * Tq, Tk).to(tile_dtype), V[pk]).view(P, KH, GQ, Tq, Dv)
             acc[tiles] = (acc[tiles] * alpha[..., None]).index_add_(0, inv, pv)
             m[tiles] = m_new
         # Merge this class into the running state of its query rows (max-shifted, as between tiles).
@@ -314,8 +338,9 @@ def _backward(dout, dlse, q, k, v, out, m, log_l, classes, is_causal, scale, win
     """Flash-attention backward of every class with the merged ``lse = m + log l`` and
     ``delta = rowsum(dO * O) - dL``."""
     acc_dtype = m.dtype
-    dout = dout.to(acc_dtype)
-    delta = (dout * out).sum(-1)
+    tile_dtype = q.dtype if q.dtype in _HALF else acc_dtype
+    delta = (dout.to(acc_dtype) * out).sum(-1)
+    dout = dout.to(tile_dtype)
     if dlse is not None:
         delta = delta - torch.where(torch.isfinite(m), dlse.to(acc_dtype), torch.zeros_like(delta))
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -325,32 +350,38 @@ def _backward(dout, dlse, q, k, v, out, m, log_l, classes, is_causal, scale, win
     for c in classes:
         KH, GQ = c.heads.shape
         Tq, Tk = c.q.size, c.k.size
-        Q = _gather_q(c, q, acc_dtype).mul_(scale)
-        K, V = _gather_k(c, k, acc_dtype), _gather_k(c, v, acc_dtype)
+        Q, K, V = _gather_q(c, q, tile_dtype), _gather_k(c, k, tile_dtype), _gather_k(c, v, tile_dtype)
+        if tile_dtype == acc_dtype:
+            Q.mul_(scale)
         M = _gather_rows(c, m, math.inf)  # empty rows: p = 0
         logL = _gather_rows(c, log_l, 0.0)
         Dl = _gather_rows(c, delta, 0.0)
         dO = _gather_rows(c, dout, 0.0)
-        dQ, dK, dV = torch.zeros_like(Q), torch.zeros_like(K), torch.zeros_like(V)
+        dQ, dK, dV = (torch.zeros_like(t, dtype=acc_dtype) for t in (Q, K, V))
         for pq, pk in _batches(c, KH * GQ * Tq * Tk, budget):
             P = pq.numel()
             Qb, Kb, Vb, dOb = Q[pq], K[pk], V[pk], dO[pq]
-            s = torch.matmul(Qb, Kb.transpose(-1, -2)).view(P, KH, GQ, Tq, Tk)
+            s = _mm(Qb, Kb.transpose(-1, -2)).view(P, KH, GQ, Tq, Tk)
+            if tile_dtype != acc_dtype:
+                s.mul_(scale)
             s.masked_fill_(~_allowed(c, pq, pk, is_causal, window), -math.inf)
             p = s.view(P, KH, GQ * Tq, Tk).sub_(M[pq][..., None]).sub_(logL[pq][..., None]).exp_()
-            dp = torch.matmul(dOb, Vb.transpose(-1, -2))
+            dp = _mm(dOb, Vb.transpose(-1, -2))
             if dropout_p:
                 z = _dropout_scale(c, pq, pk, dropout_p, seed, p.dtype).view(P, KH, GQ * Tq, Tk)
-                dV.index_add_(0, pk, torch.matmul((p * z).transpose(-1, -2), dOb))
+                dV.index_add_(0, pk, _mm((p * z).to(tile_dtype).transpose(-1, -2), dOb))
                 dp.mul_(z)
                 del z
             else:
-                dV.index_add_(0, pk, torch.matmul(p.transpose(-1, -2), dOb))
+                dV.index_add_(0, pk, _mm(p.to(tile_dtype).transpose(-1, -2), dOb))
             ds = dp.sub_(Dl[pq][..., None]).mul_(p)
             del p
-            dQ.index_add_(0, pq, torch.matmul(ds, Kb))
-            dK.index_add_(0, pk, torch.matmul(ds.transpose(-1, -2), Qb))
+            ds = ds.to(tile_dtype)
+            dQ.index_add_(0, pq, _mm(ds, Kb))
+            dK.index_add_(0, pk, _mm(ds.transpose(-1, -2), Qb))
         dQ = dQ.view(c.q.n_tiles, KH, GQ, Tq, -1)
+        if tile_dtype != acc_dtype:
+            dK.mul_(scale)  # q was not pre-scaled
         dq.index_put_(_token_index(c), dQ[c.q.tile, :, :, c.q.row] * scale, accumulate=True)
         kidx = (c.k.b[:, None], c.kv_heads[None], c.k.col[:, None])
         dk.index_put_(kidx, dK[c.k.tile, :, c.k.row], accumulate=True)
