@@ -234,6 +234,11 @@ def make_layout(B, Nq, Nk, *, k_valid=None, k_pos=None, k_seq=None, q_pos=None, 
     return TokenLayout(q_pos.long(), q_seq.long(), k_pos.long(), k_seq.long(), k_valid, q_valid, contiguous=False)
 
 
+def on_device(layout, device):
+    fields = (layout.q_pos, layout.q_seq, layout.k_pos, layout.k_seq, layout.k_valid, layout.q_valid)
+    return TokenLayout(*(t.to(device) for t in fields), layout.contiguous)
+
+
 def check_backend(fn, q, k, v, branches, layout, tol, *, is_causal=True, scale=None, head_offset=0, window=None,
                   global_tokens=0, dropout_p=0.0, seed=None):
     """``fn`` (a backend function) against the float64 oracle: output and lse on valid query rows, and the gradients
@@ -468,3 +473,54 @@ def test_no_intermediate_is_quadratic(rng, branches, window, causal):
                                                global_tokens=4)
         (out.sum() + lse.sum()).backward()
     assert 0 < watch.largest < N * N // 16, watch.largest
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_matches_oracle(rng, dtype):
+    """On CUDA: half inputs run float32-accumulating tensor-core products (bmm out_dtype), within SPEC's tolerance."""
+    _cuda()
+    from hf_dilated.ops import reference
+
+    B, N = 2, 700
+    q, k, v = (t.detach().cuda().requires_grad_() for t in make_qkv(rng, B, 8, 2, N, N, 128, dtype))
+    valid = torch.ones(B, N, dtype=torch.bool)
+    valid[1, :123] = False
+    valid[0, [5, 99, 500]] = False
+    pos = (valid.long().cumsum(-1) - 1).clamp_min(0)
+    layout = on_device(make_layout(B, N, N, k_valid=valid, k_pos=pos), "cuda")
+    for branches, kwargs in ((((64, 1), (128, 2), (512, 8)), dict(global_tokens=4, head_offset=3)),
+                             (((DENSE_SEGMENT, 1),), dict(window=100))):
+        check_backend(dilated_attention_reference, q, k, v, branches, layout, TOL[dtype], **kwargs)
+    if dtype != torch.float32:
+        assert reference._BMM_OUT_DTYPE[0], "bmm(out_dtype=float32) unavailable: half tiles were upcast instead"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["dense", "longnet"])
+def test_gpu_peak_memory_is_linear(rng, layer):
+    """Peak CUDA memory of forward + backward: a few times the q/k/v/o bytes, and doubling N at most doubles it."""
+    _cuda()
+    branches = ((DENSE_SEGMENT, 1),) if layer == "dense" else ((2048, 1), (4096, 2), (8192, 4), (16384, 8))
+    peaks = []
+    for N in (8192, 16384):
+        q, k, v = (torch.randn(1, 8, N, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out, lse = dilated_attention_reference(q, k, v, branches, on_device(make_layout(1, N, N), "cuda"), True,
+                                               128 ** -0.5)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        qkvo = 4 * q.numel() * q.element_size()
+        assert peak < 12 * qkvo, (N, peak / qkvo)
+        peaks.append(peak)
+        del q, k, v, out, lse
+    assert peaks[1] < 2.3 * peaks[0], peaks
