@@ -46,7 +46,8 @@ def gather_sdpa(q, k, v, branches, scale):
                 n = x.shape[2]
                 seg = -(-n // slots)
                 x = F.pad(x, (0, 0, 0, seg * slots - n))
-                parts.append(x.view(B, len(heads), seg, slots, D).transpose(1, 2).reshape(B * seg, len(heads), slots, D))
+                x = x.view(B, len(heads), seg, slots, D).transpose(1, 2)
+                parts.append(x.reshape(B * seg, len(heads), slots, D))
             y = F.scaled_dot_product_attention(*parts, is_causal=True, scale=scale)
             y = y.view(B, seg, len(heads), slots, D).transpose(1, 2).reshape(B, len(heads), seg * slots, D)[:, :, :n]
             out[:, heads, o::r] += y / len(branches)

@@ -263,7 +263,8 @@ def check_backend(fn, q, k, v, branches, layout, tol, *, is_causal=True, scale=N
     assert torch.isfinite(out).all(), "output not finite"
     assert rel_err(out * rows, ref * rows) < tol, f"output rel err {rel_err(out * rows, ref * rows)}"
     finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse).cpu() | ~layout.q_valid[:, None].cpu(), finite.cpu() | ~layout.q_valid[:, None].cpu())
+    padding = ~layout.q_valid[:, None].cpu()
+    assert torch.equal(torch.isfinite(lse).cpu() | padding, finite.cpu() | padding), "rows reaching no key differ"
     if finite.any():
         assert rel_err(lse[finite], ref_lse[finite]) < tol, f"lse rel err {rel_err(lse[finite], ref_lse[finite])}"
     g = (torch.randn_like(ref) * rows).to(out.dtype).double()  # representable in out's dtype: no rounding of its own
@@ -317,7 +318,7 @@ def test_backend_random_configs(rng, dtype):
 
 
 def test_backend_masks_packing_and_decoding(rng):
-    """Middle holes (hide that key only), whole rows masked, packed sequences, decoding against a partly filled cache."""
+    """Middle holes (hide that key only), whole rows masked, packed sequences, decoding against a part-filled cache."""
     branches = [(4, 1), (8, 2), (16, 4)]
     B, N = 3, 30
     q, k, v = make_qkv(rng, B, 4, 2, N, N, 8, torch.float64)
@@ -379,7 +380,7 @@ def test_saturated_logits_1e4_float32(rng):
 
 
 def test_dense_layer_equals_sdpa_with_gqa_and_window(rng):
-    """A dense layer (one branch (DENSE_SEGMENT, 1)) is SDPA, with and without a sliding window, no K/V repeat needed."""
+    """A dense layer (one branch (DENSE_SEGMENT, 1)) is SDPA, with and without a sliding window (GQA, no repeat)."""
     q, k, v = make_qkv(rng, 2, 8, 2, 70, 70, 16, torch.float32)
     layout = make_layout(2, 70, 70)
     for causal in (True, False):
@@ -407,7 +408,8 @@ def test_dropout_is_exact_for_a_fixed_seed(rng, dtype):
         layout = make_layout(B, N, N, k_valid=valid)
         seed = torch.randint(0, 2**62, (), generator=rng)
         check_backend(dilated_attention_reference, q, k, v, c["branches"], layout, TOL[dtype], is_causal=c["is_causal"],
-                      window=c["window"], global_tokens=c["global_tokens"], dropout_p=pyrng.choice([0.1, 0.5]), seed=seed)
+                      window=c["window"], global_tokens=c["global_tokens"], dropout_p=pyrng.choice([0.1, 0.5]),
+                      seed=seed)
 
 
 def test_dropout_mean_over_seeds_is_the_undropped_output(rng):

@@ -9,10 +9,11 @@ bucket per sequence; a sliding window only pairs tiles inside the band).
 
 Forward: one online softmax over the whole multiset of (branch, key) pairs per query row, with a running max
 ``m``, sum ``l`` and accumulator: merging branches is the same max-shifted update as merging tiles, as the Triton
-kernels do, so the merge weights sum to one at any logit size. Backward: the flash-attention backward per branch with
-the *merged* lse ``L`` and ``delta = rowsum(dO * O) - dL`` (``dL`` the gradient through the returned lse), scores
-recomputed, nothing ``N x N`` stored. Dropout (SPEC.md) draws its keep decisions from ``ops/dropout.py`` by tensor
-column, in the forward and again in the backward from the seed.
+kernels do, so the merge weights sum to one at any logit size. Backward (``torch.autograd.Function``): the
+flash-attention backward per branch with the *merged* ``p = exp((s - m) - log l)`` and ``delta = rowsum(dO * O) - dL``
+(``dL`` the gradient through the returned lse), scores recomputed, nothing ``N x N`` stored. Half-precision inputs
+keep half tiles and float32 scores / accumulators (flash-attention precision). Dropout (SPEC.md) draws its keep
+decisions from ``ops/dropout.py`` by tensor column (local head index), in the forward and again in the backward.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .dropout import keep_mask, keep_threshold
 from .layout import TokenLayout
 
 _TILE = 128  # most tokens of one bucket in one tile
-_MIN_BUDGET, _MAX_BUDGET = 1 << 18, 1 << 26  # scores per batch of tile pairs: half of q's numel, within these bounds
+_MIN_BUDGET, _MAX_BUDGET = 1 << 18, 1 << 26  # bounds of the scores per batch of tile pairs (see _budget)
 _SHIFT = 1 << 34  # positions are offset by this inside the bucket-major sort keys (|position| < 2^34)
 
 
@@ -206,7 +207,7 @@ def _batches(c: _Class, elements_per_pair: int, budget: int):
 
 
 def _allowed(c: _Class, pq: torch.Tensor, pk: torch.Tensor, is_causal: bool, window: int | None) -> torch.Tensor:
-    """``[P, 1, 1, Tq, Tk]`` which (query row, key row) of each pair attend (bucket membership holds by construction)."""
+    """``[P, 1, 1, Tq, Tk]``: which (query row, key row) of each pair attend (same bucket by construction)."""
     qp = c.q.pos[pq][:, :, None]
     kp = c.k.pos[pk][:, None, :]
     allowed = c.k.present[pk][:, None, :].expand(-1, qp.shape[1], -1)
