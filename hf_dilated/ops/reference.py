@@ -12,7 +12,7 @@ Forward: one online softmax over the whole multiset of (branch, key) pairs per q
 kernels do, so the merge weights sum to one at any logit size. Backward (``torch.autograd.Function``): the
 flash-attention backward per branch with the *merged* ``p = exp((s - m) - log l)`` and ``delta = rowsum(dO * O) - dL``
 (``dL`` the gradient through the returned lse), scores recomputed, nothing ``N x N`` stored. Half-precision inputs
-keep half tiles and float32 scores / accumulators (flash-attention precision). Dropout (SPEC.md) draws its keep
+keep half tiles and float32 scores / accumulators (flash-attention precision); dS is never rounded to half. Dropout (SPEC.md) draws its keep
 decisions from ``ops/dropout.py`` by tensor column (local head index), in the forward and again in the backward.
 """
 
@@ -276,6 +276,17 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.float(), b.float())
 
 
+def _mm_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for a float32 ``a`` and a half ``b`` without rounding ``a`` to half: its high and low halves on the
+    tensor cores (CUDA), or float32 products elsewhere. For dS, whose terms cancel (dq of one key reached twice is 0)."""
+    if b.dtype not in _HALF:
+        return torch.matmul(a, b)
+    if not (a.is_cuda and _BMM_OUT_DTYPE[0]):
+        return torch.matmul(a, b.float())
+    hi = a.to(b.dtype)
+    return _mm(hi, b) + _mm((a - hi.float()).to(b.dtype), b)
+
+
 def _forward(q, k, v, classes: list[_Class], is_causal, scale, window, dropout_p, seed):
     """Merged ``(out, lse, m, log l)`` in the accumulation dtype: one online softmax over all classes' pairs
     (``lse = m + log l``; ``m`` is +inf on rows without keys)."""
@@ -377,9 +388,8 @@ def _backward(dout, dlse, q, k, v, out, m, log_l, classes, is_causal, scale, win
                 dV.index_add_(0, pk, _mm(p.to(tile_dtype).transpose(-1, -2), dOb))
             ds = dp.sub_(Dl[pq][..., None]).mul_(p)
             del p
-            ds = ds.to(tile_dtype)
-            dQ.index_add_(0, pq, _mm(ds, Kb))
-            dK.index_add_(0, pk, _mm(ds.transpose(-1, -2), Qb))
+            dQ.index_add_(0, pq, _mm_exact(ds, Kb))
+            dK.index_add_(0, pk, _mm_exact(ds.transpose(-1, -2), Qb))
         dQ = dQ.view(c.q.n_tiles, KH, GQ, Tq, -1)
         if tile_dtype != acc_dtype:
             dK.mul_(scale)  # q was not pre-scaled
