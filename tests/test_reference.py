@@ -498,6 +498,7 @@ def test_gpu_matches_oracle(rng, dtype):
     pos = (valid.long().cumsum(-1) - 1).clamp_min(0)
     layout = on_device(make_layout(B, N, N, k_valid=valid, k_pos=pos), "cuda")
     for branches, kwargs in ((((64, 1), (128, 2), (512, 8)), dict(global_tokens=4, head_offset=3)),
+                             (((64, 1), (256, 4)), dict(global_tokens=2, dropout_p=0.3, seed=torch.tensor(7))),
                              (((DENSE_SEGMENT, 1),), dict(window=100))):
         check_backend(dilated_attention_reference, q, k, v, branches, layout, TOL[dtype], **kwargs)
     if dtype != torch.float32:
