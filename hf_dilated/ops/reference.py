@@ -261,12 +261,16 @@ _HALF = (torch.float16, torch.bfloat16)
 _BMM_OUT_DTYPE = [True]  # whether torch.bmm(..., out_dtype=float32) works for half operands here (CUDA)
 
 
+def _tensor_cores(a: torch.Tensor) -> bool:
+    return a.is_cuda and _BMM_OUT_DTYPE[0]
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` (same leading dims) in float32 (float64 for float64): half operands are multiplied exactly and
     summed in float32, on the tensor cores where ``bmm(out_dtype=)`` exists (CUDA), else upcast first."""
     if a.dtype not in _HALF:
         return torch.matmul(a, b)
-    if a.is_cuda and _BMM_OUT_DTYPE[0]:
+    if _tensor_cores(a):
         lead = a.shape[:-2]
         try:
             out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
@@ -281,7 +285,7 @@ def _mm_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     tensor cores (CUDA), or float32 products elsewhere. For dS, whose terms cancel (dq of one key reached twice is 0)."""
     if b.dtype not in _HALF:
         return torch.matmul(a, b)
-    if not (a.is_cuda and _BMM_OUT_DTYPE[0]):
+    if not _tensor_cores(a):
         return torch.matmul(a, b.float())
     hi = a.to(b.dtype)
     return _mm(hi, b) + _mm((a - hi.float()).to(b.dtype), b)
