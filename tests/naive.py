@@ -25,13 +25,14 @@ def naive_positions(B, Nq, Nk, attention_mask=None, position_ids=None):
 
 def naive_dilated_attention(q, k, v, branches, *, is_causal=True, scale=None, q_pos=None, k_pos=None,
                             q_seq=None, k_seq=None, k_valid=None, q_valid=None, head_offset=0,
-                            window=None, global_tokens=0, dropout_p=0.0, keep=None):
+                            window=None, global_tokens=0, dropout_p=0.0, keep=None, return_lse=False):
     """q [B,Hq,Nq,D], k/v [B,Hk,Nk,D] (float64 recommended). Positions default to 0..N-1 with queries last.
 
     ``window``: every branch also needs ``0 <= p - p' < window`` (causal) or ``|p - p'| < window``.
     ``global_tokens = g``: one more branch (index ``len(branches)``) of the keys at positions ``p' < g``.
     ``dropout_p`` with ``keep(branch, b [B,1,1,1], h [1,H,1,1], q_col [1,1,Nq,1], k_col [1,1,1,Nk]) -> bool``: each
-    branch's probabilities are dropped by ``keep`` and scaled by ``1 / (1 - p)``, merged with the undropped lse."""
+    branch's probabilities are dropped by ``keep`` and scaled by ``1 / (1 - p)``, merged with the undropped lse.
+    ``return_lse``: also return the merged (undropped) log-sum-exp ``[B, Hq, Nq]``, -inf where no key is reached."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     dev = q.device
@@ -70,15 +71,18 @@ def naive_dilated_attention(q, k, v, branches, *, is_causal=True, scale=None, q_
     group = Hq // Hk
     kr = k.repeat_interleave(group, 1)
     vr = v.repeat_interleave(group, 1)
-    if dropout_p:
-        return _naive_dropped(q, kr, vr, masks, scale, dropout_p, keep)
     mult = sum(m.to(q.dtype) for m in masks)
     scores = scale * q @ kr.transpose(-1, -2) + torch.log(mult.clamp_min(1e-300))
     scores = torch.where(mult > 0, scores, torch.full_like(scores, -math.inf))
     has = (mult > 0).any(-1, keepdim=True)
+    lse = torch.logsumexp(torch.where(has, scores, torch.zeros_like(scores)), -1)  # no NaN gradient on empty rows
+    lse = torch.where(has[..., 0], lse, torch.full_like(lse, -math.inf))
+    if dropout_p:
+        out = _naive_dropped(q, kr, vr, masks, scale, dropout_p, keep)
+        return (out, lse) if return_lse else out
     p = torch.softmax(torch.where(has, scores, torch.zeros_like(scores)), -1)
     p = torch.where(has & (mult > 0), p, torch.zeros_like(p))
-    return p @ vr
+    return (p @ vr, lse) if return_lse else p @ vr
 
 
 def _naive_dropped(q, kr, vr, masks, scale, dropout_p, keep):
