@@ -1,0 +1,98 @@
+"""What the programs in ``scripts/`` share: the output-directory rule, the up-front check of optional packages, the
+results table, the plot and the results JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+PACKAGES = {"matplotlib": "matplotlib", "datasets": "datasets", "peft": "peft", "liger_kernel": "liger-kernel"}
+
+
+def require(*modules: str) -> None:
+    """Raise ``ValueError`` naming every missing module (and its pip name) before any work starts."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        names = " ".join(PACKAGES.get(m, m) for m in missing)
+        raise ValueError(f"this command needs {', '.join(missing)}: pip install {names} (or the package's [train] extra)")
+
+
+def prepare_output_dir(path: str | Path, overwrite: bool = False, resume: bool = False) -> Path:
+    """Create ``path``; refuse a file, or an existing non-empty directory unless ``overwrite`` (files of the same
+    names are replaced, nothing else is deleted) or ``resume`` (it holds the checkpoints to continue from)."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output-dir {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (overwrite or resume):
+        raise ValueError(f"--output-dir {out} exists and is not empty; pass --overwrite to write into it")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--output-dir {out} cannot be created: {err.strerror or err}") from err
+    return out
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 1e4 else f"{value:.4g}"
+    return str(value)
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], width: int = 12) -> str:
+    """A plain-text table, one line per row, columns right-aligned to at least ``width`` characters."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([width, len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    head = " | ".join(f"{c:>{w}}" for c, w in zip(columns, widths))
+    return "\n".join([head, "-" * len(head)] + [" | ".join(f"{v:>{w}}" for v, w in zip(r, widths)) for r in cells])
+
+
+def plot(path: str | Path, panels: Sequence[dict[str, Any]], title: str | None = None) -> Path:
+    """Write a PNG of one or more panels side by side.
+
+    A panel is ``{"title", "xlabel", "ylabel", "series": [{"label", "x", "y", "points": bool}], "logx", "logy",
+    "vline": (x, label) or None}``; a series with ``points`` is drawn as markers only (e.g. evaluations), and takes
+    the colour of the line drawn just before it when its label starts with that line's label.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        last = None
+        for s in panel["series"]:
+            if s.get("points"):
+                colour = last.get_color() if last is not None and s["label"].startswith(last.get_label()) else None
+                ax.scatter(s["x"], s["y"], marker=s.get("marker", "o"), s=30, zorder=3, color=colour, label=s["label"])
+            else:
+                (last,) = ax.plot(s["x"], s["y"], lw=1.3, marker=s.get("marker"), label=s["label"])
+        if panel.get("vline"):
+            x, label = panel["vline"]
+            ax.axvline(x, color="gray", linestyle="--", linewidth=1, label=label)
+        if panel.get("logx"):
+            ax.set_xscale("log", base=2)
+        if panel.get("logy"):
+            ax.set_yscale("log")
+        ax.set_title(panel.get("title", ""), fontsize=9)
+        ax.set_xlabel(panel.get("xlabel", ""))
+        ax.set_ylabel(panel.get("ylabel", ""))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    return path
