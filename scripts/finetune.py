@@ -82,14 +82,16 @@ class ScriptArguments:
 
 
 def build_parser():
+    import torch
     from transformers import HfArgumentParser, TrainingArguments
 
     parser = HfArgumentParser((ScriptArguments, TrainingArguments), prog="hf-dilated finetune",
                               description="Fine-tune a causal LM with dilated (or dense) attention at long context.")
     # Trainer's defaults, where a long-context run wants others: one row a step, a loss point per step, no checkpoint
-    # unless asked.
+    # unless asked; without CUDA, the CPU (where --bf16 autocast works too).
     parser.set_defaults(logging_steps=1, save_strategy="no", max_steps=200, report_to="none",
-                        per_device_train_batch_size=1, per_device_eval_batch_size=1)
+                        per_device_train_batch_size=1, per_device_eval_batch_size=1,
+                        use_cpu=not torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
     return parser
 
 
