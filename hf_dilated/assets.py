@@ -133,6 +133,33 @@ def smollm2_path() -> str:
     return str(smollm2_gguf())
 
 
+def smollm2_checkpoint() -> str:
+    """A directory holding SmolLM2-135M-Instruct as a Transformers checkpoint (safetensors and tokenizer), written
+    once from the bundled GGUF into ``cache_dir()/smollm2-135m-instruct`` so that
+    ``AutoModelForCausalLM.from_pretrained(path, ...)`` takes it; ``ValueError`` saying how to install the GGUF when
+    it is missing."""
+    import shutil
+    import tempfile
+
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "config.json").is_file():
+        return str(out)
+    model, tokenizer = load_gguf(smollm2_path())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".smollm2.", dir=out.parent))
+    try:
+        model.save_pretrained(str(stage))
+        tokenizer.save_pretrained(str(stage))
+        os.chmod(stage, 0o755)
+        os.replace(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        if (out / "config.json").is_file():  # another process wrote it first
+            return str(out)
+        raise
+    return str(out)
+
+
 def load_checkpoint(src: str, dtype="auto", device=None) -> tuple:
     """``(model, tokenizer)`` from a local checkpoint directory, a ``.gguf`` file, or ``"smollm2"`` (the bundled
     GGUF). The tokenizer is ``None`` where none is found.
