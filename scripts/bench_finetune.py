@@ -5,8 +5,8 @@ One command, made to fit one 10-minute GPU call (``--budget-s``, default 560 s, 
 
     python scripts/bench_finetune.py --out "$OUT"
 
-1. Converts the SmolLM2 GGUF once to a float32 Hugging Face directory (``--work-dir``), so that each run loads in a
-   second or two instead of dequantizing the GGUF again.
+1. Converts the SmolLM2 GGUF once to a float32 Hugging Face directory (``hf_dilated.assets.smollm2_checkpoint``), so
+   that each run loads in a second or two instead of dequantizing the GGUF again.
 2. Runs ``scripts/finetune.py`` once per (context, attention), each in its own process (clean peak-memory counters;
    an out-of-memory sdpa run cannot take the others down), with identical settings: bf16 autocast, activation
    checkpointing, batch 1, AdamW at a constant learning rate after warm-up, chunked LM-head loss, the same rows in the
@@ -42,9 +42,8 @@ if not __package__ and str(ROOT) not in sys.path:  # run from a checkout without
 from hf_dilated.environment import run_environment  # noqa: E402
 
 try:
-    from . import finetune, reporting
+    from . import reporting
 except ImportError:  # run as a file: python scripts/bench_finetune.py
-    import finetune
     import reporting
 
 FINETUNE = Path(__file__).resolve().with_name("finetune.py")
@@ -59,7 +58,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (on the GPU machine: $OUT)")
     p.add_argument("--model", default="smollm2", help="'smollm2' (converted from its GGUF once) or a local HF directory")
-    p.add_argument("--work-dir", default="/tmp/hf_dilated_bench", help="where the converted model goes (not in --out)")
     p.add_argument("--contexts", default="16384,65536", help="tokens per sequence, comma-separated")
     p.add_argument("--attns", default="dilated,sdpa", help="attention implementations, comma-separated")
     p.add_argument("--steps", default="16384:300,65536:150", help="max optimizer steps per context (ctx:steps,...)")
@@ -93,18 +91,16 @@ def ctx_name(ctx: int) -> str:
 
 
 def prepare_model(args: argparse.Namespace) -> str:
-    """A local float32 HF directory of the model (converted from GGUF once)."""
+    """A local Hugging Face directory of the model: for 'smollm2', the one ``hf_dilated.assets`` writes once from the
+    GGUF (float32), so that each run loads in a second or two instead of dequantizing the GGUF again."""
     if args.model != "smollm2":
         return args.model
-    target = Path(args.work_dir) / "smollm2-135m-instruct"
-    if (target / "config.json").exists():
-        return str(target)
+    from hf_dilated import assets
+
     t0 = time.time()
-    model, tok = finetune.load_model(finetune.ScriptArguments(model="smollm2"))
-    model.save_pretrained(target)
-    tok.save_pretrained(target)
-    log(f"converted SmolLM2 GGUF to {target} in {time.time() - t0:.0f}s")
-    return str(target)
+    path = assets.smollm2_checkpoint()
+    log(f"SmolLM2 checkpoint: {path} ({time.time() - t0:.0f}s)")
+    return path
 
 
 def run_one(model_dir: str, ctx: int, attn: str, out: Path, steps: int, train_s: float, timeout_s: float,

@@ -52,11 +52,11 @@ DTYPES = ("float32", "bfloat16")
 class ScriptArguments:
     """This program's options; ``TrainingArguments`` gives the rest."""
 
-    model: str = field(default="smollm2", metadata={"help": "'smollm2' (GGUF asset), 'tiny' (random SmolLM2-shaped Llama) or a local HF directory"})
+    model: str = field(default="smollm2", metadata={"help": "'smollm2' (the bundled GGUF), 'tiny' (a random SmolLM2-shaped Llama), a checkpoint directory or a .gguf file"})
     attn: str = field(default="dilated", metadata={"choices": ATTENTIONS, "help": "attention to train with"})
     segment_lengths: Optional[list[int]] = field(default=None, metadata={"help": "branch segment lengths w_i, e.g. 2048 4096 (default: the recipe's, extended to --seq-len)"})
     dilation_rates: Optional[list[int]] = field(default=None, metadata={"help": "branch dilation rates r_i, e.g. 1 2"})
-    layers: str = field(default="all", metadata={"help": "'all' (the recipe's layers) or the dilated layers, e.g. 0,2,4"})
+    layers: list[str] = field(default_factory=lambda: ["all"], metadata={"help": "layers to convert: 'all' (the recipe's choice) or indices, e.g. 0 2 4"})
     backend: Optional[str] = field(default=None, metadata={"choices": ("auto", "torch", "triton"), "help": "dilated-attention backend (default: auto)"})
     rope: Optional[str] = field(default=None, metadata={"help": "RoPE scaling to --seq-len past the trained context: recipe (default), none, linear, dynamic, yarn"})
     data: str = field(default="shakespeare", metadata={"help": "'shakespeare' or a directory of .txt files, one document per file"})
@@ -103,20 +103,22 @@ def parse_args(argv: Sequence[str] | None = None):
     return script, training
 
 
-def _layers(value: str) -> str | list[int]:
-    if value == "all":
-        return value
+def _layers(values: list[str]) -> str | list[int]:
+    if values == ["all"]:
+        return "all"
     try:
-        layers = [int(v) for v in value.split(",") if v.strip()]
+        layers = sorted({int(v) for v in values})
     except ValueError:
-        layers = []
+        layers = [-1]
     if not layers or min(layers) < 0:
-        raise ValueError(f"--layers must be 'all' or comma-separated layer indices, got {value!r}")
+        raise ValueError(f"--layers takes 'all' alone or layer indices such as 0 2 4, got {' '.join(values)}")
     return layers
 
 
 def validate(script: ScriptArguments, training) -> None:
+    """Every check that needs no model or data: ``ValueError`` naming the option. Creates ``--output-dir`` last."""
     from hf_dilated import DilatedAttentionConfig
+    from hf_dilated.cli import prepare_output_dir, require_modules
     from hf_dilated.patching import ROPE_CHOICES
 
     if script.seq_len < 2:
@@ -135,7 +137,7 @@ def validate(script: ScriptArguments, training) -> None:
     _layers(script.layers)
     if script.rope is not None and script.rope not in ROPE_CHOICES:
         raise ValueError(f"--rope must be one of {ROPE_CHOICES}, got {script.rope!r}")
-    dilated_only = script.segment_lengths is not None or script.layers != "all" or script.backend or script.rope
+    dilated_only = script.segment_lengths is not None or script.layers != ["all"] or script.backend or script.rope
     if script.attn != "dilated" and dilated_only:
         raise ValueError(f"--segment-lengths / --dilation-rates / --layers / --backend / --rope need --attn dilated, got --attn {script.attn}")
     if not 0.0 <= script.lora_dropout < 1.0:
@@ -148,12 +150,16 @@ def validate(script: ScriptArguments, training) -> None:
         raise ValueError(f"--sequence-parallel must be a positive integer, got {script.sequence_parallel}")
     if script.data != "shakespeare" and not Path(script.data).is_dir():
         raise ValueError(f"--data must be 'shakespeare' or a directory of .txt files, got {script.data!r}")
-    if script.model not in ("smollm2", "tiny") and not Path(script.model).is_dir():
-        raise ValueError(f"--model must be 'smollm2', 'tiny' or a local Hugging Face model directory, got {script.model!r}")
+    if script.model not in ("smollm2", "tiny") and not (Path(script.model).is_dir() or script.model.endswith(".gguf")):
+        raise ValueError(f"--model must be 'smollm2', 'tiny', a checkpoint directory or a .gguf file, got {script.model!r}")
     if script.verify_reload and not script.save_model:
         script.verify_reload = False
-    reporting.require("datasets", "matplotlib", *(["peft"] if script.lora_r else []),
-                      *(["liger_kernel"] if training.use_liger_kernel else []))
+    require_modules("finetune", "datasets", "matplotlib", *(["peft"] if script.lora_r else []),
+                    *(["gguf"] if script.model in ("smollm2", "tiny") or script.model.endswith(".gguf") else []),
+                    *(["liger_kernel"] if training.use_liger_kernel else []))
+    resume = training.resume_from_checkpoint is not None  # continues in the directory it left
+    protect = [] if script.model in ("smollm2", "tiny") else [Path(script.model)]
+    prepare_output_dir(training.output_dir, script.overwrite or resume, protect=protect)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -162,31 +168,19 @@ def validate(script: ScriptArguments, training) -> None:
 def load_model(script: ScriptArguments, seed: int = 0):
     """``(model, tokenizer)`` of ``--model`` in ``--dtype`` (``seed`` initializes ``tiny``)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_dilated import assets
 
     dtype = getattr(torch, script.dtype)
-    if script.model in ("smollm2", "tiny"):
+    if script.model == "tiny":
         tokenizer = assets.load_smollm2_tokenizer()
         if tokenizer is None:
             raise ValueError(assets.SMOLLM2_MISSING)
-        if script.model == "tiny":
-            return assets.tiny_llama(seed, vocab_size=len(tokenizer)).to(dtype), tokenizer
-        model, tokenizer = assets.load_smollm2(dtype=dtype)
-        return _unmark_gguf(model), tokenizer
-    return AutoModelForCausalLM.from_pretrained(script.model, dtype=dtype), AutoTokenizer.from_pretrained(script.model)
-
-
-def _unmark_gguf(model):
-    """Transformers dequantizes GGUF weights but keeps the model marked quantized, which Trainer refuses to train.
-    (To go once ``hf_dilated.assets``' GGUF loader returns the plain model it is: issue 11, item 1.)"""
-    if type(getattr(model, "hf_quantizer", None)).__name__ == "GgufHfQuantizer":
-        model.hf_quantizer, model.is_quantized = None, False
-        model.quantization_method = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-    return model
+        return assets.tiny_llama(seed, vocab_size=len(tokenizer)).to(dtype), tokenizer
+    model, tokenizer = assets.load_checkpoint(script.model, dtype=dtype)
+    if tokenizer is None:
+        raise ValueError(f"--model {script.model} has no tokenizer beside it; fine-tuning needs one")
+    return model, tokenizer
 
 
 def attach_lora(model, script: ScriptArguments):
@@ -419,7 +413,7 @@ def run(script: ScriptArguments, training) -> dict[str, Any]:
     from hf_dilated.environment import run_environment
 
     resume = training.resume_from_checkpoint
-    out = reporting.prepare_output_dir(training.output_dir, script.overwrite, resume is not None)
+    out = Path(training.output_dir)  # checked and created by validate()
     if resume == "latest":
         resume = get_last_checkpoint(str(out))
         if resume is None:

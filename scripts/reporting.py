@@ -1,38 +1,11 @@
-"""What the programs in ``scripts/`` share: the output-directory rule, the up-front check of optional packages, the
-results table, the plot and the results JSON."""
+"""What the programs in ``scripts/`` share: the results table, the plot and the results JSON. (The output-directory
+rule and the check of optional packages are the command line's: ``hf_dilated.cli``.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Sequence
-
-PACKAGES = {"matplotlib": "matplotlib", "datasets": "datasets", "peft": "peft", "liger_kernel": "liger-kernel"}
-
-
-def require(*modules: str) -> None:
-    """Raise ``ValueError`` naming every missing module (and its pip name) before any work starts."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        names = " ".join(PACKAGES.get(m, m) for m in missing)
-        raise ValueError(f"this command needs {', '.join(missing)}: pip install {names} (or the package's [train] extra)")
-
-
-def prepare_output_dir(path: str | Path, overwrite: bool = False, resume: bool = False) -> Path:
-    """Create ``path``; refuse a file, or an existing non-empty directory unless ``overwrite`` (files of the same
-    names are replaced, nothing else is deleted) or ``resume`` (it holds the checkpoints to continue from)."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output-dir {out} is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (overwrite or resume):
-        raise ValueError(f"--output-dir {out} exists and is not empty; pass --overwrite to write into it")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"--output-dir {out} cannot be created: {err.strerror or err}") from err
-    return out
-
 
 def _cell(value: Any) -> str:
     if value is None:
