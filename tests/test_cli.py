@@ -166,9 +166,9 @@ def test_eval_bad_options(tmp_path, capsys):
 
 def test_finetune_delegates(monkeypatch):
     calls = []
-    fake = types.ModuleType("hf_dilated.finetune")
+    fake = types.ModuleType("hf_dilated.scripts.finetune")
     fake.main = lambda argv: calls.append(list(argv)) or 0
-    monkeypatch.setitem(sys.modules, "hf_dilated.finetune", fake)
+    monkeypatch.setitem(sys.modules, "hf_dilated.scripts.finetune", fake)
     assert main(["finetune", "--model", "smollm2", "--steps", "3"]) == 0
     assert calls == [["--model", "smollm2", "--steps", "3"]]
 
