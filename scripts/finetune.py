@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from hf_dilated.cli import BACKENDS, ROPE_CHOICES  # the command line's vocabulary (stdlib-only module)
+
 try:
     from . import reporting
 except ImportError:  # run as a file: python scripts/finetune.py
@@ -57,8 +59,8 @@ class ScriptArguments:
     segment_lengths: Optional[list[int]] = field(default=None, metadata={"help": "branch segment lengths w_i, e.g. 2048 4096 (default: the recipe's, extended to --seq-len)"})
     dilation_rates: Optional[list[int]] = field(default=None, metadata={"help": "branch dilation rates r_i, e.g. 1 2"})
     layers: list[str] = field(default_factory=lambda: ["all"], metadata={"help": "layers to convert: 'all' (the recipe's choice) or indices, e.g. 0 2 4"})
-    backend: Optional[str] = field(default=None, metadata={"choices": ("auto", "torch", "triton"), "help": "dilated-attention backend (default: auto)"})
-    rope: Optional[str] = field(default=None, metadata={"help": "RoPE scaling to --seq-len past the trained context: recipe (default), none, linear, dynamic, yarn"})
+    backend: Optional[str] = field(default=None, metadata={"choices": BACKENDS, "help": "dilated-attention backend (default: auto)"})
+    rope: Optional[str] = field(default=None, metadata={"choices": ROPE_CHOICES, "help": "RoPE scaling to --seq-len past the trained context (default: recipe, the recipe's type)"})
     data: str = field(default="shakespeare", metadata={"help": "'shakespeare' or a directory of .txt files, one document per file"})
     editions: str = field(default="modern", metadata={"choices": EDITIONS, "help": "Shakespeare: modern spelling, First Folio, or both"})
     seq_len: int = field(default=16384, metadata={"help": "tokens per training row"})
@@ -72,7 +74,7 @@ class ScriptArguments:
     lora_r: int = field(default=0, metadata={"help": "LoRA rank (0: full fine-tuning)"})
     lora_alpha: Optional[float] = field(default=None, metadata={"help": "LoRA alpha (default 2 * r)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
-    lora_targets: str = field(default="q_proj,k_proj,v_proj,o_proj", metadata={"help": "modules LoRA adapts"})
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], metadata={"help": "modules LoRA adapts"})
     max_train_seconds: Optional[float] = field(default=None, metadata={"help": "stop training cleanly after N seconds"})
     timing_warmup_steps: int = field(default=2, metadata={"help": "steps left out of tokens/s (compilation, autotuning)"})
     sequence_parallel: int = field(default=1, metadata={"help": "shard each sequence over N ranks (needs hf_dilated.distributed)"})
@@ -119,7 +121,6 @@ def validate(script: ScriptArguments, training) -> None:
     """Every check that needs no model or data: ``ValueError`` naming the option. Creates ``--output-dir`` last."""
     from hf_dilated import DilatedAttentionConfig
     from hf_dilated.cli import prepare_output_dir, require_modules
-    from hf_dilated.patching import ROPE_CHOICES
 
     if script.seq_len < 2:
         raise ValueError(f"--seq-len must be at least 2, got {script.seq_len}")
@@ -135,8 +136,6 @@ def validate(script: ScriptArguments, training) -> None:
     if script.segment_lengths is not None:  # checks the branches, with its own message
         DilatedAttentionConfig(segment_lengths=script.segment_lengths, dilation_rates=script.dilation_rates)
     _layers(script.layers)
-    if script.rope is not None and script.rope not in ROPE_CHOICES:
-        raise ValueError(f"--rope must be one of {ROPE_CHOICES}, got {script.rope!r}")
     dilated_only = script.segment_lengths is not None or script.layers != ["all"] or script.backend or script.rope
     if script.attn != "dilated" and dilated_only:
         raise ValueError(f"--segment-lengths / --dilation-rates / --layers / --backend / --rope need --attn dilated, got --attn {script.attn}")
@@ -144,8 +143,6 @@ def validate(script: ScriptArguments, training) -> None:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {script.lora_dropout}")
     if script.lora_r == 0 and (script.lora_alpha is not None or script.lora_dropout):
         raise ValueError("--lora-alpha / --lora-dropout need --lora-r > 0")
-    if not [t for t in script.lora_targets.split(",") if t.strip()]:
-        raise ValueError("--lora-targets must name at least one module")
     if script.sequence_parallel < 1:
         raise ValueError(f"--sequence-parallel must be a positive integer, got {script.sequence_parallel}")
     if script.data != "shakespeare" and not Path(script.data).is_dir():
@@ -186,7 +183,7 @@ def load_model(script: ScriptArguments, seed: int = 0):
 def attach_lora(model, script: ScriptArguments):
     from peft import LoraConfig, get_peft_model
 
-    targets = [t.strip() for t in script.lora_targets.split(",") if t.strip()]
+    targets = list(script.lora_targets)
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [t for t in targets if t not in names]
     if missing:
