@@ -209,7 +209,7 @@ def plot(out: Path, rows: list[dict], meta: dict) -> None:
             series.append({"label": f"{r['attn']} ({tps}{mem})", "x": list(steps), "y": list(losses)})
             for key, x, marker in (("eval_before", 0, "o"), ("eval_after", r["steps"], "s")):
                 if r.get(key):
-                    series.append({"label": f"{r['attn']} ({tps}{mem}) {key.replace('_', ' ')}", "x": [x],
+                    series.append({"label": f"{r['attn']} {key.replace('_', ' ')}", "x": [x],
                                    "y": [r[key]["loss"]], "points": True, "marker": marker})
         panels.append({"title": f"SmolLM2-135M, {ctx_name(ctx)} tokens/sequence", "xlabel": "optimizer step",
                        "ylabel": "loss (nats/token)", "series": series})

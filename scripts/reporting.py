@@ -27,8 +27,8 @@ def plot(path: str | Path, panels: Sequence[dict[str, Any]], title: str | None =
     """Write a PNG of one or more panels side by side.
 
     A panel is ``{"title", "xlabel", "ylabel", "series": [{"label", "x", "y", "points": bool}], "logx", "logy",
-    "vline": (x, label) or None}``; a series with ``points`` is drawn as markers only (e.g. evaluations), and takes
-    the colour of the line drawn just before it when its label starts with that line's label.
+    "vline": (x, label) or None}``; a series with ``points`` is drawn as markers only (e.g. evaluations), in the
+    colour of the line drawn just before it.
     """
     import matplotlib
 
@@ -40,7 +40,7 @@ def plot(path: str | Path, panels: Sequence[dict[str, Any]], title: str | None =
         last = None
         for s in panel["series"]:
             if s.get("points"):
-                colour = last.get_color() if last is not None and s["label"].startswith(last.get_label()) else None
+                colour = last.get_color() if last is not None else None
                 ax.scatter(s["x"], s["y"], marker=s.get("marker", "o"), s=30, zorder=3, color=colour, label=s["label"])
             else:
                 (last,) = ax.plot(s["x"], s["y"], lw=1.3, marker=s.get("marker"), label=s["label"])
