@@ -9,7 +9,8 @@ Options: those of :class:`ScriptArguments` below, and every ``TrainingArguments`
 ``--resume-from-checkpoint PATH|latest``, ``--use-liger-kernel``, ...). A run:
 
 1. loads ``--model``: ``smollm2`` (SmolLM2-135M-Instruct from its GGUF), ``tiny`` (a random SmolLM2-shaped Llama with
-   SmolLM2's tokenizer, for smoke tests) or a local Hugging Face directory (one saved by this program reloads dilated);
+   SmolLM2's tokenizer, for smoke tests), a checkpoint directory (one saved by this program reloads dilated) or a
+   ``.gguf`` file, through :func:`hf_dilated.assets.load_checkpoint`;
 2. switches attention with :func:`hf_dilated.training.prepare_attention` (``--attn dilated`` or the ``sdpa`` baseline);
 3. reads documents with ``datasets`` (Shakespeare's plays, or the ``.txt`` files of ``--data``, one document per file;
    the last ``--eval-docs`` are held out whole), tokenizes them with the model's tokenizer (each followed by EOS) and

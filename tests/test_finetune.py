@@ -181,6 +181,18 @@ def test_pack_rows_restart_positions_per_document_and_piece():
     assert len(capped) == 2  # 17 tokens kept: two full rows, the last token dropped
 
 
+def test_text_files_are_documents_and_the_last_are_held_out(tmp_path):
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    for name, text in (("a.txt", "x" * 20), ("b.txt", "y" * 11), ("sub/c.txt", "z" * 30)):
+        (data / name).write_text(text)
+    script = ft.ScriptArguments(data=str(data), seq_len=8, eval_docs=1, packing="stream")
+    train, evaluation, names = ft.build_datasets(script, CharTokenizer())
+    assert names == {"train": ["a.txt", "b.txt"], "eval": ["sub/c.txt"]}
+    assert len(train) == 4 and len(evaluation) == 3  # (21 + 12) // 8 and 31 // 8 rows
+    assert set(evaluation[0]["input_ids"]) == {ord("z")}
+
+
 @pytest.mark.parametrize("attn", ["dilated", "sdpa"])
 def test_packed_batches_give_the_loss_of_the_documents_alone(rng, attn):
     """A packed batch (documents split across rows included) gives the token losses of each piece alone."""
