@@ -276,14 +276,14 @@ def staged_directory(dst: Path) -> Iterator[Path]:
 
 # ---- progress ------------------------------------------------------------------------------------------------------
 def quiet_progress_when_piped() -> None:
-    """No progress bars (ours, Transformers', the Hub's) when stderr is not a terminal: logs get lines, not escapes."""
+    """No progress bars from Transformers and the Hub when stderr is not a terminal (ours use ``disable=None``, which
+    does the same), so logs get lines, not escape codes. (Transformers' GGUF conversion bar takes no such switch.)"""
     if not sys.stderr.isatty():
-        os.environ.setdefault("TQDM_DISABLE", "1")
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        if "transformers" in sys.modules or importlib.util.find_spec("transformers") is not None:
-            from transformers.utils import logging as hf_logging
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils import logging as hf_logging
 
-            hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()
+        disable_progress_bars()
 
 
 def _bar(**kwargs):
@@ -534,7 +534,7 @@ def _branch_notes(result: dict) -> list[str]:
         dense_at = [n for n in result["contexts"] if all(r == 1 and w >= n for w, r in zip(ws, rs))]
         if dense_at:
             notes.append(f"{variant}: branches w={ws} r={rs} are exact dense attention at {dense_at} tokens "
-                         "(every branch that reaches them has r = 1)")
+                         "(every branch has r = 1 and a segment at least as long as the window)")
     return notes
 
 

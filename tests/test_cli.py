@@ -399,3 +399,15 @@ def test_bad_command_lines_exit_2_with_one_line_and_touch_nothing(argv, checkpoi
     assert exit_info.value.code == 2, (argv, captured)
     assert captured.err.count("\n") == 1 and "error:" in captured.err, (argv, captured.err)
     assert _tree(tmp_path) == before, argv
+
+
+def test_eval_says_when_branches_are_dense_at_a_length():
+    from hf_dilated.cli import _branch_notes
+
+    result = {"contexts": [512, 4096], "patches": {
+        "dense": None,
+        "dilated": {"converted_layers": [0], "segment_lengths": [2048], "dilation_rates": [1]},
+        "dilated+rope": {"converted_layers": [0], "segment_lengths": [2048, 4096], "dilation_rates": [1, 2]},
+    }}
+    assert _branch_notes(result) == ["dilated: branches w=[2048] r=[1] are exact dense attention at [512] tokens "
+                                     "(every branch has r = 1 and a segment at least as long as the window)"]
