@@ -411,3 +411,14 @@ def test_eval_says_when_branches_are_dense_at_a_length():
     }}
     assert _branch_notes(result) == ["dilated: branches w=[2048] r=[1] are exact dense attention at [512] tokens "
                                      "(every branch has r = 1 and a segment at least as long as the window)"]
+
+
+def test_patch_of_a_patched_checkpoint_is_refused_in_cli_words(checkpoint, tmp_path, capsys):
+    first = tmp_path / "first"
+    assert main(["patch", str(checkpoint), str(first)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["patch", str(first), str(tmp_path / "second")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "already patched" in err and "hf_dilated.unpatch" not in err
+    assert err.count("\n") == 1 and not (tmp_path / "second").exists()
