@@ -138,6 +138,7 @@ def test_eval_end_to_end(lm_with_tokenizer, shakespeare, tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "context |        dense |   dense+rope |      dilated | dilated+rope" in printed
+    assert "dilated: branches w=[16, 32] r=[1, 2] (given by --segment-lengths / --dilation-rates) on 2/2 layers" in printed
     result = json.loads((out / "tiny.json").read_text())
     assert (out / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {(r["variant"], r["context"]): r for r in result["results"]}
