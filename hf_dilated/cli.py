@@ -516,6 +516,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result["model"] = str(args.model)
     json_path = program.save_json(result, args.output_dir / f"{args.name}.json")
     print(program.table(result))
+    for variant, summary in (result.get("patches") or {}).items():
+        if summary and summary.get("converted_layers"):
+            why = ("given by --segment-lengths / --dilation-rates" if config is not None else
+                   f"recipe {summary['recipe']}: up to max(target {result['target_context']}, trained "
+                   f"{summary['trained_context']})")
+            print(f"{variant}: branches w={summary['segment_lengths']} r={summary['dilation_rates']} ({why}) on "
+                  f"{len(summary['converted_layers'])}/{summary['num_layers']} layers")
     for note in _branch_notes(result):
         print(f"note: {note}")
     png_path = program.plot(result, args.output_dir / f"{args.name}.png")

@@ -138,6 +138,7 @@ def test_eval_end_to_end(lm_with_tokenizer, shakespeare, tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "context |        dense |   dense+rope |      dilated | dilated+rope" in printed
+    assert "dilated: branches w=[16, 32] r=[1, 2] (given by --segment-lengths / --dilation-rates) on 2/2 layers" in printed
     result = json.loads((out / "tiny.json").read_text())
     assert (out / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {(r["variant"], r["context"]): r for r in result["results"]}
@@ -411,3 +412,14 @@ def test_eval_says_when_branches_are_dense_at_a_length():
     }}
     assert _branch_notes(result) == ["dilated: branches w=[2048] r=[1] are exact dense attention at [512] tokens "
                                      "(every branch has r = 1 and a segment at least as long as the window)"]
+
+
+def test_patch_of_a_patched_checkpoint_is_refused_in_cli_words(checkpoint, tmp_path, capsys):
+    first = tmp_path / "first"
+    assert main(["patch", str(checkpoint), str(first)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["patch", str(first), str(tmp_path / "second")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "already patched" in err and "hf_dilated.unpatch" not in err
+    assert err.count("\n") == 1 and not (tmp_path / "second").exists()

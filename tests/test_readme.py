@@ -37,4 +37,4 @@ def test_readme_python_blocks_run_as_written(tmp_path):
                           timeout=300)
     seconds = time.perf_counter() - start
     assert done.returncode == 0, done.stderr[-3000:]
-    assert seconds < 120, f"the README's Python took {seconds:.0f} s"
+    assert seconds < 60, f"the README's Python took {seconds:.0f} s"
