@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -52,20 +53,28 @@ def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[i
     return tuple(zip(ws, rs))
 
 
-def default_branches(context_length: int, min_segment: int = DEFAULT_MIN_SEGMENT) -> tuple[list[int], list[int]]:
-    """LongNet's geometric branches, sized by a model's trained context.
+def default_branches(context_length: int, target: int | None = None, *, max_first_segment: int = DEFAULT_MIN_SEGMENT,
+                     first_segment_divisor: int = 4) -> tuple[list[int], list[int]]:
+    """LongNet's geometric branches for a model trained on ``context_length`` tokens: the one default rule, used by
+    ``from_pretrained(..., attn_implementation="dilated")`` without a stored config and by the patch recipes.
 
-    The first branch is local and dense: ``w_0 = min(min_segment, context_length)``, ``r_0 = 1``. Each further branch
-    doubles both: ``w_i = 2^i w_0``, ``r_i = 2^i``, so every branch costs the same (``w_i / r_i`` keys per query),
-    until a segment covers the trained context. A model trained on 8192 tokens gets ``w = 2048, 4096, 8192`` and
-    ``r = 1, 2, 4``; one trained on 32768 gets LongNet's own list up to 32768. Past the trained context the
-    largest branch still reaches ``context_length`` tokens back, sparsely.
+    The first branch is local and dense: ``w_0`` is the power of two at most ``context_length / first_segment_divisor``,
+    capped at ``max_first_segment``; ``r_0 = 1``. Each further branch doubles both (``w_i = 2^i w_0``, ``r_i = 2^i``),
+    so every branch costs the same (``w_i / r_i`` keys per query), until a segment covers
+    ``max(target, context_length)``. A model trained on 8192 tokens gets ``w = 2048, 4096, 8192``, ``r = 1, 2, 4``;
+    one trained on 32768 gets LongNet's list up to 32768. The branches always reach the trained context, so a short
+    model or target never collapses them into one dense segment.
     """
-    if context_length <= 0:
-        raise ValueError(f"context_length must be positive, got {context_length}")
-    w = min(min_segment, context_length)
+    for name, value in (("context_length", context_length), ("max_first_segment", max_first_segment),
+                        ("first_segment_divisor", first_segment_divisor)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target <= 0):
+        raise ValueError(f"target must be None or a positive int, got {target!r}")
+    target = max(target or context_length, context_length)
+    w = min(max_first_segment, 1 << int(math.log2(max(context_length // first_segment_divisor, 1))))
     ws, rs = [w], [1]
-    while ws[-1] < context_length:
+    while ws[-1] < target:
         ws.append(ws[-1] * 2)
         rs.append(rs[-1] * 2)
     return ws, rs

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 import yaml
 
-from .config import CONFIG_KEY, DilatedAttentionConfig, trained_context
+from .config import CONFIG_KEY, DilatedAttentionConfig, default_branches, trained_context
 
 PATCH_KEY = "dilated_attention_patch"
 ATTN_KEY = "attn_implementation"
@@ -136,14 +136,8 @@ class Recipe:
         The branches always reach the trained context: a shorter target does not shrink them to one dense segment
         (which would make "dilated" silently exact dense attention at short lengths).
         """
-        target = max(target or trained, trained, 1)
-        base = max(trained // self.first_segment_divisor, 1)
-        w = min(self.max_first_segment, 1 << int(math.log2(base)))
-        ws, rs = [w], [1]
-        while ws[-1] < target:
-            ws.append(ws[-1] * 2)
-            rs.append(rs[-1] * 2)
-        return ws, rs
+        return default_branches(max(trained, 1), target, max_first_segment=self.max_first_segment,
+                                first_segment_divisor=self.first_segment_divisor)
 
 
 DEFAULT_RECIPE = Recipe(

@@ -129,3 +129,11 @@ def test_dropout_draws_a_seed_and_drops_something(rng):
     seed = torch.tensor(1234)
     c = dilated_attention(q, k, v, [8, 16], [1, 2], dropout_p=0.3, seed=seed, backend="torch")
     torch.testing.assert_close(c, dilated_attention(q, k, v, [8, 16], [1, 2], dropout_p=0.3, seed=seed, backend="torch"))
+
+
+def test_transposed_layout_gets_a_hint():
+    """[B, N, H, D] passed for [B, H, N, D] (GQA): the error says which layout is expected."""
+    q = torch.randn(1, 16, 4, 8)
+    k = v = torch.randn(1, 16, 2, 8)
+    with pytest.raises(ValueError, match=r"\[B, H, N, D\].*transpose"):
+        dilated_attention(q, k, v, [8], [1])

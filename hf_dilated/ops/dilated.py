@@ -28,6 +28,18 @@ def triton_available(device: torch.device) -> bool:
     return triton_backend.is_available(device)
 
 
+def transposed_layout_hint(q_shape, k_shape) -> str:
+    """A hint when q, k look like ``[B, N, H, D]`` instead of ``[B, H, N, D]``: the same dim 1 and, read transposed,
+    a valid GQA ratio."""
+    _, n_q, h_q, _ = q_shape
+    _, n_k, h_k, _ = k_shape
+    if n_q == n_k and h_k > 0 and h_q % h_k == 0 and n_q > h_q:
+        return (f"; the shapes look like [B, N, H, D] (N={n_q}, H={h_q}/{h_k}), but query/key/value must be "
+                "[B, H, N, D] like F.scaled_dot_product_attention: pass q.transpose(1, 2), k.transpose(1, 2), "
+                "v.transpose(1, 2)")
+    return ""
+
+
 def check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     """Raise a ``ValueError`` naming the fault when q, k, v are not ``[B, H, N, D]`` tensors the op accepts."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -48,10 +60,11 @@ def check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same heads and length")
     if key.shape[3] != D:
         raise ValueError(f"query and key head dims differ: {D} and {key.shape[3]}")
+    hint = transposed_layout_hint(query.shape, key.shape)
     if Hq % key.shape[1]:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({key.shape[1]})")
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({key.shape[1]}){hint}")
     if Nq > key.shape[2]:
-        raise ValueError(f"query length ({Nq}) must not exceed key length ({key.shape[2]})")
+        raise ValueError(f"query length ({Nq}) must not exceed key length ({key.shape[2]}){hint}")
 
 
 def check_scale(scale, head_dim: int) -> float:
