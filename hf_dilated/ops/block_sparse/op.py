@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ..dilated import check_tensors as check_dilated_tensors
 from ..layout import TokenLayout, resolve_layout
 from .layout import BlockLayout, check_block_size, from_mask
 from .reference import block_sparse_reference
@@ -166,27 +167,10 @@ def choose_backend(backend: str, query: torch.Tensor) -> str:
 
 
 def check_tensors(query, key, value) -> None:
-    """Raise ``ValueError`` naming the argument when q, k, v are not ``[B, H, N, D]`` tensors the op accepts."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.ndim != 4:
-            raise ValueError(f"{name} must be a 4-D tensor [B, H, N, D], got {getattr(t, 'shape', type(t))}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if not (query.dtype == key.dtype == value.dtype):
-        raise ValueError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
-    if not (query.device == key.device == value.device):
-        raise ValueError(f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
-    B, Hq, Nq, D = query.shape
-    if key.shape[0] != B or value.shape[0] != B:
-        raise ValueError(f"batch sizes differ: query {B}, key {key.shape[0]}, value {value.shape[0]}")
-    if key.shape[1:3] != value.shape[1:3]:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same heads and length")
-    if key.shape[3] != D:
-        raise ValueError(f"query and key head dims differ: {D} and {key.shape[3]}")
-    if Hq % key.shape[1]:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({key.shape[1]})")
-    if Nq > key.shape[2] or key.shape[2] == 0:
-        raise ValueError(f"query length ({Nq}) must not exceed key length ({key.shape[2]}), which must be positive")
+    """The dilated op's checks of ``[B, H, N, D]`` q, k, v (``ValueError`` naming the argument), and at least one key."""
+    check_dilated_tensors(query, key, value)
+    if key.shape[2] == 0:
+        raise ValueError(f"key length must be positive, got key {tuple(key.shape)}")
 
 
 def _mask_block_size(mask: torch.Tensor, kv_len: int) -> int:

@@ -3,7 +3,7 @@ without a sliding window, against dense SDPA (flash) on the same GPU, forward an
 memory above the inputs. Each configuration is first checked against SDPA (with a boolean band mask where a window
 applies) at a length where that mask fits.
 
-    python benchmarks/bench_dense_window.py --lengths 16384 65536 --window 512 --heads 8 --kv-heads 2 --dim 256
+    python scripts/bench_dense_window.py --lengths 16384 65536 --window 512 --heads 8 --kv-heads 2 --dim 256
 """
 
 from __future__ import annotations
