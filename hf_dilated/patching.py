@@ -41,6 +41,16 @@ _STATE_ATTR = "_hf_dilated_patch_state"
 _MISSING = object()
 
 
+
+def shipped_directory(name: str):
+    """``patches/`` or ``model_cards/``: installed as ``hf_dilated.<name>``, or beside the package in a source checkout
+    run without installing (``PYTHONPATH=.``)."""
+    try:
+        return importlib.resources.files(f"hf_dilated.{name}")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / name
+
+
 def _attention_name() -> str:
     from .integrations import transformers as integration
 
@@ -150,7 +160,7 @@ DEFAULT_RECIPE = Recipe(
 @lru_cache(maxsize=1)
 def _load_recipes() -> dict[str, Recipe]:
     recipes = {}
-    root = importlib.resources.files("hf_dilated.patches")
+    root = shipped_directory("patches")
     for entry in sorted(root.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".yaml"):
             data = yaml.safe_load(entry.read_text(encoding="utf-8"))
@@ -670,7 +680,7 @@ def render_model_card(model: Any, eval_results: dict | None = None, load_path: s
         pipeline_tag="text-generation" if recipe.causal else "feature-extraction",
         tags=["hf_dilated", "dilated-attention", "longnet", "long-context", record.get("model_type") or "transformers"],
     )
-    template = (importlib.resources.files("hf_dilated.model_cards") / MODEL_CARD_TEMPLATE).read_text(encoding="utf-8")
+    template = (shipped_directory("model_cards") / MODEL_CARD_TEMPLATE).read_text(encoding="utf-8")
     card = ModelCard.from_template(
         card_data,
         template_str=template,
