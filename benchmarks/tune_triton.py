@@ -17,6 +17,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hf_dilated.ops import resolve_layout  # noqa: E402
 from hf_dilated.ops.triton import configs, launch  # noqa: E402
+from hf_dilated.ops.triton.schedule import layout_runs  # noqa: E402
 
 LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)]
@@ -37,12 +38,13 @@ def main():
     dev = torch.device("cuda")
     N, H = args.n, args.heads
     layout = resolve_layout(1, N, N, dev)
-    runs = layout.runs()
+    plan = layout_runs(layout)
+    valid = (layout.q_valid, layout.k_valid)
     key = ("contiguous", 1, N, N)
     for D in args.dims:
         q, k, v, do = (torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
         scale = D ** -0.5
-        fwd = lambda: launch.forward(q, k, v, LONGNET, runs, key, True, scale, 0)  # noqa: E731
+        fwd = lambda: launch.forward(q, k, v, launch.Problem(LONGNET, True, scale, 0), plan, valid, key)  # noqa: E731
         base_o, lse = fwd()
         best = None
         for c in FWD:
@@ -60,7 +62,7 @@ def main():
         print(f"BEST D={D} fwd {best}")
         configs._FWD_HOPPER[D] = best[1]
         o, lse = fwd()
-        bwd = lambda: launch.backward(do, q, k, v, o, lse, LONGNET, runs, key, True, scale, 0)  # noqa: E731
+        bwd = lambda: launch.backward(do, q, k, v, o, lse, launch.Problem(LONGNET, True, scale, 0), plan, valid, key)  # noqa: E731
         base = bwd()
         for name, table, cands in (("dkdv", configs._BWD_KV_HOPPER, KV), ("dq", configs._BWD_Q_HOPPER, DQ)):
             best = None

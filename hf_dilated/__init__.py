@@ -1,7 +1,8 @@
 """hf_dilated: LongNet dilated attention for Hugging Face Transformers.
 
-Importing the package registers the ``"dilated"`` attention implementation with Transformers'
-``AttentionInterface`` and ``AttentionMaskInterface``.
+Importing the package registers three attention implementations with Transformers' ``AttentionInterface`` and
+``AttentionMaskInterface``: ``"dilated"`` (one device), ``"dilated_ring"`` (the sequence split over a
+``torch.distributed`` group) and ``"block_sparse"``.
 """
 
 __version__ = "0.1.0"
@@ -15,13 +16,21 @@ from .integrations.transformers import (
     register,
     supports_dilated_attention,
 )
+from .integrations import block_sparse as _block_sparse_integration
+from .integrations import dilated_ring as _dilated_ring_integration
 from .modules import DilatedAttention, MultiheadDilatedAttention
-from .ops import dense_attention, dilated_attention, resolve_layout
+from .ops import attend, dilated_attention, resolve_layout
+from .ops.block_sparse import BlockLayout, BlockSparseConfig, block_sparse_attention
 from .patching import list_recipes, load_recipe, patch, save_patched, unpatch
 
 register()
+_dilated_ring_integration.register()
+_block_sparse_integration.register()
 
 __all__ = [
+    "BlockLayout",
+    "BlockSparseConfig",
+    "block_sparse_attention",
     "__version__",
     "ATTENTION_NAME",
     "DilatedAttention",
@@ -40,6 +49,6 @@ __all__ = [
     "DilatedAttentionConfig",
     "default_branches",
     "dilated_attention",
-    "dense_attention",
+    "attend",
     "resolve_layout",
 ]

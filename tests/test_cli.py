@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
+import os
+import subprocess
 import sys
+import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,7 +41,7 @@ def _tensors(path):
 
 def test_patch_end_to_end(checkpoint, tmp_path, capsys):
     dst = tmp_path / "patched"
-    assert main(["patch", str(checkpoint), str(dst), "--layers", "0,2", "--context-length", "1024"]) == 0
+    assert main(["patch", str(checkpoint), str(dst), "--layers", "0", "2", "--context-length", "1024"]) == 0
     printed = capsys.readouterr().out
     assert "converted layers (2/3): [0, 2]" in printed and "dense layers: [1]" in printed
     assert "'rope_type': 'yarn', 'factor': 4.0" in printed and "bitwise identical" in printed
@@ -52,21 +57,33 @@ def test_patch_end_to_end(checkpoint, tmp_path, capsys):
     card = (dst / "README.md").read_text()
     assert "library_name: transformers" in card and "| Converted layers | 2 of 3: 0, 2 |" in card
 
+    assert f'from_pretrained("{dst}")' in card, "the card names the final directory, not the staging one"
+    assert "not on PyPI" in card and "pip install hf_dilated" not in card
+    assert (dst.stat().st_mode & 0o777) == (0o777 & ~_umask())
+
     model = transformers.AutoModelForCausalLM.from_pretrained(dst)
     assert model.config._attn_implementation == "dilated"
-    assert not list(tmp_path.glob(".patched.*")), "the temporary directory must be gone"
+    assert [p.name for p in tmp_path.iterdir()] == ["patched"], "the staging directory must be gone"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 @pytest.mark.parametrize(
     "options, message",
     [
-        (["--layers", "0,9"], "layers must be 'all' or a list of layer indices in [0, 3)"),
+        (["--layers", "0", "9"], "--layers must be 'all' or a list of layer indices in [0, 3)"),
         (["--segment-lengths", "100", "--dilation-rates", "3"], "multiple of its dilation rate"),
         (["--segment-lengths", "64"], "--segment-lengths and --dilation-rates must be given together"),
         (["--recipe", "gpt2"], "recipe must be 'auto' or one of"),
         (["--recipe", "bert"], "recipe 'bert' covers model types"),
         (["--rope", "ntk"], "invalid choice: 'ntk'"),
-        (["--layers", "a,b"], "--layers must be 'all' or comma-separated layer indices"),
+        (["--layers", "a"], "--layers takes 'all' or layer indices"),
+        (["--layers", "all", "1"], "--layers takes 'all' alone"),
+        (["--context-length", "100"], "--context-length 100 is below the 256 tokens"),
         (["--context-length", "-5"], "expected a positive integer"),
     ],
 )
@@ -86,6 +103,9 @@ def test_patch_refuses_existing_dst_and_missing_src(checkpoint, tmp_path, capsys
     with pytest.raises(SystemExit):
         main(["patch", str(checkpoint), str(dst)])
     assert "exists and is not empty; pass --overwrite" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --overwrite replaces only an earlier patch output, never other files
+        main(["patch", str(checkpoint), str(dst), "--overwrite"])
+    assert "did not write" in capsys.readouterr().err
     assert [p.name for p in dst.iterdir()] == ["keep.txt"]
     with pytest.raises(SystemExit):
         main(["patch", str(tmp_path / "nope"), str(tmp_path / "out2")])
@@ -118,6 +138,7 @@ def test_eval_end_to_end(lm_with_tokenizer, shakespeare, tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "context |        dense |   dense+rope |      dilated | dilated+rope" in printed
+    assert "dilated: branches w=[16, 32] r=[1, 2] (given by --segment-lengths / --dilation-rates) on 2/2 layers" in printed
     result = json.loads((out / "tiny.json").read_text())
     assert (out / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {(r["variant"], r["context"]): r for r in result["results"]}
@@ -146,9 +167,9 @@ def test_eval_bad_options(tmp_path, capsys):
 
 def test_finetune_delegates(monkeypatch):
     calls = []
-    fake = types.ModuleType("hf_dilated.finetune")
+    fake = types.ModuleType("hf_dilated.scripts.finetune")
     fake.main = lambda argv: calls.append(list(argv)) or 0
-    monkeypatch.setitem(sys.modules, "hf_dilated.finetune", fake)
+    monkeypatch.setitem(sys.modules, "hf_dilated.scripts.finetune", fake)
     assert main(["finetune", "--model", "smollm2", "--steps", "3"]) == 0
     assert calls == [["--model", "smollm2", "--steps", "3"]]
 
@@ -158,3 +179,247 @@ def test_recipes_command(capsys):
     printed = capsys.readouterr().out
     for name in ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gpt_neox", "bert"):
         assert f"\n{name} " in "\n" + printed
+
+
+# ---- output paths: atomic, never deleting what the command did not write ----------------------------------------
+def _tree(root: Path) -> dict:
+    """Every path under ``root`` with its size and mtime: the file system as a test sees it."""
+    return {str(p.relative_to(root)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+def test_patch_refuses_destinations_that_would_lose_files(checkpoint, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    (tmp_path / "afile").write_text("x")
+    before = _tree(tmp_path)
+    for dst, message in [
+        (".", "is or contains the working directory"),
+        (str(tmp_path), "is or contains the working directory"),
+        (str(checkpoint), "is or contains"),
+        (str(checkpoint.parent), "is or contains"),
+        (str(tmp_path / "afile"), "is a file"),
+        (str(tmp_path / "afile" / "sub"), "which is a file"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["patch", str(checkpoint), dst, "--overwrite"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, (dst, err)
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere: file permissions cannot refuse it")
+def test_patch_unwritable_destination(checkpoint, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["patch", str(checkpoint), str(locked / "out")])
+    assert exit_info.value.code == 2 and "no permission to write" in capsys.readouterr().err
+
+
+def test_patch_overwrite_replaces_an_earlier_output_atomically(checkpoint, tmp_path, monkeypatch, capsys):
+    dst = tmp_path / "out"
+    (tmp_path / "neighbour.txt").write_text("keep")
+    assert main(["patch", str(checkpoint), str(dst), "--layers", "0"]) == 0
+    assert json.loads((dst / "config.json").read_text())["dilated_attention"]["layers"] == [0]
+    # A failure while writing leaves the earlier output as it was and no staging directory behind.
+    before = _tree(tmp_path)
+    from hf_dilated import cli
+
+    def broken(model, path):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(cli, "verify_weights", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        main(["patch", str(checkpoint), str(dst), "--layers", "1", "--overwrite"])
+    assert _tree(tmp_path) == before
+    monkeypatch.undo()
+    assert main(["patch", str(checkpoint), str(dst), "--layers", "1", "--overwrite"]) == 0
+    assert json.loads((dst / "config.json").read_text())["dilated_attention"]["layers"] == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["neighbour.txt", "out"]
+
+
+def test_prepare_output_dir_rule(tmp_path):
+    from hf_dilated.cli import CLIError, prepare_output_dir
+
+    out = tmp_path / "results"
+    assert prepare_output_dir(out, False, files=["a.json"]) == out and out.is_dir()
+    (out / "a.json").write_text("{}")
+    (out / "other.txt").write_text("x")
+    with pytest.raises(CLIError, match="already holds a.json; pass --overwrite"):
+        prepare_output_dir(out, False, files=["a.json", "a.png"])
+    assert prepare_output_dir(out, True, files=["a.json"]) == out
+    assert prepare_output_dir(out, False, files=["b.json"]) == out  # other names: nothing to replace
+    with pytest.raises(CLIError, match="already holds a.json, other.txt"):
+        prepare_output_dir(out, False)  # a run directory the command owns must be empty
+    assert sorted(p.name for p in out.iterdir()) == ["a.json", "other.txt"]
+
+
+def test_eval_refuses_to_replace_results_and_checks_matplotlib_first(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "res"
+    out.mkdir()
+    (out / "run.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--output-dir", str(out), "--name", "run"])
+    assert exit_info.value.code == 2 and "pass --overwrite" in capsys.readouterr().err
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--output-dir", str(tmp_path / "new")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "needs matplotlib" in err and "hf_dilated[eval]" in err
+    assert not (tmp_path / "new").exists()
+
+
+# ---- the real checkpoint: the README's command --------------------------------------------------------------------
+@pytest.mark.slow
+def test_patch_smollm2_gguf_end_to_end(tmp_path, capsys):
+    """`hf-dilated patch smollm2 out --context-length 16384`, as the README gives it, on the bundled GGUF."""
+    if not assets.smollm2_available():
+        pytest.skip(assets.SMOLLM2_MISSING)
+    dst = tmp_path / "out"
+    assert main(["patch", "smollm2", str(dst), "--context-length", "16384"]) == 0
+    printed = capsys.readouterr().out
+    assert "bitwise identical" in printed
+    config = json.loads((dst / "config.json").read_text())
+    assert "quantization_config" not in config and config["attn_implementation"] == "dilated"
+    assert config["dilated_attention"]["segment_lengths"] == [2048, 4096, 8192, 16384]
+    assert config["dilated_attention"]["dilation_rates"] == [1, 2, 4, 8]
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["factor"] == 2.0
+    assert (dst / "tokenizer.json").exists() and (dst / "README.md").exists()
+    model = transformers.AutoModelForCausalLM.from_pretrained(dst)
+    assert model.config._attn_implementation == "dilated" and not getattr(model, "is_quantized", False)
+    ids = torch.arange(3, 67)[None]
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+# ---- the command line's surface ---------------------------------------------------------------------------------
+def test_help_version_and_no_doubled_defaults(capsys):
+    from hf_dilated import __version__
+    from hf_dilated.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"hf-dilated {__version__}"
+    parser = build_parser()
+    for command in ("patch", "eval"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: auto)" in text and "default: auto) (default" not in text
+        assert not re.search(r"\(default: [^)]*\) \(default:", text)
+        assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_cli_constants_match_the_library():
+    from hf_dilated import cli, config, patching
+    from hf_dilated.evaluation import VARIANTS
+
+    assert cli.BACKENDS == config.BACKENDS and cli.ROPE_CHOICES == patching.ROPE_CHOICES
+    assert cli.EVAL_VARIANTS == VARIANTS and cli.PATCH_MARKER == patching.PATCH_KEY
+
+
+def test_help_is_quick_and_imports_no_model_code():
+    """`hf-dilated --help` builds the parser without the package's model code (torch comes with `import hf_dilated`)."""
+    code = ("import sys, time; t = time.perf_counter(); from hf_dilated import cli; t0 = time.perf_counter();"
+            "p = cli.build_parser(); print(time.perf_counter() - t0);"
+            "print(any(m in sys.modules for m in ('hf_dilated.evaluation', 'hf_dilated.finetune', 'hf_dilated.assets')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent).stdout.split()
+    assert float(out[0]) < 1.0 and out[1] == "False"
+
+
+def test_library_errors_read_as_options():
+    from hf_dilated.cli import cli_message
+
+    assert cli_message(ValueError("context_length must be positive;\n layers [9] bad")) == (
+        "--context-length must be positive; --layers [9] bad")
+    assert cli_message(ValueError("config.layers=[1]")) == "config.layers=[1]"
+    assert cli_message(ValueError("recipe 'bert' covers; rope.type x")) == "recipe 'bert' covers; rope.type x"
+
+
+# ---- property: malformed, missing or conflicting options fail fast and write nothing --------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+BAD = {
+    "patch": [
+        ["--segment-lengths", "64"], ["--dilation-rates", "1"], ["--segment-lengths", "0", "--dilation-rates", "1"],
+        ["--segment-lengths", "100", "--dilation-rates", "3"], ["--segment-lengths", "64", "32", "--dilation-rates", "1", "2"],
+        ["--layers", "x"], ["--layers", "all", "2"], ["--layers", "-1"], ["--rope", "ntk"], ["--backend", "cuda"],
+        ["--recipe", "nope"], ["--context-length", "-1"], ["--context-length", "1e3"], ["--dtype", "int8"],
+        ["--eval-results", "missing.json"], ["--frobnicate"], ["--overwrite=yes"],
+    ],
+    "eval": [
+        ["--device", "tpu"], ["--contexts", "0"], ["--contexts"], ["--variants", "x"], ["--text", "missing.txt"],
+        ["--model", "missing-dir"], ["--windows", "0"], ["--layers", "0"], ["--name", "a/b"], ["--logits-chunk", "-1"],
+        ["--dtype", "int8"], ["--segment-lengths", "64"], ["--recipe", "nope"], ["--frobnicate"],
+    ],
+    "recipes": [["--frobnicate"], ["extra"]],
+}
+GOOD = {
+    "patch": [["--backend", "torch"], ["--rope", "none"], ["--dtype", "float32"], ["--overwrite"], ["--layers", "0"]],
+    "eval": [["--windows", "2"], ["--device", "cpu"], ["--overwrite"], ["--contexts", "64", "128"]],
+    "recipes": [[]],
+}
+
+
+@st.composite
+def bad_command_lines(draw):
+    command = draw(st.sampled_from(sorted(BAD)))
+    options = draw(st.lists(st.sampled_from(BAD[command]), min_size=1, max_size=3))
+    options += draw(st.lists(st.sampled_from(GOOD[command]), max_size=2))
+    options = draw(st.permutations(options))
+    argv = [command]
+    if command == "patch":
+        argv += draw(st.sampled_from([["SRC", "out"], ["SRC"], [], ["missing-src", "out"]]))
+    return argv + [part for option in options for part in option]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(argv=bad_command_lines())
+def test_bad_command_lines_exit_2_with_one_line_and_touch_nothing(argv, checkpoint, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    monkeypatch.chdir(work)
+    argv = [str(checkpoint) if a == "SRC" else a for a in argv]
+    from hf_dilated import assets as assets_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError(f"{argv} loaded a model before refusing its options")
+
+    monkeypatch.setattr(assets_module, "load_checkpoint", no_loading)
+    before = _tree(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2, (argv, captured)
+    assert captured.err.count("\n") == 1 and "error:" in captured.err, (argv, captured.err)
+    assert _tree(tmp_path) == before, argv
+
+
+def test_eval_says_when_branches_are_dense_at_a_length():
+    from hf_dilated.cli import _branch_notes
+
+    result = {"contexts": [512, 4096], "patches": {
+        "dense": None,
+        "dilated": {"converted_layers": [0], "segment_lengths": [2048], "dilation_rates": [1]},
+        "dilated+rope": {"converted_layers": [0], "segment_lengths": [2048, 4096], "dilation_rates": [1, 2]},
+    }}
+    assert _branch_notes(result) == ["dilated: branches w=[2048] r=[1] are exact dense attention at [512] tokens "
+                                     "(every branch has r = 1 and a segment at least as long as the window)"]
+
+
+def test_patch_of_a_patched_checkpoint_is_refused_in_cli_words(checkpoint, tmp_path, capsys):
+    first = tmp_path / "first"
+    assert main(["patch", str(checkpoint), str(first)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["patch", str(first), str(tmp_path / "second")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "already patched" in err and "hf_dilated.unpatch" not in err
+    assert err.count("\n") == 1 and not (tmp_path / "second").exists()

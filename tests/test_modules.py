@@ -66,5 +66,5 @@ def test_multihead_rejects_what_it_cannot_do(rng):
     with pytest.raises(ValueError, match="batch_first"):
         MultiheadDilatedAttention(16, 2, segment_lengths=[8], dilation_rates=[1], batch_first=False)
     with pytest.raises(ValueError, match="dropout"):
-        MultiheadDilatedAttention(16, 2, segment_lengths=[8], dilation_rates=[1], dropout=0.1)
+        MultiheadDilatedAttention(16, 2, segment_lengths=[8], dilation_rates=[1], dropout=1.0)
     assert hf_dilated.MultiheadDilatedAttention is MultiheadDilatedAttention

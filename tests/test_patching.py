@@ -138,8 +138,13 @@ def test_save_reload_model_card_and_loading_without_hf_dilated(tmp_path, rng):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["attn_implementation"] == "dilated" and saved[CONFIG_KEY]["layers"] == [0]
     card = (tmp_path / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: transformers\n")
-    assert "- dilated-attention" in card and "| Segment lengths `w` | 16, 32 |" in card
+    from huggingface_hub import ModelCard
+
+    data = ModelCard.load(tmp_path / "README.md").data  # Hub metadata the Hub's own parser reads back
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
+    assert {"dilated-attention", "llama"} <= set(data.tags)
+    assert f'from_pretrained("{tmp_path}")' in card and "not on PyPI" in card
+    assert "| Segment lengths `w` | 16, 32 |" in card
     assert "| Converted layers | 1 of 2: 0 |" in card and "| perplexity_dilated | 10.5 |" in card
     assert 'from_pretrained("' in card and "yarn" in card
 
@@ -193,13 +198,18 @@ def test_recipes_load_and_validate():
         for model_type in recipe.model_types:
             assert model_type not in owners, f"{model_type} is in recipes {owners.get(model_type)} and {name}"
             owners[model_type] = name
-        assert recipe.sliding_window in ("keep", "refuse") and recipe.softcapping == "refuse"
+        assert recipe.sliding_window in ("keep", "refuse")
     assert load_recipe("bert").positions == "absolute" and load_recipe("bert").causal is False
     assert load_recipe("gemma3").convert == "full_attention" and load_recipe("gemma3").rope_type == "linear"
     # SmolLM2-sized defaults: trained 8192 -> LongNet's geometric list up to the target
     assert load_recipe("llama").branches(8192) == ([2048, 4096, 8192], [1, 2, 4])
     assert load_recipe("llama").branches(8192, 65536) == ([2048, 4096, 8192, 16384, 32768, 65536], [1, 2, 4, 8, 16, 32])
     assert load_recipe("bert").branches(512) == ([128, 256, 512], [1, 2, 4])
+    # A target below the trained context still gets branches up to it, never one dense segment (which would make
+    # "dilated" exact dense attention at short lengths without a word).
+    assert load_recipe("llama").branches(8192, 1024) == ([2048, 4096, 8192], [1, 2, 4])
+    with pytest.raises(ValueError, match="unknown keys.*softcapping"):  # recipe fields nothing read are gone
+        Recipe.from_dict({"name": "x", "model_types": ["x"], "softcapping": "refuse"})
     with pytest.raises(ValueError, match="sliding_window must be one of"):
         Recipe.from_dict({"name": "x", "model_types": ["x"], "sliding_window": "approximate"})
     with pytest.raises(ValueError, match="unknown keys"):
@@ -260,6 +270,16 @@ def test_bad_arguments_raise_clear_errors_and_change_nothing():
         assert config_state(model) == before, kwargs
     with pytest.raises(ValueError, match="not patched"):
         unpatch(model)
+    with pytest.raises(ValueError, match="model must be a Transformers PreTrainedModel.*got Linear"):
+        patch(torch.nn.Linear(2, 2))
+    for field, value, message in [("num_attention_heads", 0, "num_attention_heads must be a positive integer"),
+                                  ("head_dim", 0, "head dimension"),
+                                  ("num_key_value_heads", 3, "num_key_value_heads must be a positive divisor")]:
+        broken = tiny("llama")
+        setattr(broken.config, field, value)
+        with pytest.raises(ValueError, match=message):
+            patch(broken)
+        assert not is_patched(broken)
     patch(model)
     with pytest.raises(ValueError, match="already patched"):
         patch(model)

@@ -1,5 +1,7 @@
 """The "dilated" attention implementation inside Transformers models: masks, padding, packing, caches, switching."""
 
+import logging
+
 import pytest
 import torch
 from transformers import DataCollatorWithFlattening, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
@@ -37,11 +39,46 @@ def test_mask_stays_compact():
     emb = torch.randn(2, 40, 64)
     assert create_causal_mask(model.config, emb, None, None) is None
     mask = torch.ones(2, 40, dtype=torch.long)
-    assert create_causal_mask(model.config, emb, mask, None) is None
     mask[1, :5] = 0
+    mask[0, 7] = 0
     built = create_causal_mask(model.config, emb, mask, None)
-    assert built.shape == (2, 40) and built.dtype == torch.bool
+    assert built.shape == (2, 40) and built.dtype == torch.bool  # [B, Nk], never N x N
     assert torch.equal(built, mask.bool())
+    # A given mask is passed on even when all ones (one sequence per row: packing is not inferred), as is.
+    ones = torch.ones(2, 40, dtype=torch.bool)
+    assert create_causal_mask(model.config, emb, ones, None) is ones
+
+
+def test_static_cache_mask_marks_unfilled_slots_without_reading_values():
+    model = switch(tiny_llama(), LONGNET)
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    emb = torch.randn(2, 1, 64)
+    cache.update(torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16), 0)
+    built = create_causal_mask(model.config, emb, None, cache)
+    assert built.shape == (2, 64) and built[:, :31].all() and not built[:, 31:].any()
+
+
+def test_mask_holes_hide_those_keys_only_like_sdpa_and_eager(rng):
+    """A 0 in the middle of a row hides that key and nothing else (Transformers' rule): with the degenerate config the
+    real tokens' logits equal sdpa's and eager's, and greedy decoding picks the same tokens."""
+    ids = torch.randint(3, 128, (2, 24), generator=rng)
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, 3] = mask[1, 5] = 0
+    real = mask.bool()
+    model = tiny_llama(max_position_embeddings=512)
+    with torch.no_grad():
+        want = {}
+        for impl in ("sdpa", "eager"):
+            model.set_attn_implementation(impl)
+            want[impl] = model(ids, attention_mask=mask).logits
+        switch(model, DilatedAttentionConfig(segment_lengths=[512], dilation_rates=[1], backend="torch"))
+        got = model(ids, attention_mask=mask).logits
+    for impl, logits in want.items():
+        torch.testing.assert_close(got[real], logits[real], rtol=1e-5, atol=1e-5, msg=lambda m: f"{impl}: {m}")
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    ours = model.generate(ids, **kw)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(ours, model.generate(ids, **kw))
 
 
 def test_degenerate_config_equals_sdpa_and_switching_back_restores(rng):
@@ -121,25 +158,25 @@ def test_per_layer_choice_leaves_other_layers_dense(rng):
     ids = torch.randint(0, 128, (1, 48), generator=rng)
     model = tiny_llama()
     calls = []
-    original = hf_dilated.integrations.transformers.run_backend
+    original = hf_dilated.integrations.transformers.attend
 
     def spy(*args, **kwargs):
-        calls.append(1)
+        calls.append(args[4])  # the branches
         return original(*args, **kwargs)
 
-    hf_dilated.integrations.transformers.run_backend = spy
+    hf_dilated.integrations.transformers.attend = spy
     try:
         with torch.no_grad():
             dense = model(ids).logits
             cfg = DilatedAttentionConfig(segment_lengths=[8, 16], dilation_rates=[1, 2], layers=[1], backend="torch")
             switch(model, cfg)
             one = model(ids).logits
-            assert len(calls) == 1  # layer 1 only
+            assert calls == [hf_dilated.ops.DENSE, ((8, 1), (16, 2))]  # layer 0 dense, layer 1 dilated: one op path
             switch(model, DilatedAttentionConfig(segment_lengths=[8, 16], dilation_rates=[1, 2], layers=[], backend="torch"))
             torch.testing.assert_close(model(ids).logits, dense, rtol=1e-5, atol=1e-5)
-            assert len(calls) == 1
+            assert calls[2:] == [hf_dilated.ops.DENSE] * 2
     finally:
-        hf_dilated.integrations.transformers.run_backend = original
+        hf_dilated.integrations.transformers.attend = original
     assert (one - dense).abs().max() > 1e-4
 
 
@@ -164,14 +201,22 @@ def test_gradients_reach_every_projection(rng):
             assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
 
 
-def test_unsupported_features_raise():
-    model = switch(tiny_llama(attention_dropout=0.1), LONGNET).train()
-    ids = torch.randint(0, 128, (1, 16))
-    with pytest.raises(ValueError, match="dropout"):
-        model(ids)
-    model.eval()
-    with pytest.raises(ValueError, match="output_attentions"):
+def test_output_attentions_warns_once_and_returns_none(rng, caplog):
+    model = switch(tiny_llama(), LONGNET)
+    ids = torch.randint(0, 128, (1, 16), generator=rng)
+    logging.Logger.warning_once.cache_clear()  # Transformers' once-per-process cache
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        out = model(ids, output_attentions=True)
         model(ids, output_attentions=True)
+        plain = model(ids).logits
+    assert out.attentions is not None and not any(isinstance(a, torch.Tensor) for a in out.attentions)
+    torch.testing.assert_close(out.logits, plain)
+    assert sum("output_attentions" in r.getMessage() for r in caplog.records) == 1  # once, like sdpa
+
+
+def test_four_d_masks_are_refused_with_the_reason():
+    model = switch(tiny_llama(), LONGNET)
+    ids = torch.randint(0, 128, (1, 16))
     with pytest.raises(ValueError, match="4-D"):
         model(ids, attention_mask=torch.ones(1, 1, 16, 16, dtype=torch.bool))
 
@@ -205,6 +250,13 @@ def test_smollm2_degenerate_equals_sdpa_and_longnet_stays_close(smollm2, shakesp
     assert abs(sparse.loss.item() - dense.loss.item()) < 0.15 * dense.loss.item(), (sparse.loss.item(), dense.loss.item())
 
 
+def reference_supports_window():
+    import inspect
+
+    return "window" in inspect.signature(hf_dilated.ops.dilated_attention_reference).parameters
+
+
+@pytest.mark.skipif(not reference_supports_window(), reason="the reference backend has no window= yet (owner: ref)")
 def test_sliding_window_layers_left_dense_keep_their_window(rng):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -231,7 +283,7 @@ def test_sliding_window_layers_left_dense_keep_their_window(rng):
 
 def test_whole_model_compiles_fullgraph_with_the_triton_backend(rng):
     pytest.importorskip("triton")
-    if not hf_dilated.ops.dispatch.triton_available(torch.device("cpu")) and not torch.cuda.is_available():
+    if not hf_dilated.ops.dilated.triton_available(torch.device("cpu")) and not torch.cuda.is_available():
         pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = switch(tiny_llama(), DilatedAttentionConfig(segment_lengths=[8, 16, 32], dilation_rates=[1, 2, 4], backend="triton"))
@@ -242,3 +294,98 @@ def test_whole_model_compiles_fullgraph_with_the_triton_backend(rng):
         eager = model(ids).logits
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits  # fullgraph: a break raises
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "stored, fragment",
+    [({"segment_lengths": [8], "dilation_rates": [1], "layers": [7]}, "layers"), ({}, "segment_lengths"),
+     ({"segment_lengths": [8]}, "dilation_rates"), ([8, 16], "must be a dict"), ("8,16", "must be a dict")],
+)
+def test_malformed_config_json_is_named_before_any_layer_runs(tmp_path, stored, fragment):
+    import json
+
+    tiny_llama().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    data["dilated_attention"] = stored
+    path.write_text(json.dumps(data))
+    model = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation=ATTENTION_NAME)
+    with pytest.raises(ValueError, match=fragment):
+        model(torch.randint(0, 128, (1, 8)))
+
+
+def reference_supports_dropout():
+    import inspect
+
+    return "dropout_p" in inspect.signature(hf_dilated.ops.dilated_attention_reference).parameters
+
+
+def test_attention_dropout_is_zero_in_eval(rng):
+    ids = torch.randint(0, 128, (2, 24), generator=rng)
+    with torch.no_grad():
+        plain = switch(tiny_llama(), LONGNET)(ids).logits
+        dropped = switch(tiny_llama(attention_dropout=0.3), LONGNET).eval()(ids).logits
+    torch.testing.assert_close(dropped, plain, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not reference_supports_dropout(), reason="the reference backend has no dropout yet (owner: ref)")
+def test_attention_dropout_trains(rng):
+    model = switch(tiny_llama(attention_dropout=0.3), LONGNET).train()
+    ids = torch.randint(0, 128, (2, 24), generator=rng)
+    a = model(ids, labels=ids)
+    b = model(ids, labels=ids)
+    assert (a.logits - b.logits).abs().max() > 1e-4  # a fresh draw per step
+    a.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.skipif(not reference_supports_window(), reason="the reference backend has no window= yet (owner: ref)")
+def test_sliding_window_layers_decode_with_their_cache_like_sdpa(rng):
+    """Gemma3's sliding layers keep only recent keys in the cache: their positions count back from the query."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64)
+    model = Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(3, 128, (1, 12), generator=rng)
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    switch(model, DilatedAttentionConfig(segment_lengths=[64], dilation_rates=[1], layers=[1], backend="torch"))
+    assert torch.equal(model.generate(ids, **kw), want)
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read tensor values on the host (a device sync on GPU): .item(), bool(), torch.equal."""
+
+    READS = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func._schema.name in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cache_len", [64, 4096])
+def test_decoding_step_mask_and_layout_need_at_most_one_scalar_read(cache_len):
+    """Per decoding step the mask function and the layout read at most one scalar on the host, whatever the cache
+    length (static cache: none in the mask function), and a forward without mask or positions reads nothing."""
+    from hf_dilated.integrations.transformers import dilated_mask
+    from hf_dilated.ops.layout import resolve_layout
+
+    filled = cache_len // 2
+    for q_offset in (filled, torch.tensor(filled)):  # DynamicCache passes an int, StaticCache a tensor
+        with HostReads() as reads:
+            mask = dilated_mask(2, 1, cache_len, q_offset=q_offset, kv_offset=0, attention_mask=None)
+        assert reads.count == 0 and mask.shape == (2, cache_len)
+        with HostReads() as reads:
+            resolve_layout(2, 1, cache_len, "cpu", attention_mask=mask, position_ids=torch.full((2, 1), filled))
+        assert reads.count <= 1
+    with HostReads() as reads:
+        layout = resolve_layout(2, 64, 64, "cpu")
+        resolve_layout(2, 1, cache_len, "cpu")
+    assert reads.count == 0 and layout.contiguous

@@ -7,8 +7,11 @@ with small blocks so that every loop runs several blocks. ``-m gpu``: the same c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -16,8 +19,12 @@ import torch
 pytest.importorskip("triton")
 
 import hf_dilated  # noqa: E402
-from hf_dilated.ops import resolve_layout  # noqa: E402
-from hf_dilated.ops.triton import is_available  # noqa: E402
+from hf_dilated.config import DENSE_SEGMENT  # noqa: E402
+from hf_dilated.ops import TokenLayout, resolve_layout  # noqa: E402
+from hf_dilated.ops.dropout import keep_mask  # noqa: E402
+from hf_dilated.ops.triton import dilated_attention_triton, fallback_reason, is_available  # noqa: E402
+from hf_dilated.ops.triton import launch, op  # noqa: E402
+from hf_dilated.ops.triton.schedule import layout_runs  # noqa: E402
 from naive import naive_dilated_attention, rel_err  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -52,10 +59,22 @@ def make_qkv(rng, B, Hq, Hk, Nq, Nk, D, dtype, device):
     return [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
 
 
-def check(q, k, v, branches, tol, naive_kwargs=None, use_naive=True, grad_mask=None, **op_kwargs):
+@contextlib.contextmanager
+def kernels_run(*kinds):
+    """Assert that the named launchers (``forward``, ``backward``, ``decode``) ran inside the block, and the
+    reference fallback did not: the test fails if the kernels are switched off."""
+    before = Counter(launch.LAUNCHES)
+    yield
+    for kind in kinds:
+        assert launch.LAUNCHES[kind] > before[kind], f"the Triton {kind} kernel did not run"
+    assert launch.LAUNCHES["reference"] == before["reference"], "the op fell back to the reference"
+
+
+def check(q, k, v, branches, tol, naive_kwargs=None, use_naive=True, decode=False, **op_kwargs):
     """Output and dq, dk, dv of the Triton backend against the float64 oracle and the float64 reference."""
     ws, rs = [w for w, _ in branches], [r for _, r in branches]
-    out, lse = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton", return_lse=True, **op_kwargs)
+    with kernels_run("decode" if decode else "forward"):
+        out, lse = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton", return_lse=True, **op_kwargs)
     assert out.dtype == q.dtype and out.shape == q.shape[:3] + (v.shape[-1],)
     assert lse.dtype == torch.float32
     assert torch.isfinite(out).all(), "output has NaN / inf"
@@ -73,7 +92,8 @@ def check(q, k, v, branches, tol, naive_kwargs=None, use_naive=True, grad_mask=N
     assert torch.equal(torch.isfinite(lse), reached), "lse -inf pattern differs from the reference"
     assert rel_err(lse[reached], ref_lse[reached]) < tol
     grad = torch.randn(ref.shape, dtype=torch.float64, device=ref.device)
-    got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+    with kernels_run("backward"):
+        got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
     for name, a in zip("qkv", got):
         assert torch.isfinite(a).all(), f"d{name} has NaN / inf"
     for oracle, o in want.items():
@@ -100,14 +120,13 @@ def test_available_under_interpreter():
 @pytest.mark.parametrize("gqa", [False, True])
 def test_random_configs_contiguous(rng, causal, gqa):
     pyrng = pyrng_of(rng)
-    for _ in range(2):
-        branches = random_branches(pyrng)
-        Hk = pyrng.choice([1, 2])
-        Hq = Hk * (pyrng.choice([2, 3, 4]) if gqa else 1)
-        N = pyrng.randint(20, 80)  # ragged: rarely a multiple of the segments
-        D = pyrng.choice([16, 32])
-        q, k, v = make_qkv(rng, 2, Hq, Hk, N, N, D, torch.float32, "cpu")
-        check(q, k, v, branches, TOL[torch.float32], is_causal=causal, head_offset=pyrng.randint(0, 5))
+    branches = random_branches(pyrng)
+    Hk = pyrng.choice([1, 2])
+    Hq = Hk * (pyrng.choice([2, 3, 4]) if gqa else 1)
+    N = pyrng.randint(20, 80)  # ragged: rarely a multiple of the segments
+    D = pyrng.choice([16, 32])
+    q, k, v = make_qkv(rng, 2, Hq, Hk, N, N, D, torch.float32, "cpu")
+    check(q, k, v, branches, TOL[torch.float32], is_causal=causal, head_offset=pyrng.randint(0, 5))
 
 
 @cpu
@@ -171,7 +190,7 @@ def test_decode_against_cache(rng, nq):
     Nk = pyrng.randint(40, 90)
     branches = random_branches(pyrng)
     q, k, v = make_qkv(rng, 2, 4, 2, nq, Nk, 32, torch.float32, "cpu")
-    check(q, k, v, branches, TOL[torch.float32], is_causal=True, head_offset=3)
+    check(q, k, v, branches, TOL[torch.float32], is_causal=True, head_offset=3, decode=True)
 
 
 @cpu
@@ -185,7 +204,7 @@ def test_decode_left_padded_cache_matches_full_forward(rng):
     q, k, v = make_qkv(rng, B, 4, 4, N, N, 16, torch.float32, "cpu")
     full = hf_dilated.dilated_attention(q, k, v, ws, rs, attention_mask=mask, backend="triton")
     pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
-    dec = check(q[:, :, -nq:], k, v, branches, TOL[torch.float32], attention_mask=mask,
+    dec = check(q[:, :, -nq:], k, v, branches, TOL[torch.float32], attention_mask=mask, decode=True,
                 naive_kwargs=dict(q_pos=pos[:, -nq:], k_pos=pos, k_valid=mask))
     assert rel_err(dec, full[:, :, -nq:]) < TOL[torch.float32]
 
@@ -202,39 +221,270 @@ def test_lse_gradient(rng):
         assert torch.isfinite(a).all() and rel_err(a, b) < TOL[torch.float32]
 
 
+def layout_of(q_pos, k_pos, k_valid=None, q_valid=None, q_seq=None, k_seq=None):
+    """A TokenLayout written out by hand (the kernels' reading of a layout, independent of how callers build it)."""
+    B, Nq = q_pos.shape
+    Nk = k_pos.shape[1]
+    dev = q_pos.device
+    k_valid = torch.ones(B, Nk, dtype=torch.bool, device=dev) if k_valid is None else k_valid
+    q_valid = k_valid[:, Nk - Nq:] if q_valid is None else q_valid
+    q_seq = torch.zeros(B, Nq, dtype=torch.long, device=dev) if q_seq is None else q_seq
+    k_seq = torch.zeros(B, Nk, dtype=torch.long, device=dev) if k_seq is None else k_seq
+    return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, q_valid, contiguous=False)
+
+
+def check_op(q, k, v, branches, tol, layout=None, decode=False, is_causal=True, head_offset=0, window=None,
+             global_tokens=0, dropout_p=0.0, seed=None):
+    """``dilated_attention_triton`` (strict: no fallback) against tests/naive.py on the layout's own positions:
+    the output and dq, dk, dv, with the same dropout draw (``keep_mask``) when ``dropout_p`` > 0."""
+    B, _, Nq, D = q.shape
+    Nk = k.shape[2]
+    layout = resolve_layout(B, Nq, Nk, q.device) if layout is None else layout
+    kw = dict(window=window, global_tokens=global_tokens, dropout_p=dropout_p, seed=seed)
+    with kernels_run("decode" if decode else "forward"):
+        out, lse = dilated_attention_triton(q, k, v, branches, layout, is_causal, D ** -0.5, head_offset, strict=True,
+                                            **kw)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == torch.float32
+    assert torch.isfinite(out).all(), "output has NaN / inf"
+    q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    keep = (lambda i, b, h, qc, kc: keep_mask(seed, dropout_p, i, b, h, qc, kc)) if dropout_p else None
+    want = naive_dilated_attention(
+        q64, k64, v64, branches, is_causal=is_causal, head_offset=head_offset, window=window,
+        global_tokens=global_tokens, dropout_p=dropout_p, keep=keep, q_pos=layout.q_pos, k_pos=layout.k_pos,
+        q_seq=layout.q_seq, k_seq=layout.k_seq, k_valid=layout.k_valid, q_valid=layout.q_valid,
+    )
+    err = rel_err(out, want)
+    assert err < tol, f"output: rel err {err}"
+    grad = torch.randn(want.shape, dtype=torch.float64, device=want.device)
+    with kernels_run("backward"):
+        got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+    for name, a, b in zip("qkv", got, torch.autograd.grad(want, (q64, k64, v64), grad)):
+        assert torch.isfinite(a).all(), f"d{name} has NaN / inf"
+        err = rel_err(a, b)
+        assert err < tol, f"d{name}: rel err {err}"
+    return out, lse
+
+
+def seed_of(rng):
+    return torch.randint(-2**62, 2**62, (), generator=rng, dtype=torch.int64)
+
+
+@cpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_sliding_window(rng, causal):
+    """A window on every branch; a dense layer is one branch (DENSE_SEGMENT, 1), a sliding-window layer the same
+    with a window: no N x N anywhere, exact against the oracle."""
+    pyrng = pyrng_of(rng)
+    N = pyrng.randint(24, 40)
+    q, k, v = make_qkv(rng, 1, 2, 1, N, N, 16, torch.float32, "cpu")
+    check_op(q, k, v, [(DENSE_SEGMENT, 1)], TOL[torch.float32], is_causal=causal, window=pyrng.randint(1, N // 2))
+    check_op(q, k, v, random_branches(pyrng), TOL[torch.float32], is_causal=causal, head_offset=pyrng.randint(0, 3),
+             window=pyrng.randint(1, N // 2))
+
+
+@cpu
+def test_global_tokens(rng):
+    """SPEC's global-token branch (keys at positions < g): causal; bidirectional with a window and g beyond N."""
+    pyrng = pyrng_of(rng)
+    N = pyrng.randint(24, 36)
+    q, k, v = make_qkv(rng, 1, 2, 1, N, N, 16, torch.float32, "cpu")
+    branches = random_branches(pyrng)
+    check_op(q, k, v, branches, TOL[torch.float32], head_offset=1, global_tokens=pyrng.randint(1, 4))
+    check_op(q, k, v, branches, TOL[torch.float32], is_causal=False, global_tokens=N + 3, window=pyrng.randint(2, 9))
+
+
+@cpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_dropout_exact(rng, causal):
+    """Dropout with a fixed seed: output and every gradient equal the oracle dropped by the same draw."""
+    pyrng = pyrng_of(rng)
+    q, k, v = make_qkv(rng, 2, 2, 1, 29, 29, 16, torch.float32, "cpu")
+    check_op(q, k, v, random_branches(pyrng), TOL[torch.float32], is_causal=causal, head_offset=2,
+             global_tokens=pyrng.choice([0, 2]), dropout_p=pyrng.choice([0.1, 0.5]), seed=seed_of(rng))
+
+
+@cpu
+def test_dropout_half_precision_chunked(rng, monkeypatch):
+    """The float32-scratch backward one kv head at a time keeps each head's own draw."""
+    monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)
+    monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
+    q, k, v = make_qkv(rng, 1, 4, 2, 29, 29, 16, torch.bfloat16, "cpu")
+    check_op(q, k, v, [(8, 1), (16, 2)], TOL[torch.bfloat16], head_offset=1, dropout_p=0.3, seed=seed_of(rng))
+
+
+@cpu
+def test_dropout_statistics_and_zero(rng):
+    """Each batch row draws its own mask: over 32 identical rows the mean output lies within 5 standard errors of the
+    undropped output everywhere, one row alone does not match it; the lse is undropped; a probability whose
+    threshold rounds to zero drops nothing."""
+    B, N = 32, 16
+    q, k, v = (t[:1].expand(B, -1, -1, -1).contiguous() for t in make_qkv(rng, 1, 1, 1, N, N, 16, torch.float32, "cpu"))
+    lay = resolve_layout(B, N, N, q.device)
+    with torch.no_grad(), kernels_run("forward"):
+        plain, lse = dilated_attention_triton(q, k, v, ((16, 1),), lay, False, 0.25)
+        dropped, lse_d = dilated_attention_triton(q, k, v, ((16, 1),), lay, False, 0.25, dropout_p=0.3,
+                                                  seed=seed_of(rng))
+        nothing, _ = dilated_attention_triton(q, k, v, ((16, 1),), lay, False, 0.25, dropout_p=1e-12, seed=seed_of(rng))
+    assert torch.equal(lse_d, lse), "the lse is not dropped"
+    assert torch.equal(nothing, plain)
+    assert rel_err(dropped[0], plain[0]) > 0.1
+    z = (dropped.mean(0) - plain[0]).abs() / (dropped.std(0) / B ** 0.5 + 1e-6)
+    assert z.max() < 5, f"mean over draws is {z.max():.1f} standard errors from the undropped output"
+
+
+@cpu
+@pytest.mark.parametrize("D", [8, 24, 40])
+def test_head_dims_padded_in_kernel(rng, D):
+    """Head dims that are not a power of two (or below 16) run in the kernels, padded inside them."""
+    q, k, v = make_qkv(rng, 1, 2, 1, 25, 25, D, torch.float32, "cpu")
+    if D == 24:
+        check_op(q[:, :, -3:], k, v, [(8, 1), (16, 2)], TOL[torch.float32], decode=True, global_tokens=2)
+    else:
+        check_op(q, k, v, [(8, 1), (16, 2)], TOL[torch.float32], head_offset=1, window=9 if D == 40 else None)
+
+
+def _holes(rng, B, N):
+    """A mask with left padding and holes inside each row; positions step with columns from the first real token
+    (Transformers' ``position_ids``), so a 0 hides only its key."""
+    pyrng = pyrng_of(rng)
+    valid = torch.ones(B, N, dtype=torch.bool)
+    pos = torch.arange(N).expand(B, N).clone()
+    for b in range(B):
+        start = pyrng.randint(0, 6)
+        valid[b, :start] = False
+        pos[b] = (pos[b] - start).clamp_min(0)
+        for c in pyrng.sample(range(start + 1, N - 1), 4):
+            valid[b, c] = False
+    return pos, valid
+
+
+@cpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_mask_holes(rng, causal):
+    """A 0 in the middle of a mask row hides that key only: the kernels read per-token validity inside a run."""
+    pyrng = pyrng_of(rng)
+    B, N = 2, 32
+    pos, valid = _holes(rng, B, N)
+    lay = layout_of(pos, pos, valid, valid)
+    assert layout_runs(lay).holes
+    q, k, v = make_qkv(rng, B, 2, 1, N, N, 16, torch.float32, "cpu")
+    out, lse = check_op(q, k, v, random_branches(pyrng), TOL[torch.float32], layout=lay, is_causal=causal,
+                        head_offset=1, window=pyrng.choice([None, 7]), global_tokens=pyrng.choice([0, 2]),
+                        dropout_p=pyrng.choice([0.0, 0.2]), seed=seed_of(rng))
+    assert (out.transpose(1, 2)[~valid] == 0).all() and torch.isinf(lse.transpose(1, 2)[~valid]).all()
+
+
+@cpu
+def test_decode_holes_window_global_dropout(rng):
+    """The decode kernel with holes in the cache, a window, global tokens and dropout (backward: general kernels)."""
+    B, N, nq = 2, 45, 4
+    pos, valid = _holes(rng, B, N)
+    valid[:, -nq:] = True
+    lay = layout_of(pos[:, -nq:], pos, valid, torch.ones(B, nq, dtype=torch.bool))
+    q, k, v = make_qkv(rng, B, 4, 2, nq, N, 16, torch.float32, "cpu")
+    branches = [(8, 1), (16, 2), (32, 4)]
+    check_op(q, k, v, branches, TOL[torch.float32], layout=lay, decode=True, head_offset=3, global_tokens=3)
+    check_op(q, k, v, branches, TOL[torch.float32], layout=lay, decode=True, window=11, dropout_p=0.25,
+             seed=seed_of(rng))
+
+
+@cpu
+def test_dense_segment_far_positions(rng):
+    """DENSE_SEGMENT (2^30) segments at positions near 2^30: no int32 overflow in the schedule or the kernels."""
+    N = 24
+    pos = (2**30 - 40 + torch.arange(N))[None]
+    lay = layout_of(pos, pos)
+    q, k, v = make_qkv(rng, 1, 2, 1, N, N, 16, torch.float32, "cpu")
+    check_op(q, k, v, [(DENSE_SEGMENT, 1)], TOL[torch.float32], layout=lay, window=10)
+    check_op(q[:, :, -2:], k, v, [(16, 1), (DENSE_SEGMENT, 2)], TOL[torch.float32], decode=True,
+             layout=layout_of(pos[:, -2:], pos, q_valid=torch.ones(1, 2, dtype=torch.bool)))
+
+
 @cpu
 def test_layout_runs():
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
-    runs = resolve_layout(2, 4, 4, torch.device("cpu"), attention_mask=mask).runs()
-    assert runs.tolist() == [[0, 1, 0, 3, 1, 0, 3], [1, 0, 0, 2, 0, 0, 2]]
-    packed = resolve_layout(1, 5, 5, torch.device("cpu"), position_ids=torch.tensor([[0, 1, 2, 0, 1]])).runs()
-    assert packed.tolist() == [[0, 0, 0, 3, 0, 0, 3], [0, 3, 0, 2, 3, 0, 2]]
-    # A cache with a hole in the middle of the sequence is not one run: no runs, the op falls back.
+    plan = layout_runs(resolve_layout(2, 4, 4, torch.device("cpu"), attention_mask=mask))
+    assert plan.runs.tolist() == [[0, 1, 0, 3, 1, 0, 3], [1, 0, 0, 2, 0, 0, 2]] and not plan.holes
+    packed = layout_runs(resolve_layout(1, 5, 5, torch.device("cpu"), position_ids=torch.tensor([[0, 1, 2, 0, 1]])))
+    assert packed.runs.tolist() == [[0, 0, 0, 3, 0, 0, 3], [0, 3, 0, 2, 3, 0, 2]]
+    # A hole whose positions step with the columns: one run with a hole inside.
     hole = torch.tensor([[1, 1, 0, 1, 1]], dtype=torch.bool)
-    assert resolve_layout(1, 1, 5, torch.device("cpu"), attention_mask=hole).runs() is None
+    pos = torch.arange(5)[None]
+    plan = layout_runs(layout_of(pos[:, -1:], pos, hole, torch.ones(1, 1, dtype=torch.bool)))
+    assert plan.runs.tolist() == [[0, 0, 4, 1, 0, 0, 5]] and plan.holes
+    # Positions counted across the hole: not expressible in place.
+    counted = torch.tensor([[0, 1, 1, 2, 3]])
+    assert layout_runs(layout_of(counted[:, -1:], counted, hole, torch.ones(1, 1, dtype=torch.bool))) is None
 
 
 @cpu
-def test_fallback_layout_matches_reference(rng):
-    """A sequence split by a hole in the cache (no in-place runs): the op runs the reference, still exact."""
-    mask = torch.ones(1, 30, dtype=torch.bool)
-    mask[0, 10:14] = False
-    q, k, v = make_qkv(rng, 1, 2, 2, 2, 30, 16, torch.float32, "cpu")
-    pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
-    check(q, k, v, [(8, 1), (16, 2)], TOL[torch.float32], attention_mask=mask,
-          naive_kwargs=dict(q_pos=pos[:, -2:], k_pos=pos, k_valid=mask))
+@pytest.mark.parametrize("decode", [False, True])
+def test_counted_positions_across_holes_gathered(rng, decode):
+    """Positions counted across holes (as generate() computes them) do not step with the columns: the kernels run on
+    the gathered valid tokens and scatter back, exact; invalid queries give 0 and an lse of -inf."""
+    B, N = 2, 30
+    _, valid = _holes(rng, B, N)
+    counted = (valid.long().cumsum(-1) - 1).clamp_min(0)
+    nq = 3 if decode else N
+    if decode:
+        valid[:, -nq:] = True
+        counted = (valid.long().cumsum(-1) - 1).clamp_min(0)
+    lay = layout_of(counted[:, -nq:], counted, valid, valid[:, -nq:])
+    assert layout_runs(lay) is None
+    q, k, v = make_qkv(rng, B, 2, 1, nq, N, 16, torch.float32, "cpu")
+    out, lse = check_op(q, k, v, [(8, 1), (16, 2)], TOL[torch.float32], layout=lay, decode=decode, head_offset=1,
+                        global_tokens=2)
+    hidden = ~valid[:, -nq:]
+    assert (out.transpose(1, 2)[hidden] == 0).all() and torch.isinf(lse.transpose(1, 2)[hidden]).all()
+
+
+@cpu
+def test_fallbacks_warn_once_and_strict_raises(rng, monkeypatch):
+    """What the kernels cannot run goes to the reference with one warning per reason, still exact; strict raises."""
+    monkeypatch.setattr(op, "_WARNED", set())
+    pos = torch.tensor([[0, 1, 2, 5, 6, 7, 8, 9, 12, 13]])  # one sequence whose positions jump
+    lay = layout_of(pos, pos)
+    q, k, v = make_qkv(rng, 1, 2, 2, 10, 10, 16, torch.float32, "cpu")
+    assert "positions" in fallback_reason(q, k, v, lay)
+    want = naive_dilated_attention(*(t.double() for t in (q, k, v)), [(8, 1), (16, 2)], q_pos=pos, k_pos=pos)
+    before = launch.LAUNCHES["reference"]
+    with pytest.warns(UserWarning, match="do not cover") as caught:
+        for _ in range(2):
+            out, _ = dilated_attention_triton(q, k, v, ((8, 1), (16, 2)), lay, True, 0.25)
+    assert len(caught) == 1 and launch.LAUNCHES["reference"] == before + 2
+    assert rel_err(out, want) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="do not cover"):
+        dilated_attention_triton(q, k, v, ((8, 1), (16, 2)), lay, True, 0.25, strict=True)
+    # Dropout where the kernels would have to gather the tokens (columns change): refused under strict.
+    valid = torch.ones(1, 10, dtype=torch.bool)
+    valid[0, 4] = False
+    counted = (valid.long().cumsum(-1) - 1).clamp_min(0)
+    holes = layout_of(counted, counted, valid)
+    assert fallback_reason(q, k, v, holes) is None and "dropout" in fallback_reason(q, k, v, holes, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout"):
+        dilated_attention_triton(q, k, v, ((8, 1),), holes, True, 0.25, dropout_p=0.1, seed=seed_of(rng), strict=True)
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    assert "float64" in fallback_reason(q64, k64, v64, resolve_layout(1, 10, 10, q.device))
+    with pytest.raises(ValueError, match="float64"):
+        dilated_attention_triton(q64, k64, v64, ((8, 1),), resolve_layout(1, 10, 10, q.device), True, 0.25,
+                                 strict=True)
+    big = torch.zeros(1, 1, 2, 264)
+    assert "head dim 264" in fallback_reason(big, big, big, resolve_layout(1, 2, 2, q.device))
+    assert "dilation rates" in fallback_reason(q, k, v, resolve_layout(1, 10, 10, q.device), branches=((2**23, 2**23),))
+    assert fallback_reason(q, k, v, resolve_layout(1, 10, 10, q.device)) is None
 
 
 @cpu
 def test_compile_fullgraph_no_graph_break(rng):
-    """The custom op traces as one node: torch.compile(fullgraph=True) forward and backward, same numbers."""
-    from hf_dilated.ops.triton.op import dilated_attention_op
-
+    """The custom op traces as one node, the dropout seed a tensor: torch.compile(fullgraph=True) forward and
+    backward give the same numbers."""
     q, k, v = make_qkv(rng, 1, 2, 1, 24, 24, 16, torch.float32, "cpu")
     layout = resolve_layout(1, 24, 24, torch.device("cpu"))
+    seed = seed_of(rng)
 
     def f(q, k, v):
-        return dilated_attention_op(q, k, v, ((8, 1), (16, 2)), layout, True, 0.25)[0]
+        return dilated_attention_triton(q, k, v, ((8, 1), (16, 2)), layout, True, 0.25, window=9, global_tokens=1,
+                                        dropout_p=0.2, seed=seed)[0]
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
@@ -249,15 +499,12 @@ def test_compile_fullgraph_no_graph_break(rng):
 
 @cpu
 def test_opcheck(rng):
-    from hf_dilated.ops.triton.op import dilated_attention_fwd  # noqa: F401
-
     q, k, v = make_qkv(rng, 1, 2, 1, 20, 20, 16, torch.float32, "cpu")
     lay = resolve_layout(1, 20, 20, torch.device("cpu"))
     args = (q, k, v, lay.q_pos, lay.q_seq, lay.q_valid, lay.k_pos, lay.k_seq, lay.k_valid, [8, 16], [1, 2],
-            True, True, 0.25, 0)
+            True, True, 0.25, 0, 6, 1, 0.1, seed_of(rng), True)
     torch.library.opcheck(torch.ops.hf_dilated.dilated_attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # GPU, real sizes (python -m pytest -m gpu tests/test_triton_kernels.py)
@@ -307,4 +554,86 @@ def test_gpu_padding_and_packing(rng):
 def test_gpu_decode(rng, nq):
     _gpu_skip()
     q, k, v = make_qkv(rng, 2, 16, 4, nq, 20000, 128, torch.bfloat16, "cuda")
-    check(q, k, v, LONGNET_SMALL + [(4096, 16)], TOL[torch.bfloat16], use_naive=False)
+    check(q, k, v, LONGNET_SMALL + [(4096, 16)], TOL[torch.bfloat16], use_naive=False, decode=True)
+
+
+GPU_BRANCHES = [(256, 1), (512, 2), (1024, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+def test_gpu_window_global_dropout(rng, dtype, D):
+    """Every head dim (padded in the kernel), window + global tokens + dropout at once, against the float64 oracle."""
+    _gpu_skip()
+    q, k, v = make_qkv(rng, 1, 8, 2, 1500, 1500, D, dtype, "cuda")
+    check_op(q, k, v, GPU_BRANCHES, TOL[dtype], head_offset=1, window=300, global_tokens=4, dropout_p=0.1,
+             seed=seed_of(rng))
+    check_op(q, k, v, GPU_BRANCHES, TOL[dtype], is_causal=False, window=200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_dense_sliding_window_layer(rng, causal):
+    """A Gemma-style local layer (dense segment, window 512, 4:1 GQA, D=256) exact, then at 64K tokens forward and
+    backward within a few times the q/k/v bytes (no N x N)."""
+    _gpu_skip()
+    q, k, v = make_qkv(rng, 1, 8, 2, 2500, 2500, 256, torch.bfloat16, "cuda")
+    check_op(q, k, v, [(DENSE_SEGMENT, 1)], TOL[torch.bfloat16], is_causal=causal, window=512)
+    N = 65536
+    q, k, v = make_qkv(rng, 1, 8, 2, N, N, 256, torch.bfloat16, "cuda")
+    lay = resolve_layout(1, N, N, q.device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with kernels_run("forward", "backward"):
+        out, _ = dilated_attention_triton(q, k, v, ((DENSE_SEGMENT, 1),), lay, causal, 256 ** -0.5, window=512,
+                                          strict=True)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    torch.cuda.synchronize()
+    qkv = q.nbytes + k.nbytes + v.nbytes
+    assert torch.cuda.max_memory_allocated() - base < 10 * qkv, "dense sliding-window layer is not memory-linear"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_mask_holes(rng, dtype):
+    """Left padding and holes inside the rows (positions step with columns), with global tokens and dropout."""
+    _gpu_skip()
+    B, N = 2, 2048
+    valid = torch.rand(B, N, generator=rng) > 0.05
+    valid[1, :300] = False
+    pos = torch.arange(N).expand(B, N).clone()
+    pos[1] = (pos[1] - 300).clamp_min(0)
+    lay = layout_of(pos.cuda(), pos.cuda(), valid.cuda(), valid.cuda())
+    q, k, v = make_qkv(rng, B, 8, 4, N, N, 128, dtype, "cuda")
+    check_op(q, k, v, GPU_BRANCHES, TOL[dtype], layout=lay, global_tokens=2, dropout_p=0.1, seed=seed_of(rng))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq", [1, 16])
+def test_gpu_decode_features(rng, nq):
+    """Decode against an 8K cache with holes, a window, global tokens and dropout."""
+    _gpu_skip()
+    B, N = 2, 8192
+    valid = torch.rand(B, N, generator=rng) > 0.02
+    valid[:, -nq:] = True
+    pos = torch.arange(N).expand(B, N)
+    lay = layout_of(pos[:, -nq:].cuda(), pos.cuda(), valid.cuda(), torch.ones(B, nq, dtype=torch.bool).cuda())
+    q, k, v = make_qkv(rng, B, 16, 4, nq, N, 128, torch.bfloat16, "cuda")
+    branches = [(1024, 1), (2048, 2), (4096, 4), (8192, 8)]
+    check_op(q, k, v, branches, TOL[torch.bfloat16], layout=lay, decode=True, window=3000, global_tokens=4,
+             dropout_p=0.1, seed=seed_of(rng))
+
+
+@pytest.mark.gpu
+def test_gpu_counted_positions_across_holes(rng):
+    """Positions counted across holes (generate()'s position ids): the kernels on the gathered valid tokens."""
+    _gpu_skip()
+    B, N = 2, 2048
+    valid = torch.rand(B, N, generator=rng) > 0.05
+    valid[0, :100] = False
+    counted = (valid.long().cumsum(-1) - 1).clamp_min(0)
+    lay = layout_of(counted.cuda(), counted.cuda(), valid.cuda(), valid.cuda())
+    q, k, v = make_qkv(rng, B, 8, 2, N, N, 96, torch.bfloat16, "cuda")
+    check_op(q, k, v, GPU_BRANCHES, TOL[torch.bfloat16], layout=lay, global_tokens=1, window=700)

@@ -1,10 +1,11 @@
 """The ``"dilated"`` attention implementation for Transformers: attention function, mask function, registration.
 
 Like Transformers' own backends (``sdpa_attention.py``), the attention function is small and stateless: it reads the
-layer's :class:`~hf_dilated.config.DilatedAttentionConfig` from ``module.config``, resolves token positions and calls
-the op. The mask function keeps padding compact: it hands the attention function a ``[B, Nk]`` boolean key mask
-(or ``None`` when every key is real), never an ``N x N`` tensor. Packed sequences travel as ``position_ids``
-(restarting at 0) or the flash-style ``cu_seq_lens_q/k`` kwargs of ``DataCollatorWithFlattening``.
+model's :class:`~hf_dilated.config.DilatedAttentionConfig` (parsed once per model config), resolves token positions
+and calls the one op, :func:`~hf_dilated.ops.dilated.attend`. The mask function keeps padding compact: it hands the
+attention function a ``[B, Nk]`` boolean key mask (or ``None`` when no 2-D mask was given and every key is filled),
+never an ``N x N`` tensor. Packed sequences travel as ``position_ids`` (restarting at 0, without a 2-D mask) or the
+flash-style ``cu_seq_lens_q/k`` kwargs of ``DataCollatorWithFlattening``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.utils import logging
 
 from ..config import DilatedAttentionConfig
-from ..ops.dispatch import check_tensors, choose_backend, dense_attention, run_backend
+from ..distributed.group import head_offset
+from ..ops.dilated import DENSE, attend, draw_seed
 from ..ops.layout import resolve_layout
 
 ATTENTION_NAME = "dilated"
+logger = logging.get_logger(__name__)
 
 
 def dilated_mask(
@@ -32,46 +36,44 @@ def dilated_mask(
     device: torch.device | str = "cpu",
     **kwargs: Any,
 ) -> torch.Tensor | None:
-    """Mask function registered with ``AttentionMaskInterface``.
+    """Mask function registered with ``AttentionMaskInterface``; called once per forward per mask type.
 
-    Returns a ``[B, kv_length]`` bool tensor, True for keys that hold a real token: not padding (from the 2-D
-    ``attention_mask``) and, with a static cache, already written (absolute index ``< q_offset + q_length``).
-    Returns ``None`` when every key is real. Causality, dilation and packing are applied by the attention function
-    from positions, so ``mask_function`` (Transformers' dense pattern) is not evaluated.
+    Returns a ``[B, kv_length]`` bool tensor, True for keys that hold a real token: not hidden by the 2-D
+    ``attention_mask`` and, with a static cache, already written (absolute index ``< q_offset + q_length``).
+    Returns ``None`` when no 2-D mask was given and every key is filled. A given 2-D mask is always passed on
+    (it says "one sequence per row": packing is then not inferred from ``position_ids``, as in Transformers).
+    Never reads values on the host (no sync, O(1) host work per decoding step). Causality, dilation and packing
+    are applied by the attention function from positions, so ``mask_function`` (the dense pattern) is unused.
     """
-    index = kv_offset + torch.arange(kv_length, device=device)
-    filled = index < (q_offset + q_length)
-    if attention_mask is not None:
-        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
-        width = attention_mask.shape[-1]
-        in_range = index < width
-        real = attention_mask[:, index.clamp(max=width - 1)] & in_range
-        valid = real & filled
-    else:
-        if isinstance(q_offset, int) and q_offset + q_length >= kv_offset + kv_length:
+    config = kwargs.get("config")
+    if config is not None:
+        DilatedAttentionConfig.of(config)  # a malformed stored config fails here, before any layer runs
+    whole = isinstance(q_offset, int) and q_offset + q_length >= kv_offset + kv_length  # no unfilled slot
+    if attention_mask is None:
+        if whole:
             return None
-        valid = filled.expand(batch_size, -1)
-    if not torch.compiler.is_compiling() and bool(valid.all()):
-        return None
-    return valid
+        index = kv_offset + torch.arange(kv_length, device=device)
+        return (index < q_offset + q_length).expand(batch_size, -1)
+    attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+    width = attention_mask.shape[-1]
+    if whole and kv_offset == 0 and width == kv_length:
+        return attention_mask
+    index = kv_offset + torch.arange(kv_length, device=device)
+    real = attention_mask[:, index.clamp(max=width - 1)] & (index < width)
+    return real & (index < q_offset + q_length)
 
 
-def _reject_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
+def _reject_unsupported(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     name = type(module).__name__
     if kwargs.get("output_attentions"):
-        raise ValueError(
-            f"attn_implementation='{ATTENTION_NAME}' does not return attention weights (output_attentions=True); "
-            "use attn_implementation='eager' to inspect weights"
+        logger.warning_once(
+            f"`{ATTENTION_NAME}` attention does not return attention weights (output_attentions=True gives None);"
+            " set attn_implementation='eager' to inspect them."
         )
     if kwargs.get("softcap") is not None:
         raise ValueError(f"{name}: attention logit softcapping is not supported by '{ATTENTION_NAME}' attention")
     if kwargs.get("s_aux") is not None:
         raise ValueError(f"{name}: attention sinks (s_aux) are not supported by '{ATTENTION_NAME}' attention")
-    if dropout and dropout > 0:
-        raise ValueError(
-            f"attention dropout ({dropout}) is not supported by '{ATTENTION_NAME}' attention; "
-            "set config.attention_dropout = 0.0 for training"
-        )
 
 
 def dilated_attention_forward(
@@ -88,10 +90,11 @@ def dilated_attention_forward(
     """Attention function registered with ``AttentionInterface`` (Transformers' signature).
 
     ``query [B, Hq, Nq, D]``, ``key/value [B, Hk, Nk, D]`` (GQA by head ratio, no repeat), ``attention_mask`` as
-    :func:`dilated_mask` returns it. Returns ``([B, Nq, Hq, D], None)``. Layers outside ``config.layers`` get exact
-    dense attention under the same padding and packing rules (sliding-window layers keep their window).
+    :func:`dilated_mask` returns it. Returns ``([B, Nq, Hq, D], None)``: attention weights are never formed
+    (``output_attentions=True`` warns once). ``dropout`` is what the model passes (0.0 in eval mode). Layers
+    outside ``config.layers`` are the dense branch ``DENSE`` (sliding-window layers keep their window).
     """
-    _reject_unsupported(module, dropout, kwargs)
+    _reject_unsupported(module, kwargs)
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         # Under autocast (Trainer's bf16=True) RoPE leaves q, k in float32 while v is bf16: run the op, like SDPA
@@ -99,21 +102,28 @@ def dilated_attention_forward(
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = (t.to(dtype) for t in (query, key, value))
         with torch.autocast(device_type, enabled=False):
-            return _attend(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
-    return _attend(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
+            return _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    return _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
 
 
-def _attend(module, query, key, value, attention_mask, scaling, is_causal, kwargs) -> tuple[torch.Tensor, None]:
-    check_tensors(query, key, value)
+def _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs) -> tuple[torch.Tensor, None]:
     if attention_mask is not None and attention_mask.ndim != 2:
         raise ValueError(
             f"'{ATTENTION_NAME}' attention takes a 2-D key mask [B, Nk]; got a {attention_mask.ndim}-D mask of shape "
             f"{tuple(attention_mask.shape)} (custom 4-D masks are not supported: pass a 2-D attention_mask and position_ids)"
         )
-    config = DilatedAttentionConfig.from_model_config(module.config)
+    config = DilatedAttentionConfig.of(module.config)
+    layer = getattr(module, "layer_idx", None)
+    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
+    dilated = config.applies_to(layer)
+    if sliding is not None and dilated:
+        raise ValueError(
+            f"{type(module).__name__} (layer {layer if layer is not None else '?'}) is a sliding-window layer (window "
+            f"{sliding}); '{ATTENTION_NAME}' attention replaces full-attention layers only: leave it dense with "
+            "DilatedAttentionConfig(layers=[...]) or a patch recipe"
+        )
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     batch, _, q_len, _ = query.shape
     layout = resolve_layout(
         batch,
@@ -125,18 +135,24 @@ def _attend(module, query, key, value, attention_mask, scaling, is_causal, kwarg
         cu_seqlens_q=kwargs.get("cu_seq_lens_q"),
         cu_seqlens_k=kwargs.get("cu_seq_lens_k"),
     )
-    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
-    if sliding is not None and config.applies_to(getattr(module, "layer_idx", None)):
-        raise ValueError(
-            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) is a sliding-window layer (window "
-            f"{sliding}); '{ATTENTION_NAME}' attention replaces full-attention layers only: leave it dense with "
-            "DilatedAttentionConfig(layers=[...]) or a patch recipe"
-        )
-    if sliding is None and config.applies_to(getattr(module, "layer_idx", None)):
-        backend = choose_backend(config.backend, query)
-        out, _ = run_backend(backend, query, key, value, config.branches, layout, bool(is_causal), float(scale), 0)
-    else:
-        out = dense_attention(query, key, value, layout, bool(is_causal), float(scale), window=sliding)
+    dropout = float(dropout or 0.0)
+    # Under head parallelism (DeepSpeed Ulysses) this rank holds a slice of the heads: offsets use global indices.
+    total_heads = getattr(module.config, "num_attention_heads", None) or query.shape[1]
+    out, _ = attend(
+        query,
+        key,
+        value,
+        layout,
+        config.branches if dilated else DENSE,
+        is_causal=bool(is_causal),
+        scale=scaling,
+        head_offset=head_offset(query.shape[1], total_heads),
+        window=sliding,
+        global_tokens=config.global_tokens if dilated else 0,
+        dropout_p=dropout,
+        seed=draw_seed(query.device) if dropout > 0 else None,
+        backend=config.backend,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

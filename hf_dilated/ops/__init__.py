@@ -1,7 +1,7 @@
-"""The dilated-attention op: layout resolution, the PyTorch reference, the Triton kernels and the dispatcher."""
+"""The dilated-attention op: layout resolution, the one assembly (``attend``), the PyTorch reference, the Triton kernels."""
 
-from .dispatch import dense_attention, dilated_attention
+from .dilated import DENSE, attend, dilated_attention
 from .layout import TokenLayout, resolve_layout
 from .reference import dilated_attention_reference
 
-__all__ = ["dilated_attention", "dense_attention", "dilated_attention_reference", "TokenLayout", "resolve_layout"]
+__all__ = ["attend", "dilated_attention", "dilated_attention_reference", "DENSE", "TokenLayout", "resolve_layout"]

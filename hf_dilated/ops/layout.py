@@ -69,13 +69,11 @@ class _IdentityMemo:
 
 
 _LAYOUTS = _IdentityMemo()
-_RUNS = _IdentityMemo()
 
 
 def _sequence_ids_from_positions(pos: torch.Tensor) -> torch.Tensor:
     """A new sequence starts wherever the position does not follow the previous one (as Transformers detects packing)."""
-    first = pos[:, :1] - 1
-    return (torch.diff(pos, prepend=first, dim=-1) != 1).cumsum(-1) - 1
+    return (torch.diff(pos, prepend=pos[:, :1], dim=-1) != 1).cumsum(-1) - 1  # the first token starts sequence 0
 
 
 def _normalize_position_ids(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
@@ -98,6 +96,27 @@ def _from_cu_seqlens(cu: torch.Tensor, n: int, name: str) -> tuple[torch.Tensor,
     return (cols - cu[seq])[None], seq[None]
 
 
+def _key_mask(attention_mask: torch.Tensor, batch: int, kv_len: int, device) -> torch.Tensor:
+    """The 2-D key mask as booleans (True = a real key). Accepts bool and 0/1 integer masks; refuses float masks,
+    whose meaning is ambiguous (a 0/1 keep-mask and an additive 0/-inf mask read oppositely)."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2 or tuple(attention_mask.shape) != (batch, kv_len):
+        raise ValueError(
+            f"attention_mask must be a 2-D key mask of shape [B, Nk] = [{batch}, {kv_len}], "
+            f"got {tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}"
+        )
+    if attention_mask.dtype == torch.bool:
+        return attention_mask.to(device)
+    if attention_mask.is_floating_point() or attention_mask.is_complex():
+        raise ValueError(
+            f"attention_mask must be a boolean or 0/1 integer key mask (True / 1 = attend to this key), got dtype "
+            f"{attention_mask.dtype}; for an additive float mask (0 = keep, -inf = hide) pass `mask == 0`, for a 0/1 "
+            "float mask pass `mask.bool()`"
+        )
+    if not torch.compiler.is_compiling() and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise ValueError("attention_mask must be a boolean or 0/1 integer key mask; it holds values other than 0 and 1")
+    return attention_mask.to(device) != 0
+
+
 def resolve_layout(
     batch: int,
     q_len: int,
@@ -110,12 +129,13 @@ def resolve_layout(
 ) -> TokenLayout:
     """Build the :class:`TokenLayout` of one call (memoized on the identity of its tensor arguments).
 
-    Rules (SPEC.md): ``attention_mask`` is a ``[B, Nk]`` key mask (True / 1 = real token).
-    With ``Nq == Nk`` (training, prefill), ``position_ids`` (``[B, N]``) give every token's position and packed
-    sequences are found where positions restart, as Transformers does; ``cu_seqlens_*`` (packed, ``B == 1``) take
-    precedence. Without ``position_ids`` positions count real tokens, so left padding needs nothing more.
-    With ``Nq < Nk`` (decoding against a cache), keys hold one sequence per row at positions that count the real
-    keys; ``position_ids`` (``[B, Nq]``) give the queries' positions, else the queries are the last ``Nq`` keys.
+    Rules (SPEC.md, Transformers' own): ``attention_mask`` is a ``[B, Nk]`` key mask (bool, or 0/1 integers;
+    True / 1 = real key). With a 2-D mask each row is ONE sequence and a 0 hides that key and nothing else (left,
+    right or in the middle). Packed sequences (several per row) come from ``cu_seqlens_*`` (``B == 1``), or, only
+    when no 2-D mask is given, from ``position_ids`` restarting. Positions are ``position_ids`` when given, else
+    the count of real keys before the token, so left padding needs nothing more.
+    With ``Nq < Nk`` (decoding against a cache) each row is one sequence; ``position_ids`` (``[B, Nq]``) give the
+    queries' positions and the real keys end at the last query, else the queries are the last ``Nq`` keys.
     """
     tensors = (attention_mask, position_ids, cu_seqlens_q, cu_seqlens_k)
     shape = (batch, q_len, kv_len, str(torch.device(device)))
@@ -125,13 +145,10 @@ def resolve_layout(
 def _resolve_layout(batch, q_len, kv_len, device, attention_mask, position_ids, cu_seqlens_q, cu_seqlens_k) -> TokenLayout:
     if q_len > kv_len:
         raise ValueError(f"query length ({q_len}) must not exceed key length ({kv_len})")
-    if attention_mask is not None:
-        if attention_mask.ndim != 2 or tuple(attention_mask.shape) != (batch, kv_len):
-            raise ValueError(
-                f"attention_mask must be a 2-D key mask of shape [B, Nk] = [{batch}, {kv_len}], "
-                f"got {tuple(attention_mask.shape)}"
-            )
-        k_valid = attention_mask.to(device=device).bool()
+    tracing = torch.compiler.is_compiling()
+    masked = attention_mask is not None
+    if masked:
+        k_valid = _key_mask(attention_mask, batch, kv_len, device)
     else:
         k_valid = torch.ones(batch, kv_len, dtype=torch.bool, device=device)
     if position_ids is not None:
@@ -149,90 +166,54 @@ def _resolve_layout(batch, q_len, kv_len, device, attention_mask, position_ids, 
             raise ValueError("cu_seqlens (packed sequences) need batch size 1 and equal query and key lengths")
         k_pos, k_seq = _from_cu_seqlens(cu_seqlens_k.to(device), kv_len, "cu_seqlens_k")
         q_pos, q_seq = _from_cu_seqlens(cu_seqlens_q.to(device), q_len, "cu_seqlens_q")
-        if not torch.compiler.is_compiling() and not torch.equal(q_seq, k_seq):
+        if not tracing and not torch.equal(q_seq, k_seq):
             raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same packed sequences")
         return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, k_valid.clone(), contiguous=False)
 
-    counted = (k_valid.long().cumsum(-1) - 1).clamp_min(0)
+    # Positions of the keys: given, or counted real keys (a plain arange when nothing is masked: no cumsum).
+    columns = torch.arange(kv_len, device=device).expand(batch, -1)
+    counted = (k_valid.long().cumsum(-1) - 1).clamp_min(0) if masked else columns
     if q_len == kv_len:
         k_pos = position_ids if position_ids is not None else counted
-        k_seq = _sequence_ids_from_positions(torch.where(k_valid, k_pos, -2))
-        # Padding tokens get their own ids above; real tokens of one sequence share one id.
+        if position_ids is not None and not masked:
+            k_seq = _sequence_ids_from_positions(k_pos)  # packed rows: a new sequence where positions restart
+        else:
+            k_seq = torch.zeros_like(k_pos)  # one sequence per row; masked keys are hidden, nothing more
         q_pos, q_seq, q_valid = k_pos, k_seq, k_valid
     else:
         if position_ids is not None and position_ids.shape[1] == kv_len:
             k_pos = position_ids
             q_pos = position_ids[:, kv_len - q_len :]
+        elif position_ids is not None:
+            # Queries' positions given: the real keys end at the last query (a cache appends before it attends), so
+            # count them back from there. A cache holding only recent keys (sliding window) needs exactly this.
+            q_pos = position_ids
+            after = k_valid.long().flip(-1).cumsum(-1).flip(-1) if masked else kv_len - columns
+            k_pos = (q_pos[:, -1:] + 1 - after).clamp_min(0)
         else:
             k_pos = counted
-            q_pos = position_ids if position_ids is not None else counted[:, kv_len - q_len :]
+            q_pos = counted[:, kv_len - q_len :]
         k_seq = torch.zeros_like(k_pos)
         q_seq = torch.zeros_like(q_pos)
         q_valid = torch.ones_like(q_pos, dtype=torch.bool)
-
-    if torch.compiler.is_compiling():
-        # No data-dependent branches while tracing: kernels find the runs themselves inside the custom op.
-        return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, q_valid, contiguous=False)
-    contiguous = bool(k_valid.all()) and bool(
-        torch.equal(k_pos, torch.arange(kv_len, device=device).expand(batch, -1))
-    ) and bool(torch.equal(q_pos, k_pos[:, kv_len - q_len :]))
-    return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, q_valid, contiguous)
+    return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, q_valid, _is_contiguous(
+        k_valid, k_pos, q_pos, masked, position_ids, kv_len, q_len, tracing))
 
 
-def _runs_of(pos: torch.Tensor, seq: torch.Tensor, valid: torch.Tensor) -> list[list[tuple[int, int, int, int]]]:
-    """Per batch row, the maximal runs ``(sequence, first column, first position, length)`` of valid tokens whose
-    columns and positions both step by one (CPU tensors in, Python ints out)."""
-    out = []
-    for b in range(pos.shape[0]):
-        cols = valid[b].nonzero().flatten()
-        if cols.numel() == 0:
-            out.append([])
-            continue
-        p, s = pos[b, cols], seq[b, cols]
-        brk = torch.ones(cols.numel(), dtype=torch.bool)
-        brk[1:] = (cols[1:] != cols[:-1] + 1) | (p[1:] != p[:-1] + 1) | (s[1:] != s[:-1])
-        starts = brk.nonzero().flatten().tolist()
-        ends = starts[1:] + [cols.numel()]
-        out.append([(int(s[i]), int(cols[i]), int(p[i]), e - i) for i, e in zip(starts, ends)])
-    return out
-
-
-def token_runs(layout: TokenLayout) -> torch.Tensor | None:
-    """See :func:`_token_runs`; memoized on the identity of the layout's tensors."""
-    tensors = (layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid)
-    return _RUNS(lambda: _token_runs(layout), tensors, (layout.contiguous,))
-
-
-def _token_runs(layout: TokenLayout) -> torch.Tensor | None:
-    """The layout as runs, one per (batch row, sequence): a CPU int64 tensor ``[R, 7]`` with rows
-    ``(b, q_col0, q_pos0, q_len, k_col0, k_pos0, k_len)``: the sequence's queries sit at columns
-    ``q_col0 + (p - q_pos0)`` for positions ``p`` in ``[q_pos0, q_pos0 + q_len)`` and its keys likewise.
-
-    Kernels that address dilated rows in place (``ops/triton``) need this form. Returns ``None`` when some sequence's
-    valid queries or keys are not one such run (e.g. padding in the middle of a sequence); callers then fall back to
-    the reference. Sequences with queries but no keys (or keys but no queries) attend to / are attended by nothing
-    and are left out. Costs one device-to-host copy of the layout unless ``layout.contiguous``.
-    """
-    B, Nq = layout.q_pos.shape
-    Nk = layout.k_pos.shape[1]
-    if layout.contiguous:
-        rows = [[b, 0, Nk - Nq, Nq, 0, 0, Nk] for b in range(B)]
-        return torch.tensor(rows, dtype=torch.int64).reshape(-1, 7)
-    qr = _runs_of(layout.q_pos.cpu(), layout.q_seq.cpu(), layout.q_valid.cpu())
-    kr = _runs_of(layout.k_pos.cpu(), layout.k_seq.cpu(), layout.k_valid.cpu())
-    rows = []
-    for b in range(B):
-        qs: dict[int, tuple[int, int, int]] = {}
-        ks: dict[int, tuple[int, int, int]] = {}
-        for runs, into in ((qr[b], qs), (kr[b], ks)):
-            for s, c0, p0, n in runs:
-                if s in into:
-                    return None  # one sequence in two runs: not expressible in place
-                into[s] = (c0, p0, n)
-        for s, (qc, qp, qn) in qs.items():
-            if s in ks:
-                rows.append([b, qc, qp, qn, *ks[s]])
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 7)
-
-
-TokenLayout.runs = token_runs  # additive: ``layout.runs()``
+def _is_contiguous(k_valid, k_pos, q_pos, masked, position_ids, kv_len, q_len, tracing) -> bool:
+    """Whether the kernels' fast path applies (see :class:`TokenLayout`). Decided from the arguments' structure where
+    possible; otherwise at most one host sync of a scalar per call (never a copy of the layout to the host), and
+    none while tracing, where only the structurally contiguous case (no mask, no ``position_ids``) is recognised."""
+    if position_ids is None and not masked:
+        return True  # keys 0..Nk-1, queries the last Nq of them, by construction
+    if tracing:
+        return False
+    checks = []
+    if masked:
+        checks.append(k_valid.all())
+    if position_ids is not None:
+        if position_ids.shape[1] == kv_len:
+            checks.append((k_pos == torch.arange(kv_len, device=k_pos.device)).all())
+        else:  # queries' positions only (decoding): O(Nq) to check, keys are counted
+            checks.append((q_pos == torch.arange(kv_len - q_len, kv_len, device=q_pos.device)).all())
+    return bool(torch.stack(checks).all())

@@ -240,6 +240,15 @@ def _gather_k(c: _Class, k: torch.Tensor, dtype) -> torch.Tensor:
     return out
 
 
+def _gather_qkv(c, q, k, v, tile_dtype, acc_dtype, scale):
+    """One class's query, key and value tiles; float32 query tiles come pre-scaled (half ones are scaled in the
+    float32 scores instead, so half q is not rounded twice)."""
+    Q, K, V = _gather_q(c, q, tile_dtype), _gather_k(c, k, tile_dtype), _gather_k(c, v, tile_dtype)
+    if tile_dtype == acc_dtype:
+        Q.mul_(scale)
+    return Q, K, V
+
+
 def _gather_rows(c: _Class, x: torch.Tensor, fill: float) -> torch.Tensor:
     """A per-query-row tensor ``[B, Hq, Nq, *]`` as tiles ``[tiles, KH, GQ * Tq, *]`` (``fill`` in empty rows)."""
     KH, GQ = c.heads.shape
@@ -305,9 +314,7 @@ def _forward(q, k, v, classes: list[_Class], is_causal, scale, window, dropout_p
     for c in classes:
         KH, GQ = c.heads.shape
         Tq, Tk = c.q.size, c.k.size
-        Q, K, V = _gather_q(c, q, tile_dtype), _gather_k(c, k, tile_dtype), _gather_k(c, v, tile_dtype)
-        if tile_dtype == acc_dtype:
-            Q.mul_(scale)  # else the float32 scores are scaled (no second rounding of half q)
+        Q, K, V = _gather_qkv(c, q, k, v, tile_dtype, acc_dtype, scale)
         m = Q.new_full((c.q.n_tiles, KH, GQ, Tq), -math.inf, dtype=acc_dtype)
         l = Q.new_zeros(c.q.n_tiles, KH, GQ, Tq, dtype=acc_dtype)
         acc = Q.new_zeros(c.q.n_tiles, KH, GQ, Tq, Dv, dtype=acc_dtype)
@@ -366,9 +373,7 @@ def _backward(dout, dlse, q, k, v, out, m, log_l, classes, is_causal, scale, win
     for c in classes:
         KH, GQ = c.heads.shape
         Tq, Tk = c.q.size, c.k.size
-        Q, K, V = _gather_q(c, q, tile_dtype), _gather_k(c, k, tile_dtype), _gather_k(c, v, tile_dtype)
-        if tile_dtype == acc_dtype:
-            Q.mul_(scale)
+        Q, K, V = _gather_qkv(c, q, k, v, tile_dtype, acc_dtype, scale)
         M = _gather_rows(c, m, math.inf)  # empty rows: p = 0
         logL = _gather_rows(c, log_l, 0.0)
         Dl = _gather_rows(c, delta, 0.0)

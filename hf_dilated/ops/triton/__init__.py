@@ -1,6 +1,11 @@
-"""Triton backend of dilated attention: forward, backward and decode kernels (``forward.py``, ``backward.py``,
-``decode.py``), their work lists (``schedule.py``), launch configurations (``configs.py``), launchers (``launch.py``)
-and the ``torch.library`` custom op with its autograd (``op.py``). This file is the entry point the dispatcher calls."""
+"""Triton backend of dilated attention.
+
+Kernels (``forward.py``, ``backward.py``, ``decode.py``) share their tile helpers (``tiles.py``); ``schedule.py`` turns
+a layout into work lists, ``configs.py`` picks launch configurations, ``launch.py`` runs the kernels, and ``op.py``
+wraps them as ``torch.library`` custom ops with autograd: :func:`dilated_attention_triton` is the entry point, and
+:func:`fallback_reason` says beforehand whether a call runs the kernels. Importing this package does not import
+Triton (only :func:`is_available` is defined here), so the package imports without it.
+"""
 
 from __future__ import annotations
 
@@ -21,12 +26,12 @@ def is_available(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def dilated_attention_triton(query, key, value, branches, layout, is_causal, scale, head_offset):
-    """Dilated attention per SPEC.md on the Triton kernels: ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] float32)``,
-    differentiable w.r.t. query, key and value. Layouts the kernels cannot address in place run the reference."""
-    from .op import dilated_attention_op
+def __getattr__(name: str):
+    if name in ("dilated_attention_triton", "fallback_reason"):
+        from . import op
 
-    return dilated_attention_op(query, key, value, branches, layout, is_causal, scale, head_offset)
+        return getattr(op, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["is_available", "dilated_attention_triton"]
+__all__ = ["is_available", "dilated_attention_triton", "fallback_reason"]

@@ -3,6 +3,9 @@
 The merged output is one softmax over a multiset of keys (a key reached by ``m`` branches counts ``m`` times), so each
 branch's share of the gradient is a flash-attention backward that uses the *merged* log-sum-exp ``L`` and
 ``delta = rowsum(dO * O)`` of the *merged* output: ``P = exp(s - L)``, ``dS = P * (dO V^T - delta)``.
+With dropout (keep mask ``M`` of the branch, scale ``c = 1 / (1 - p)``, the lse undropped) the output is
+``sum_branches (c M * P) V``, so ``dV += (c M * P)^T dO`` and ``dS = P * (c M * (dO V^T) - delta)``, with ``delta``
+of the (dropped) output; a gradient ``dlse`` on the lse enters as ``delta - dlse``.
 Launches run one branch after another and add into ``dq`` / ``dk`` / ``dv`` (read, add in float32, write); within a
 launch no two programs touch the same row, so the sums need no atomics and are deterministic.
 
@@ -17,12 +20,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import LOG2E, _first_selected, mm
+from .tiles import (
+    LOG2E, allowed, drop_keep, drop_rows, first_selected, key_range, load_item, load_rows, mm, n_rows,
+    query_range, tile_mask,
+)
 
 
 @triton.jit
 def delta_kernel(O, DO, Delta, stride_ob, stride_oh, stride_on, stride_db, stride_dh, stride_dn, H, N,
-                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
     """``delta[b, h, n] = sum_d dO * O`` in float32 (``Delta`` contiguous ``[B, H, N]``)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -31,16 +37,17 @@ def delta_kernel(O, DO, Delta, stride_ob, stride_oh, stride_on, stride_db, strid
     rows = pid * BLOCK + tl.arange(0, BLOCK)
     mask = rows < N
     d = tl.arange(0, HEAD_DIM)
+    dmask = d < D
     r64 = rows.to(tl.int64)[:, None]
-    o = tl.load(O + b * stride_ob + h * stride_oh + r64 * stride_on + d[None, :], mask=mask[:, None], other=0.0)
-    do = tl.load(DO + b * stride_db + h * stride_dh + r64 * stride_dn + d[None, :], mask=mask[:, None], other=0.0)
+    o = load_rows(O + b * stride_ob + h * stride_oh + r64 * stride_on + d[None, :], mask, dmask, True, D == HEAD_DIM)
+    do = load_rows(DO + b * stride_db + h * stride_dh + r64 * stride_dn + d[None, :], mask, dmask, True, D == HEAD_DIM)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + bh.to(tl.int64) * N + rows, delta, mask=mask)
 
 
 @triton.jit
 def dilated_bwd_dkdv_kernel(
-    Q, K, V, DO, L, Delta, DK, DV, T,
+    Q, K, V, DO, L, Delta, DK, DV, T, QV, KV, S,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -48,45 +55,44 @@ def dilated_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    head_offset, group, n_classes, r, scale, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, FIRST: tl.constexpr, UPCAST: tl.constexpr,
+    Nq, Nk, H, head_offset, group, n_classes, r, scale, qk_scale, window, drop_threshold, inv_keep,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
+    FIRST: tl.constexpr, UPCAST: tl.constexpr,
 ):
     item = tl.program_id(0)
     tile = tl.program_id(1)
     hc = tl.program_id(2)
     kvh = hc // n_classes
     h0 = kvh * group + hc % n_classes
-    t = T + item * 7
-    b = tl.load(t).to(tl.int64)
-    qbase = tl.load(t + 1)
-    kbase = tl.load(t + 2)
-    q_lo = tl.load(t + 3)
-    q_hi = tl.load(t + 4)
-    k_lo = tl.load(t + 5)
-    k_hi = tl.load(t + 6)
+    b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
     off = (h0 + head_offset) % r
-    k_first = _first_selected(k_lo, off, r)
+    k_first = first_selected(k_lo, off, r)
     col0 = tile * BLOCK_N
     kp_min = k_first + col0 * r
     if kp_min >= k_hi:
         return
     cols = col0 + tl.arange(0, BLOCK_N)
     kp = k_first + cols * r
-    kmask = kp < k_hi
+    in_range = kp < k_hi
+    kc = kbase + kp
+    kmask = in_range
+    if HOLES:
+        kmask = kmask & (tl.load(KV + b * Nk + kc, mask=in_range, other=0) != 0)
     d = tl.arange(0, HEAD_DIM)
+    dmask = d < D
+    EVEN_D: tl.constexpr = D == HEAD_DIM
     kvh64 = kvh.to(tl.int64)
-    kc = (kbase + kp).to(tl.int64)[:, None]
-    k = tl.load(K + b * stride_kb + kvh64 * stride_kh + kc * stride_kn + d[None, :], mask=kmask[:, None], other=0.0)
-    v = tl.load(V + b * stride_vb + kvh64 * stride_vh + kc * stride_vn + d[None, :], mask=kmask[:, None], other=0.0)
+    kc64 = kc.to(tl.int64)[:, None]
+    k = load_rows(K + b * stride_kb + kvh64 * stride_kh + kc64 * stride_kn + d[None, :], kmask, dmask, True, EVEN_D)
+    v = load_rows(V + b * stride_vb + kvh64 * stride_vh + kc64 * stride_vn + d[None, :], kmask, dmask, True, EVEN_D)
 
-    q_first = _first_selected(q_lo, off, r)
-    n_q = tl.maximum((q_hi - q_first + r - 1) // r, 0)
-    start_q = 0
-    if IS_CAUSAL:
-        # queries before the tile's first key see none of its keys
-        j0 = tl.where(kp_min > q_first, (kp_min - q_first) // r, 0)
-        start_q = (j0 // BLOCK_M) * BLOCK_M
+    kp_max = tl.minimum(kp_min + (BLOCK_N - 1) * r, k_hi - 1)
+    lo, hi = query_range(kp_min, kp_max, q_lo, q_hi, window, IS_CAUSAL, WINDOW)
+    q_first = first_selected(q_lo, off, r)
+    n_q = n_rows(q_first, hi, r)
+    j0 = tl.where(lo > q_first, (lo - q_first) // r, 0)  # queries before ``lo`` see none of the tile's keys
+    start_q = (j0 // BLOCK_M) * BLOCK_M
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     rows_base = tl.arange(0, BLOCK_M)
@@ -100,101 +106,115 @@ def dilated_bwd_dkdv_kernel(
             rows = start + rows_base
             qp = q_first + rows * r
             qmask = qp < q_hi
-            qc = (qbase + qp).to(tl.int64)
-            q = tl.load(q_row + qc[:, None] * stride_qn, mask=qmask[:, None], other=0.0)
-            do = tl.load(do_row + qc[:, None] * stride_dn, mask=qmask[:, None], other=0.0)
-            lse = tl.load(l_row + qc, mask=qmask, other=0.0)
+            qc = qbase + qp
+            if HOLES:
+                qmask = qmask & (tl.load(QV + b * Nq + qc, mask=qmask, other=0) != 0)
+            qc64 = qc.to(tl.int64)
+            q = load_rows(q_row + qc64[:, None] * stride_qn, qmask, dmask, True, EVEN_D)
+            do = load_rows(do_row + qc64[:, None] * stride_dn, qmask, dmask, True, EVEN_D)
+            lse = tl.load(l_row + qc64, mask=qmask, other=0.0)
             lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-            delta = tl.load(dl_row + qc, mask=qmask, other=0.0)
+            delta = tl.load(dl_row + qc64, mask=qmask, other=0.0)
             qkT = mm(k, tl.trans(q), UPCAST) * qk_scale
-            ok = kmask[:, None] & qmask[None, :]
-            if IS_CAUSAL:
-                ok = ok & (kp[:, None] <= qp[None, :])
+            ok = allowed(kmask[:, None] & qmask[None, :], qp[None, :] - kp[:, None], window, IS_CAUSAL, WINDOW)
             pT = tl.where(ok, tl.math.exp2(qkT - lse[None, :]), 0.0)
-            dv += mm(pT.to(do.dtype), do, UPCAST)
             dpT = mm(v, tl.trans(do), UPCAST)
-            dsT = pT * (dpT - delta[None, :])
+            if DROPOUT:
+                keepT = drop_keep(drop_rows(S, b, h, H, qc)[None, :], kc[:, None], drop_threshold)
+                dv += mm(tl.where(keepT, pT * inv_keep, 0.0).to(do.dtype), do, UPCAST)
+                dsT = pT * (tl.where(keepT, dpT * inv_keep, 0.0) - delta[None, :])
+            else:
+                dv += mm(pT.to(do.dtype), do, UPCAST)
+                dsT = pT * (dpT - delta[None, :])
             dk += mm(dsT.to(q.dtype), q, UPCAST)
     dk = dk * scale
-    dk_ptrs = DK + b * stride_dkb + kvh64 * stride_dkh + kc * stride_dkn + d[None, :]
-    dv_ptrs = DV + b * stride_dvb + kvh64 * stride_dvh + kc * stride_dvn + d[None, :]
+    smask = tile_mask(in_range, dmask, EVEN_D)
+    dk_ptrs = DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :]
+    dv_ptrs = DV + b * stride_dvb + kvh64 * stride_dvh + kc64 * stride_dvn + d[None, :]
     if not FIRST:
-        dk += tl.load(dk_ptrs, mask=kmask[:, None], other=0.0).to(tl.float32)
-        dv += tl.load(dv_ptrs, mask=kmask[:, None], other=0.0).to(tl.float32)
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kmask[:, None])
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kmask[:, None])
+        dk += tl.load(dk_ptrs, mask=smask, other=0.0).to(tl.float32)
+        dv += tl.load(dv_ptrs, mask=smask, other=0.0).to(tl.float32)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=smask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=smask)
 
 
 @triton.jit
 def dilated_bwd_dq_kernel(
-    Q, K, V, DO, L, Delta, DQ, T,
+    Q, K, V, DO, L, Delta, DQ, T, QV, KV, S,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_db, stride_dh, stride_dn,
     stride_lb, stride_lh,
     stride_dqb, stride_dqh, stride_dqn,
-    head_offset, group, r, scale, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, FIRST: tl.constexpr, UPCAST: tl.constexpr,
+    Nq, Nk, H, head_offset, group, r, scale, qk_scale, window, drop_threshold, inv_keep,
+    HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
+    FIRST: tl.constexpr, UPCAST: tl.constexpr,
 ):
     item = tl.program_id(0)
     tile = tl.program_id(1)
     h = tl.program_id(2)
-    t = T + item * 7
-    b = tl.load(t).to(tl.int64)
-    qbase = tl.load(t + 1)
-    kbase = tl.load(t + 2)
-    q_lo = tl.load(t + 3)
-    q_hi = tl.load(t + 4)
-    k_lo = tl.load(t + 5)
-    k_hi = tl.load(t + 6)
+    b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
     off = (h + head_offset) % r
-    q_first = _first_selected(q_lo, off, r)
+    q_first = first_selected(q_lo, off, r)
     row0 = tile * BLOCK_M
     p_min = q_first + row0 * r
     if p_min >= q_hi:
         return
     rows = row0 + tl.arange(0, BLOCK_M)
     qp = q_first + rows * r
-    qmask = qp < q_hi
+    in_range = qp < q_hi
+    qc = qbase + qp
+    qmask = in_range
+    if HOLES:
+        qmask = qmask & (tl.load(QV + b * Nq + qc, mask=in_range, other=0) != 0)
     d = tl.arange(0, HEAD_DIM)
+    dmask = d < D
+    EVEN_D: tl.constexpr = D == HEAD_DIM
     h64 = h.to(tl.int64)
     kvh = (h // group).to(tl.int64)
-    qc = (qbase + qp).to(tl.int64)
-    q = tl.load(Q + b * stride_qb + h64 * stride_qh + qc[:, None] * stride_qn + d[None, :], mask=qmask[:, None], other=0.0)
-    do = tl.load(DO + b * stride_db + h64 * stride_dh + qc[:, None] * stride_dn + d[None, :], mask=qmask[:, None], other=0.0)
-    lse = tl.load(L + b * stride_lb + h64 * stride_lh + qc, mask=qmask, other=0.0)
+    qc64 = qc.to(tl.int64)
+    q = load_rows(Q + b * stride_qb + h64 * stride_qh + qc64[:, None] * stride_qn + d[None, :], qmask, dmask, True,
+                  EVEN_D)
+    do = load_rows(DO + b * stride_db + h64 * stride_dh + qc64[:, None] * stride_dn + d[None, :], qmask, dmask, True,
+                   EVEN_D)
+    lse = tl.load(L + b * stride_lb + h64 * stride_lh + qc64, mask=qmask, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-    delta = tl.load(Delta + b * stride_lb + h64 * stride_lh + qc, mask=qmask, other=0.0)
+    delta = tl.load(Delta + b * stride_lb + h64 * stride_lh + qc64, mask=qmask, other=0.0)
+    row_hash = qp
+    if DROPOUT:
+        row_hash = drop_rows(S, b, h, H, qc)
 
-    k_first = _first_selected(k_lo, off, r)
-    k_end = k_hi
-    if IS_CAUSAL:
-        p_max = tl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
-        k_end = tl.minimum(k_end, p_max + 1)
-    n_k = tl.maximum((k_end - k_first + r - 1) // r, 0)
+    p_max = tl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
+    lo, hi = key_range(p_min, p_max, k_lo, k_hi, window, IS_CAUSAL, WINDOW)
+    k_first = first_selected(lo, off, r)
+    n_k = n_rows(k_first, hi, r)
     cols_base = tl.arange(0, BLOCK_N)
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start in range(0, n_k, BLOCK_N):
         cols = start + cols_base
-        kmask = cols < n_k
         kp = k_first + cols * r
-        kc = (kbase + kp).to(tl.int64)[:, None]
-        k = tl.load(k_row + kc * stride_kn, mask=kmask[:, None], other=0.0)
-        v = tl.load(v_row + kc * stride_vn, mask=kmask[:, None], other=0.0)
+        kc = kbase + kp
+        kmask = cols < n_k
+        if HOLES:
+            kmask = kmask & (tl.load(KV + b * Nk + kc, mask=kmask, other=0) != 0)
+        kc64 = kc.to(tl.int64)[:, None]
+        k = load_rows(k_row + kc64 * stride_kn, kmask, dmask, True, EVEN_D)
+        v = load_rows(v_row + kc64 * stride_vn, kmask, dmask, True, EVEN_D)
         qk = mm(q, tl.trans(k), UPCAST) * qk_scale
-        ok = qmask[:, None] & kmask[None, :]
-        if IS_CAUSAL:
-            ok = ok & (kp[None, :] <= qp[:, None])
+        ok = allowed(qmask[:, None] & kmask[None, :], qp[:, None] - kp[None, :], window, IS_CAUSAL, WINDOW)
         p = tl.where(ok, tl.math.exp2(qk - lse[:, None]), 0.0)
         dp = mm(do, tl.trans(v), UPCAST)
+        if DROPOUT:
+            dp = tl.where(drop_keep(row_hash[:, None], kc[None, :], drop_threshold), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         dq += mm(ds.to(k.dtype), k, UPCAST)
     dq = dq * scale
-    dq_ptrs = DQ + b * stride_dqb + h64 * stride_dqh + qc[:, None] * stride_dqn + d[None, :]
+    smask = tile_mask(in_range, dmask, EVEN_D)
+    dq_ptrs = DQ + b * stride_dqb + h64 * stride_dqh + qc64[:, None] * stride_dqn + d[None, :]
     if not FIRST:
-        dq += tl.load(dq_ptrs, mask=qmask[:, None], other=0.0).to(tl.float32)
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=qmask[:, None])
+        dq += tl.load(dq_ptrs, mask=smask, other=0.0).to(tl.float32)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=smask)

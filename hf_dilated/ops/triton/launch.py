@@ -1,20 +1,56 @@
 """Launchers: allocate outputs, build the work lists, pick launch configurations and run the kernels.
 
-No autograd here (that is ``op.py``); these are plain functions of tensors.
+No autograd here (that is ``op.py``); these are plain functions of tensors. ``LAUNCHES`` counts the calls of each
+launcher, so tests can assert that the kernels (not a fallback) ran.
 """
 
 from __future__ import annotations
 
-import math
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import triton
 
+from ...config import DENSE_SEGMENT
+from ..dropout import keep_threshold, stream
 from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kernel
 from .configs import bwd_config, decode_config, fwd_config, interpreting
 from .decode import dilated_decode_kernel
-from .forward import LOG2E_F as LOG2E, dilated_fwd_branch_kernel
-from .schedule import branch_items
+from .forward import dilated_fwd_branch_kernel
+from .schedule import RunPlan, branch_items
+from .tiles import LOG2E_F as LOG2E
+
+LAUNCHES: Counter = Counter()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything but the tensors: the branches and what restricts the (query, key) pairs.
+
+    ``window`` 0 means none; ``global_tokens`` g > 0 adds the branch ``(DENSE_SEGMENT, 1)`` capped at position g;
+    ``dropout_p`` > 0 needs ``seed`` (int64 scalar tensor)."""
+
+    branches: tuple
+    is_causal: bool
+    scale: float
+    head_offset: int
+    window: int = 0
+    global_tokens: int = 0
+    dropout_p: float = 0.0
+    seed: torch.Tensor | None = None
+
+    def kernel_branches(self):
+        """``(w, r, k_cap)`` per branch in draw order (SPEC's global-token branch last, index ``len(branches)``)."""
+        out = [(int(w), int(r), None) for w, r in self.branches]
+        if self.global_tokens > 0:
+            out.append((DENSE_SEGMENT, 1, int(self.global_tokens)))
+        return out
+
+
+def head_dim_block(d: int) -> int:
+    """The kernels' padded head dim: the next power of two, at least 16 (``tl.dot`` operands)."""
+    return max(16, triton.next_power_of_2(d))
 
 
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
@@ -22,42 +58,67 @@ def _rowmajor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _upcast(q: torch.Tensor) -> int:
-    """Dot mode of ``forward.mm``: 1 for bfloat16 under the interpreter, 2 for float32 on a GPU, else 0."""
+    """Dot mode of ``tiles.mm``: 1 for bfloat16 under the interpreter, 2 for float32 on a GPU, else 0."""
     if interpreting():
         return int(q.dtype == torch.bfloat16)
     return 2 if q.dtype == torch.float32 else 0
 
 
-def forward(q, k, v, branches, runs, cache_key, is_causal: bool, scale: float, head_offset: int):
+def _extras(pb: Problem, plan: RunPlan, layout_valid, B: int, H: int, device):
+    """Kernel arguments shared by every launch: validity (int8, read with holes), dropout streams, flags."""
+    q_valid, k_valid = layout_valid
+    if plan.holes:
+        qv = q_valid.to(device=device, dtype=torch.int8).contiguous()
+        kv = k_valid.to(device=device, dtype=torch.int8).contiguous()
+    else:
+        qv = kv = torch.empty(1, dtype=torch.int8, device=device)
+    n_br = len(pb.kernel_branches())
+    if pb.dropout_p > 0:
+        seed = pb.seed.to(device=device, dtype=torch.int64).reshape(())
+        ids = torch.arange(n_br, device=device)[:, None, None]
+        streams = stream(seed, ids, torch.arange(B, device=device)[:, None], torch.arange(H, device=device))
+        streams = streams.expand(n_br, B, H).contiguous()
+        thr, inv_keep = keep_threshold(pb.dropout_p), 1.0 / (1.0 - pb.dropout_p)
+    else:
+        streams = torch.empty((n_br, 1, 1), dtype=torch.int64, device=device)
+        thr, inv_keep = 0, 1.0
+    window = min(int(pb.window), DENSE_SEGMENT) if pb.window else 0
+    flags = dict(IS_CAUSAL=pb.is_causal, WINDOW=window > 0, HOLES=plan.holes, DROPOUT=pb.dropout_p > 0)
+    return qv, kv, streams, window, thr, inv_keep, flags
+
+
+def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     """Merged output ``[B, H, Nq, D]`` (query dtype) and float32 lse ``[B, H, Nq]`` over all branches."""
+    LAUNCHES["forward"] += 1
     q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
     B, H, Nq, D = q.shape
+    Nk = k.shape[2]
     group = H // k.shape[1]
-    acc_dtype = torch.float32
-    o = torch.zeros(B, H, Nq, D, device=q.device, dtype=acc_dtype)
+    o = torch.zeros(B, H, Nq, D, device=q.device, dtype=torch.float32)
     lse = torch.full((B, H, Nq), float("-inf"), device=q.device, dtype=torch.float32)
-    cfg = fwd_config(D, q.dtype)
+    qv, kv, streams, window, thr, inv_keep, flags = _extras(pb, plan, layout_valid, B, H, q.device)
+    cfg = fwd_config(head_dim_block(D), q.dtype)
     first = True
-    for w, r in branches:
-        it = branch_items(runs, w, r, is_causal, q.device, cache_key)
+    for i, (w, r, cap) in enumerate(pb.kernel_branches()):
+        it = branch_items(plan.runs, w, r, pb.is_causal, q.device, cache_key, cap)
         if it.n_items == 0:
             continue
         grid = (it.n_items, triton.cdiv(it.max_q_rows, cfg["BLOCK_M"]), H)
         dilated_fwd_branch_kernel[grid](
-            q, k, v, o, lse, it.items,
+            q, k, v, o, lse, it.items, qv, kv, streams[i],
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
-            head_offset, group, r, scale * LOG2E,
-            HEAD_DIM=D, IS_CAUSAL=is_causal, FIRST=first, UPCAST=_upcast(q), **cfg,
+            Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep,
+            HEAD_DIM=head_dim_block(D), D=D, FIRST=first, UPCAST=_upcast(q), **flags, **cfg,
         )
         first = False
     return o.to(q.dtype), lse
 
 
-def backward(do, q, k, v, o, lse, branches, runs, cache_key, is_causal: bool, scale: float, head_offset: int,
-             dlse=None):
+def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cache_key, dlse=None):
     """Gradients ``(dq, dk, dv)`` of the merged output (and of the lse, through ``dlse``), in the dtypes of q, k, v.
 
     A gradient ``dlse`` on the lse adds ``dlse * P`` to ``dS``: it enters as ``delta - dlse``."""
+    LAUNCHES["backward"] += 1
     q, k, v, o, do = (_rowmajor(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
     B, H, Nq, D = q.shape
@@ -66,16 +127,19 @@ def backward(do, q, k, v, o, lse, branches, runs, cache_key, is_causal: bool, sc
     delta = torch.empty_like(lse)
     BLOCK = 64
     delta_kernel[(triton.cdiv(Nq, BLOCK), B * H)](
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, Nq, HEAD_DIM=D, BLOCK=BLOCK
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, Nq, HEAD_DIM=head_dim_block(D), D=D, BLOCK=BLOCK
     )
     if dlse is not None:
         delta = delta - dlse.to(torch.float32)
-    kv_cfg, q_cfg = bwd_config(D, q.dtype)
-    items = [(r, branch_items(runs, w, r, is_causal, q.device, cache_key)) for w, r in branches]
-    items = [(r, it) for r, it in items if it.n_items]
+    extras = _extras(pb, plan, layout_valid, B, H, q.device)
+    kv_cfg, q_cfg = bwd_config(head_dim_block(D), q.dtype)
+    items = [(i, r, branch_items(plan.runs, w, r, pb.is_causal, q.device, cache_key, cap))
+             for i, (w, r, cap) in enumerate(pb.kernel_branches())]
+    items = [x for x in items if x[2].n_items]
+    args = (items, pb, extras, kv_cfg, q_cfg)
     if q.dtype == torch.float32:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, items, is_causal, scale, head_offset, kv_cfg, q_cfg)
+        _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, 0, *args)
         return dq, dk, dv
     # Half precision: sum the branches in float32 scratch (rounding once, not once per branch), a chunk of kv heads
     # at a time so the scratch stays within SCRATCH_FRACTION of q + k + v.
@@ -90,8 +154,7 @@ def backward(do, q, k, v, o, lse, branches, runs, cache_key, is_causal: bool, sc
         gq = torch.zeros(sq.shape, device=q.device, dtype=torch.float32)
         gk = torch.zeros(sk.shape, device=q.device, dtype=torch.float32)
         gv = torch.zeros(sv.shape, device=q.device, dtype=torch.float32)
-        _backward_heads(sq, sk, sv, do[:, h0:h1], lse[:, h0:h1], delta[:, h0:h1], gq, gk, gv, items, is_causal,
-                        scale, head_offset + h0, kv_cfg, q_cfg)
+        _backward_heads(sq, sk, sv, do[:, h0:h1], lse[:, h0:h1], delta[:, h0:h1], gq, gk, gv, h0, *args)
         dq[:, h0:h1].copy_(gq)
         dk[:, g0:g1].copy_(gk)
         dv[:, g0:g1].copy_(gv)
@@ -103,51 +166,60 @@ SCRATCH_FRACTION = 0.125
 SCRATCH_MIN_BYTES = 2**30
 
 
-def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, items, is_causal, scale, head_offset, kv_cfg, q_cfg):
-    """All branches of the backward for the heads of these (possibly head-sliced) tensors, summed into dq, dk, dv."""
-    H, Hk, D = q.shape[1], k.shape[1], q.shape[3]
+def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, h0, items, pb: Problem, extras, kv_cfg, q_cfg):
+    """All branches of the backward for the heads ``h0..`` of these (possibly head-sliced) tensors, summed into
+    dq, dk, dv. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0."""
+    H, Hk, Nq, D = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    Nk = k.shape[2]
+    H_all = extras[2].shape[2]
     group = H // Hk
+    qv, kv, streams, window, thr, inv_keep, flags = extras
+    hd = head_dim_block(D)
     first = True
-    for r, it in items:
+    for i, r, it in items:
+        s = streams[i, :, h0:] if flags["DROPOUT"] else streams[i]
         n_classes = min(group, r)
         grid = (it.n_items, triton.cdiv(it.max_k_rows, kv_cfg["BLOCK_N"]), Hk * n_classes)
         dilated_bwd_dkdv_kernel[grid](
-            q, k, v, do, lse, delta, dk, dv, it.items,
+            q, k, v, do, lse, delta, dk, dv, it.items, qv, kv, s,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
             *dk.stride()[:3], *dv.stride()[:3],
-            head_offset, group, n_classes, r, scale, scale * LOG2E,
-            HEAD_DIM=D, IS_CAUSAL=is_causal, FIRST=first, UPCAST=_upcast(q), **kv_cfg,
+            Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
+            inv_keep,
+            HEAD_DIM=hd, D=D, FIRST=first, UPCAST=_upcast(q), **flags, **kv_cfg,
         )
         grid = (it.n_items, triton.cdiv(it.max_q_rows, q_cfg["BLOCK_M"]), H)
         dilated_bwd_dq_kernel[grid](
-            q, k, v, do, lse, delta, dq, it.items,
+            q, k, v, do, lse, delta, dq, it.items, qv, kv, s,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
             *dq.stride()[:3],
-            head_offset, group, r, scale, scale * LOG2E,
-            HEAD_DIM=D, IS_CAUSAL=is_causal, FIRST=first, UPCAST=_upcast(q), **q_cfg,
+            Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr, inv_keep,
+            HEAD_DIM=hd, D=D, FIRST=first, UPCAST=_upcast(q), **flags, **q_cfg,
         )
         first = False
 
 
-def decode(q, k, v, branches, q_pos, q_valid, kdesc, is_causal: bool, scale: float, head_offset: int):
+def decode(q, k, v, pb: Problem, plan: RunPlan, layout, kdesc):
     """Short query blocks against a cache, all branches in one launch. ``kdesc`` ``[B, 3]`` int32 on the device:
     ``(k_base, k_lo, k_hi)`` per batch row (key of position ``p`` at column ``k_base + p``, positions ``[k_lo, k_hi)``)."""
+    LAUNCHES["decode"] += 1
     q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
     B, H, Nq, D = q.shape
     group = H // k.shape[1]
     o = torch.empty(B, H, Nq, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
-    br = torch.tensor([x for wr in branches for x in wr], dtype=torch.int32).to(q.device, non_blocking=True)
-    cfg = decode_config(D, q.dtype)
+    _, kv, streams, window, thr, inv_keep, flags = _extras(pb, plan, (layout.q_valid, layout.k_valid), B, H, q.device)
+    br = pb.kernel_branches()
+    table = torch.tensor([[w, r, DENSE_SEGMENT if cap is None else cap] for w, r, cap in br], dtype=torch.int32)
+    table = table.to(q.device, non_blocking=True)
+    hd = head_dim_block(D)
+    cfg = decode_config(hd, q.dtype)
     grid = (triton.cdiv(Nq, cfg["BLOCK_M"]), H, B)
     dilated_decode_kernel[grid](
-        q, k, v, o, lse, q_pos.contiguous(), q_valid.to(torch.int8).contiguous(), kdesc, br,
+        q, k, v, o, lse, layout.q_pos.contiguous(), layout.q_valid.to(torch.int8).contiguous(), kv, kdesc, table,
+        streams,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
-        Nq, head_offset, group, scale * LOG2E,
-        N_BRANCHES=len(branches), HEAD_DIM=D, IS_CAUSAL=is_causal, UPCAST=_upcast(q), **cfg,
+        Nq, k.shape[2], B, H, pb.head_offset, group, pb.scale * LOG2E, window, thr, inv_keep,
+        N_BRANCHES=len(br), HEAD_DIM=hd, D=D, UPCAST=_upcast(q), **flags, **cfg,
     )
     return o, lse
-
-
-def supported_head_dim(d: int) -> bool:
-    return d >= 16 and d <= 256 and (d & (d - 1)) == 0 and math.log2(d) == int(math.log2(d))

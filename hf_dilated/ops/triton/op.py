@@ -1,54 +1,130 @@
 """The Triton backend as ``torch.library`` custom ops with fake implementations and registered autograd.
 
-``torch.ops.hf_dilated.dilated_attention_fwd`` and ``..._bwd`` take the layout as plain tensors, so that
-``torch.compile(fullgraph=True)`` traces them as single opaque nodes (no graph break in attention). Inside, each call
-either runs the Triton kernels or, where the layout cannot be addressed in place (a sequence split over several runs)
-or the shape is outside the kernels' range (head dim not a power of two in 16..256, value head dim != query head dim,
-float64), the PyTorch reference: explicitly, never a wrong answer.
+``torch.ops.hf_dilated.dilated_attention_fwd`` and ``..._bwd`` take the layout as plain tensors and the dropout seed
+as an int64 scalar tensor, so that ``torch.compile(fullgraph=True)`` traces them as single opaque nodes (no graph
+break, no host value). Inside, each call runs the Triton kernels: in place on the layout's runs, or on the gathered
+valid tokens (scattered back) when positions step with the valid tokens but not with the columns. Where they cannot
+(:func:`fallback_reason`) it runs the PyTorch reference with a one-time warning naming the reason; with ``strict``
+it raises ``ValueError`` instead.
 """
 
 from __future__ import annotations
 
+import warnings
+from typing import Optional
+
 import torch
 
-from ..layout import TokenLayout
+from ..layout import TokenLayout, _IdentityMemo
 from ..reference import dilated_attention_reference
 from . import launch
+from .schedule import RUN_B, RUN_K_COL, RUN_K_LEN, RUN_K_POS, RUN_Q_COL, RUN_Q_LEN, Compaction, RunPlan, compact, \
+    layout_runs
+
+MAX_HEAD_DIM = 256
+MAX_RATE = 2**22  # rows * r stays within int32 next to positions below 2^30
+_WARNED: set = set()
 
 
 def _layout(q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, contiguous) -> TokenLayout:
     return TokenLayout(q_pos, q_seq, k_pos, k_seq, k_valid, q_valid, contiguous)
 
 
-def kernels_support(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernels cover these shapes and dtypes (otherwise the op runs the reference)."""
-    d = q.shape[-1]
-    return (
-        q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and v.shape[-1] == d
-        and 16 <= d <= 256
-        and d & (d - 1) == 0
-    )
+def shape_fallback_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the kernels cannot take these tensors (dtype, head dims), or ``None``. No host sync."""
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"{q.dtype} inputs (the kernels run float16, bfloat16 and float32)"
+    if v.shape[-1] != q.shape[-1]:
+        return f"value head dim {v.shape[-1]} differs from the query head dim {q.shape[-1]}"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]} above {MAX_HEAD_DIM}"
+    return None
 
 
-def _plan(layout: TokenLayout, q: torch.Tensor, k: torch.Tensor):
-    """``(runs, cache_key)``, or ``(None, None)`` when the layout is not expressible as runs."""
-    B, _, Nq, _ = q.shape
-    Nk = k.shape[2]
-    runs = layout.runs()
-    key = ("contiguous", B, Nq, Nk) if layout.contiguous else None
-    return runs, key
+LAYOUT_REASON = ("a sequence whose valid tokens' positions do not step by one (after gathering the valid tokens), "
+                 "or positions beyond 2^30")
+DROPOUT_GATHER_REASON = ("dropout on a layout whose valid tokens' positions do not step with their columns (positions "
+                         "counted across a hole in the mask): the kernels would gather the tokens and so change the "
+                         "columns that the dropout draw hashes")
+_COMPACT = _IdentityMemo()
 
 
-def _decode_desc(layout: TokenLayout, runs: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-    """Per-row key descriptors for the decode kernel, or ``None`` when a row is not one query run against one key run."""
+def _compaction(layout: TokenLayout) -> Compaction | None:
+    tensors = (layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid)
+    return _COMPACT(lambda: compact(layout), tensors, ())
+
+
+def _route(q, k, v, layout: TokenLayout, dropout_p: float, branches=()):
+    """``(reason, plan, cache_key, compaction)``: the kernels run ``plan`` in place (``compaction`` None) or on the
+    gathered valid tokens (layouts whose positions step with the valid tokens but not the columns); ``reason`` (not
+    None) says why they cannot run at all."""
+    reason = shape_fallback_reason(q, k, v)
+    if reason is None and any(r > MAX_RATE for _, r in branches):
+        reason = f"dilation rates above {MAX_RATE} (int32 row arithmetic)"
+    if reason is not None:
+        return reason, None, None, None
+    plan = layout_runs(layout)
+    if plan is not None:
+        key = ("contiguous", q.shape[0], q.shape[2], k.shape[2]) if layout.contiguous else None
+        return None, plan, key, None
+    comp = _compaction(layout)
+    if comp is None:
+        return LAYOUT_REASON, None, None, None
+    if dropout_p:
+        return DROPOUT_GATHER_REASON, None, None, None
+    return None, comp.plan, None, comp
+
+
+def fallback_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout,
+                    dropout_p: float = 0.0, branches=()) -> str | None:
+    """Why the Triton kernels cannot run this call, or ``None`` when they can (the check the op itself makes). The
+    layout part reads the layout on the host (once, memoized) unless ``layout.contiguous``."""
+    return _route(q, k, v, layout, dropout_p, branches)[0]
+
+
+def _fallback(reason: str, strict: bool) -> None:
+    """Warn once per reason that the reference runs (count it in ``launch.LAUNCHES``), or raise with ``strict``."""
+    msg = f"hf_dilated: the Triton kernels do not cover {reason}"
+    if strict:
+        raise ValueError(msg + "; use backend='torch' or backend='auto'")
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(msg + "; running the PyTorch reference instead (slower, more memory)", stacklevel=3)
+    launch.LAUNCHES["reference"] += 1
+    return None
+
+
+def _decode_desc(layout: TokenLayout, plan: RunPlan, q: torch.Tensor, k: torch.Tensor):
+    """Per-row key descriptors for the decode kernel, or ``None`` when a row is not one query run against one key
+    run holding all its valid queries."""
+    runs = plan.runs
     B, Nq = q.shape[0], q.shape[2]
-    if Nq > 64 or Nq >= k.shape[2] or runs.shape[0] != B or not torch.equal(runs[:, 0], torch.arange(B)):
+    if Nq > 64 or Nq >= k.shape[2] or runs.shape[0] != B or not torch.equal(runs[:, RUN_B], torch.arange(B)):
         return None
-    if not layout.contiguous and not torch.equal(runs[:, 3], layout.q_valid.sum(-1).cpu()):
-        return None  # some valid query is in no run (no keys of its sequence): leave it to the general path
-    desc = torch.stack([runs[:, 4] - runs[:, 5], runs[:, 5], runs[:, 5] + runs[:, 6]], 1)
+    if not layout.contiguous:
+        cols = torch.arange(Nq)
+        inside = (cols >= runs[:, RUN_Q_COL, None]) & (cols < (runs[:, RUN_Q_COL] + runs[:, RUN_Q_LEN])[:, None])
+        if bool((layout.q_valid.cpu() & ~inside).any()):
+            return None  # some valid query is in no run (no keys of its sequence): leave it to the general path
+    desc = torch.stack([runs[:, RUN_K_COL] - runs[:, RUN_K_POS], runs[:, RUN_K_POS],
+                        runs[:, RUN_K_POS] + runs[:, RUN_K_LEN]], 1)
     return desc.to(torch.int32).to(q.device)
+
+
+def _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p, seed):
+    return launch.Problem(tuple(zip(segment_lengths, dilation_rates)), is_causal, scale, head_offset,
+                          int(window or 0), int(global_tokens), float(dropout_p), seed)
+
+
+def _reference(q, k, v, pb: launch.Problem, layout: TokenLayout):
+    extra = {}  # only what differs from the defaults, so the call works on any reference signature
+    if pb.window:
+        extra["window"] = pb.window
+    if pb.global_tokens:
+        extra["global_tokens"] = pb.global_tokens
+    if pb.dropout_p:
+        extra.update(dropout_p=pb.dropout_p, seed=pb.seed)
+    return dilated_attention_reference(q, k, v, pb.branches, layout, pb.is_causal, pb.scale, pb.head_offset, **extra)
 
 
 @torch.library.custom_op("hf_dilated::dilated_attention_fwd", mutates_args=())
@@ -58,23 +134,32 @@ def dilated_attention_fwd(
     k_pos: torch.Tensor, k_seq: torch.Tensor, k_valid: torch.Tensor,
     segment_lengths: list[int], dilation_rates: list[int],
     contiguous: bool, is_causal: bool, scale: float, head_offset: int,
+    window: int, global_tokens: int, dropout_p: float, seed: Optional[torch.Tensor], strict: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    branches = tuple(zip(segment_lengths, dilation_rates))
+    pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p,
+                  seed)
     layout = _layout(q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, contiguous)
-    if kernels_support(q, k, v):
-        runs, key = _plan(layout, q, k)
-        if runs is not None:
-            desc = _decode_desc(layout, runs, q, k)
-            if desc is not None:
-                return launch.decode(q, k, v, branches, q_pos, q_valid, desc, is_causal, scale, head_offset)
-            return launch.forward(q, k, v, branches, runs, key, is_causal, scale, head_offset)
-    out, lse = dilated_attention_reference(q, k, v, branches, layout, is_causal, scale, head_offset)
+    reason, plan, key, comp = _route(q, k, v, layout, pb.dropout_p, pb.branches)
+    if comp is not None:  # run on the gathered valid tokens, scatter back
+        o, lse = _kernels_fwd(comp.gather(q, False), comp.gather(k, True), comp.gather(v, True), pb, plan, None,
+                              comp.layout)
+        return comp.scatter(o, q.shape[2], False), comp.scatter(lse, q.shape[2], False, float("-inf"))
+    if plan is not None:
+        return _kernels_fwd(q, k, v, pb, plan, key, layout)
+    _fallback(reason, strict)
+    out, lse = _reference(q, k, v, pb, layout)
     return out.contiguous(), lse.float().contiguous()
 
 
+def _kernels_fwd(q, k, v, pb, plan, key, layout):
+    desc = _decode_desc(layout, plan, q, k)
+    if desc is not None:
+        return launch.decode(q, k, v, pb, plan, layout, desc)
+    return launch.forward(q, k, v, pb, plan, (layout.q_valid, layout.k_valid), key)
+
+
 @dilated_attention_fwd.register_fake
-def _(q, k, v, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, segment_lengths, dilation_rates,
-      contiguous, is_causal, scale, head_offset):
+def _(q, k, v, *args):
     B, H, Nq, _ = q.shape
     return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=torch.float32)
 
@@ -86,35 +171,49 @@ def dilated_attention_bwd(
     q_pos: torch.Tensor, q_seq: torch.Tensor, q_valid: torch.Tensor,
     k_pos: torch.Tensor, k_seq: torch.Tensor, k_valid: torch.Tensor,
     segment_lengths: list[int], dilation_rates: list[int],
-    contiguous: bool, is_causal: bool, scale: float, head_offset: int, has_dlse: bool,
+    contiguous: bool, is_causal: bool, scale: float, head_offset: int,
+    window: int, global_tokens: int, dropout_p: float, seed: Optional[torch.Tensor], strict: bool, has_dlse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    branches = tuple(zip(segment_lengths, dilation_rates))
+    pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, dropout_p,
+                  seed)
     layout = _layout(q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, contiguous)
-    if kernels_support(q, k, v):
-        runs, key = _plan(layout, q, k)
-        if runs is not None:
-            return launch.backward(do, q, k, v, out, lse, branches, runs, key, is_causal, scale, head_offset,
-                                   dlse if has_dlse else None)
+    reason, plan, key, comp = _route(q, k, v, layout, pb.dropout_p, pb.branches)
+    dlse = dlse if has_dlse else None
+    if comp is not None:
+        gq = lambda t: comp.gather(t, False)  # noqa: E731
+        if dlse is not None:
+            dlse = gq(dlse.expand_as(lse))
+        dq, dk, dv = launch.backward(gq(do), gq(q), comp.gather(k, True), comp.gather(v, True), gq(out), gq(lse), pb,
+                                     plan, (comp.layout.q_valid, comp.layout.k_valid), None, dlse)
+        return (comp.scatter(dq, q.shape[2], False), comp.scatter(dk, k.shape[2], True),
+                comp.scatter(dv, v.shape[2], True))
+    if plan is not None:
+        return launch.backward(do, q, k, v, out, lse, pb, plan, (q_valid, k_valid), key, dlse)
+    _fallback(reason, strict)
+
     # The reference's own autograd, as a functional vjp (the op body runs below the autograd dispatch key).
     def ref(qq, kk, vv):
-        o, l = dilated_attention_reference(qq, kk, vv, branches, layout, is_causal, scale, head_offset)
+        o, l = _reference(qq, kk, vv, pb, layout)
         return o, torch.where(torch.isfinite(l), l, torch.zeros_like(l))
 
     (o, l), vjp = torch.func.vjp(ref, q, k, v)
-    dl = dlse.to(l.dtype).expand_as(l) if has_dlse else torch.zeros_like(l)
+    dl = dlse.to(l.dtype).expand_as(l) if dlse is not None else torch.zeros_like(l)
     return tuple(g.contiguous() for g in vjp((do.to(o.dtype), dl)))
 
 
 @dilated_attention_bwd.register_fake
-def _(do, dlse, q, k, v, out, lse, *args):
+def _(do, dlse, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, ws, rs, contiguous, is_causal, scale, head_offset = inputs
+    q, k, v, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, *params = inputs
+    *params, seed, strict = params
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid)
-    ctx.params = (list(ws), list(rs), contiguous, is_causal, scale, head_offset)
+    ctx.seed = seed
+    ctx.params = [list(x) if isinstance(x, (list, tuple)) else x for x in params]
+    ctx.strict = strict
 
 
 def _backward(ctx, dout, dlse):
@@ -125,21 +224,37 @@ def _backward(ctx, dout, dlse):
     if dlse is None:
         dlse = lse.new_zeros(())
     dq, dk, dv = dilated_attention_bwd(
-        dout, dlse, q, k, v, out, lse, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, *ctx.params, has_dlse
+        dout, dlse, q, k, v, out, lse, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, *ctx.params, ctx.seed,
+        ctx.strict, has_dlse,
     )
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 17
 
 
 torch.library.register_autograd("hf_dilated::dilated_attention_fwd", _backward, setup_context=_setup_context)
 
 
-def dilated_attention_op(query, key, value, branches, layout: TokenLayout, is_causal: bool, scale: float,
-                         head_offset: int = 0):
-    """Call the custom op with a :class:`TokenLayout`; returns ``(out, lse)``, differentiable w.r.t. q, k, v
-    (and through the lse as well)."""
+def dilated_attention_triton(query, key, value, branches, layout: TokenLayout, is_causal: bool, scale: float,
+                             head_offset: int = 0, *, window: int | None = None, global_tokens: int = 0,
+                         dropout_p: float = 0.0, seed: torch.Tensor | None = None, strict: bool = False):
+    """Dilated attention per SPEC.md on the Triton kernels: ``(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq]
+    float32)``, differentiable w.r.t. q, k, v and through the lse.
+
+    ``window``: sliding window on every branch (None: none); ``global_tokens``: SPEC's global-token branch;
+    ``dropout_p`` > 0 with ``seed`` (int64 scalar tensor, any device): SPEC's dropout, the same draw in backward.
+    Calls the kernels cannot run (:func:`fallback_reason`: float64, head dim above 256, value head dim != query
+    head dim, layouts not expressible as runs) run the PyTorch reference after a one-time warning naming the reason,
+    or raise ``ValueError`` with ``strict=True`` (what ``backend="triton"`` should pass)."""
     ws = [int(w) for w, _ in branches]
     rs = [int(r) for _, r in branches]
+    if dropout_p:
+        if not 0.0 < float(dropout_p) < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        if not isinstance(seed, torch.Tensor) or seed.numel() != 1 or seed.dtype != torch.int64:
+            raise ValueError(f"dropout_p > 0 needs seed, an int64 scalar tensor, got {seed!r}")
+    else:
+        seed = None
     return torch.ops.hf_dilated.dilated_attention_fwd(
         query, key, value, layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid,
         ws, rs, bool(layout.contiguous), bool(is_causal), float(scale), int(head_offset),
+        int(window or 0), int(global_tokens), float(dropout_p), seed, bool(strict),
     )

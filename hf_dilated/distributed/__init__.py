@@ -1,0 +1,46 @@
+"""Sequence parallelism for dilated attention over ``torch.distributed``.
+
+- ``dilated_ring.py``: :func:`dilated_ring_attention`, the op (each rank holds a contiguous shard of the sequence).
+- ``sharding.py``: :func:`~sharding.shard_batch` (input_ids, labels as ``shift_labels``, global ``position_ids``),
+  :func:`~sharding.global_num_items`, :func:`~sharding.reduce_loss`, :func:`~sharding.all_reduce_gradients`.
+- ``hf_dilated/integrations/dilated_ring.py`` registers the ``"dilated_ring"`` attention implementation.
+- ``group.py``: which process group splits the sequence (and which splits heads, for Ulysses).
+- ``collectives.py``: the differentiable all-to-all and the signature check; ``cost_model.py``: bytes, FLOPs, time.
+
+A training step on ``P`` GPUs (``torchrun --nproc-per-node P train.py``, or ``accelerate launch`` with
+``--num_processes P``), every rank of the group loading the *same* batch::
+
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10))   # a dead peer fails after this
+    import hf_dilated                                      # registers "dilated_ring" with Transformers
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="dilated_ring")  # config.dilated_attention
+    local = sharding.shard_batch(batch)
+    out = model(**local, num_items_in_batch=sharding.global_num_items(local["shift_labels"]), use_cache=False)
+    out.loss.backward()                                    # this shard's share of the mean loss
+    sharding.all_reduce_gradients(model.parameters())      # sum the shards' parameter gradients
+    log(sharding.reduce_loss(out.loss))                    # the whole sequence's loss
+
+Under DDP / FSDP spanning the sequence-parallel ranks, skip ``all_reduce_gradients`` and backpropagate
+``out.loss * P`` instead (they average gradients over the ranks; the shards' gradients must be summed). With
+several model replicas, give each its own group (``dist.new_group``) and name it with
+:func:`set_sequence_parallel_group`. Ranks that call with different shapes or settings raise ``ValueError`` at once;
+a rank that dies makes the others fail when the process group's ``timeout`` expires (NCCL: with
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at its default, the watchdog aborts them).
+"""
+
+from .dilated_ring import dilated_ring_attention
+from .group import (
+    get_head_parallel_group,
+    get_sequence_parallel_group,
+    head_offset,
+    set_head_parallel_group,
+    set_sequence_parallel_group,
+)
+
+__all__ = [
+    "dilated_ring_attention",
+    "get_head_parallel_group",
+    "get_sequence_parallel_group",
+    "head_offset",
+    "set_head_parallel_group",
+    "set_sequence_parallel_group",
+]

@@ -1,0 +1,98 @@
+"""The ``"block_sparse"`` attention implementation for Transformers: attention function, mask function, registration.
+
+Like the ``"dilated"`` function beside it, small and stateless: it reads :class:`BlockSparseConfig` from
+``module.config.block_sparse_attention``, resolves token positions and calls the block-sparse op. The mask function
+is the dilated one (a compact ``[B, Nk]`` key mask or ``None``, never ``N x N``). Layers outside ``config.layers``
+and sliding-window layers stay exact dense attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ops.block_sparse.config import BlockSparseConfig
+from ..ops.block_sparse.op import block_sparse_op, check_tensors, choose_backend, resolve_blocks
+from ..ops.block_sparse.reference import block_sparse_reference
+from ..ops.dilated import DENSE, attend
+from ..ops.layout import resolve_layout
+
+ATTENTION_NAME = "block_sparse"
+
+
+def block_sparse_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """Mask function registered with ``AttentionMaskInterface``: the ``[B, Nk]`` key mask of ``"dilated"``."""
+    from .transformers import dilated_mask
+
+    return dilated_mask(*args, **kwargs)
+
+
+def block_sparse_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention function registered with ``AttentionInterface``: ``([B, Nq, Hq, D], None)``."""
+    name = type(module).__name__
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"attn_implementation='{ATTENTION_NAME}' does not return attention weights; use 'eager'")
+    for kw in ("softcap", "s_aux"):
+        if kwargs.get(kw) is not None:
+            raise ValueError(f"{name}: {kw} is not supported by '{ATTENTION_NAME}' attention")
+    if dropout and dropout > 0:
+        raise ValueError(f"attention dropout ({dropout}) is not supported by '{ATTENTION_NAME}'; set attention_dropout=0")
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+        with torch.autocast(device_type, enabled=False):
+            return _attend(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
+    return _attend(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
+
+
+def _attend(module, query, key, value, attention_mask, scaling, is_causal, kwargs):
+    check_tensors(query, key, value)
+    if attention_mask is not None and attention_mask.ndim != 2:
+        raise ValueError(
+            f"'{ATTENTION_NAME}' attention takes a 2-D key mask [B, Nk]; got shape {tuple(attention_mask.shape)}"
+        )
+    config = BlockSparseConfig.from_model_config(module.config)
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if query.shape[2] < key.shape[2] and attention_mask is not None and not torch.compiler.is_compiling():
+        # A static cache holds unfilled slots after the last written key: drop them, so that the new queries are
+        # the last key columns (blocks are tiles of key columns, see ops/block_sparse/layout.py).
+        filled = int(attention_mask.any(0).nonzero().max()) + 1 if attention_mask.any() else key.shape[2]
+        if query.shape[2] <= filled < key.shape[2]:
+            key, value, attention_mask = key[:, :, :filled], value[:, :, :filled], attention_mask[:, :filled]
+    tokens = resolve_layout(
+        query.shape[0], query.shape[2], key.shape[2], query.device, attention_mask=attention_mask,
+        position_ids=kwargs.get("position_ids"), cu_seqlens_q=kwargs.get("cu_seq_lens_q"),
+        cu_seqlens_k=kwargs.get("cu_seq_lens_k"),
+    )
+    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
+    if sliding is None and config.applies_to(getattr(module, "layer_idx", None)):
+        blocks = resolve_blocks(config, query, key, tokens, bool(is_causal))
+        if choose_backend(config.backend, query) == "triton":
+            out, _ = block_sparse_op(query, key, value, blocks, tokens, bool(is_causal), scale)
+        else:
+            out, _ = block_sparse_reference(query, key, value, blocks, tokens, bool(is_causal), scale)
+    else:
+        out, _ = attend(query, key, value, tokens, DENSE, is_causal=bool(is_causal), scale=scale, window=sliding,
+                        backend=config.backend)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``"block_sparse"`` with Transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, block_sparse_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, block_sparse_mask)

@@ -1,0 +1,169 @@
+"""BlockSparseConfig: a named block pattern and its parameters, validated, storable in a model config.
+
+A layer's layout is the union of the pattern's blocks with the local window (``local_blocks``) and the global / sink
+blocks (``global_blocks``), the two that pretrained models lean on. Stored as a plain dict under
+``config.block_sparse_attention`` so ``config.json`` carries it without remote code (like ``config.dilated_attention``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..layout import TokenLayout
+from .layout import BlockLayout, check_block_size, union
+
+CONFIG_KEY = "block_sparse_attention"
+PATTERNS = ("local", "dilated", "hierarchical", "random", "adaptive", "dense")
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _int_list(name: str, values) -> list[int]:
+    if isinstance(values, (int, str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a list of positive integers, got {values!r}")
+    out = [_int(name, v, 1) for v in values]
+    if not out:
+        raise ValueError(f"{name} must not be empty")
+    return out
+
+
+@dataclass
+class BlockSparseConfig:
+    """Settings of block-sparse attention for one model.
+
+    Args:
+        pattern: one of ``"local"``, ``"dilated"``, ``"hierarchical"``, ``"random"``, ``"adaptive"``, ``"dense"``.
+        block_size: tile size ``b`` (64 or 128 on GPU).
+        local_blocks: sliding window in blocks (0: none), added to every pattern.
+        global_blocks: the first key blocks every query reads (attention sink; 0: none), added to every pattern.
+        top_k: ``"adaptive"``: key blocks chosen by content per query block.
+        segment_blocks, dilation_rates: ``"dilated"``: LongNet branches in blocks (per-head offsets).
+        windows, strides: ``"hierarchical"``: levels of (window, stride) in blocks.
+        random_blocks, seed: ``"random"``: blocks drawn per query block, reproducibly.
+        layers: decoder layers that use block-sparse attention (``None``: all); the others stay dense.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+    """
+
+    pattern: str = "adaptive"
+    block_size: int = 64
+    local_blocks: int = 4
+    global_blocks: int = 1
+    top_k: int = 8
+    segment_blocks: list[int] = field(default_factory=lambda: [8, 32])
+    dilation_rates: list[int] = field(default_factory=lambda: [1, 4])
+    windows: list[int] = field(default_factory=lambda: [4, 16, 64])
+    strides: list[int] = field(default_factory=lambda: [1, 4, 16])
+    random_blocks: int = 4
+    seed: int = 0
+    layers: list[int] | None = None
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> "BlockSparseConfig":
+        if self.pattern not in PATTERNS:
+            raise ValueError(f"pattern must be one of {PATTERNS}, got {self.pattern!r}")
+        check_block_size(self.block_size)
+        _int("local_blocks", self.local_blocks, 0)
+        _int("global_blocks", self.global_blocks, 0)
+        _int("top_k", self.top_k, 1)
+        _int("random_blocks", self.random_blocks, 1)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        from ...config import validate_branches
+
+        validate_branches(self.segment_blocks, self.dilation_rates)
+        self.segment_blocks, self.dilation_rates = list(self.segment_blocks), list(self.dilation_rates)
+        self.windows, self.strides = _int_list("windows", self.windows), _int_list("strides", self.strides)
+        if len(self.windows) != len(self.strides):
+            raise ValueError(f"windows and strides must have the same length, got {self.windows} and {self.strides}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.layers is not None:
+            if isinstance(self.layers, (str, bytes)) or not hasattr(self.layers, "__iter__"):
+                raise ValueError(f"layers must be None or a list of non-negative layer indices, got {self.layers!r}")
+            self.layers = sorted({_int("layers", i, 0) for i in self.layers})
+        if self.pattern == "local" and self.local_blocks == 0:
+            raise ValueError("local_blocks must be >= 1 for pattern='local'")
+        return self
+
+    def applies_to(self, layer_idx: int | None) -> bool:
+        return self.layers is None or layer_idx is None or layer_idx in self.layers
+
+    # ---- layouts ---------------------------------------------------------------------------------------------------
+    def build(self, query: torch.Tensor, key: torch.Tensor, tokens: TokenLayout | None, is_causal: bool) -> BlockLayout:
+        """The layout of one call (``query [B, Hq, Nq, D]``, ``key [B, Hk, Nk, D]``); fixed patterns are cached per
+        (config, length, heads, device), the adaptive one is chosen from ``query`` and ``key``."""
+        n = math.ceil(key.shape[2] / self.block_size)
+        if self.pattern == "adaptive":
+            from .adaptive import adaptive_blocks
+
+            return adaptive_blocks(query, key, self.block_size, self.top_k, local_blocks=self.local_blocks,
+                                   global_blocks=self.global_blocks, causal=is_causal, tokens=tokens)
+        return _fixed_layout(self._key(), n, query.shape[1], bool(is_causal), str(query.device))
+
+    def _key(self) -> tuple:
+        return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in asdict(self).items()
+                     if k not in ("layers", "backend"))
+
+    # ---- serialization ---------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BlockSparseConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"a block-sparse config must be a dict, got {type(data).__name__}")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown block-sparse config keys {sorted(unknown)}; allowed: {sorted(cls.__dataclass_fields__)}")
+        return cls(**data)
+
+    @classmethod
+    def from_model_config(cls, model_config: Any) -> "BlockSparseConfig":
+        """The config under ``model_config.block_sparse_attention``, or the defaults."""
+        stored = getattr(model_config, CONFIG_KEY, None)
+        if isinstance(stored, cls):
+            return stored
+        return cls() if stored is None else cls.from_dict(dict(stored))
+
+    def save_to(self, model_config: Any) -> None:
+        setattr(model_config, CONFIG_KEY, self.to_dict())
+
+
+@functools.lru_cache(maxsize=16)
+def _fixed_layout(key: tuple, n: int, num_heads: int, causal: bool, device: str) -> BlockLayout:
+    from . import patterns as P
+
+    c = dict(key)
+    b = c["block_size"]
+    parts = []
+    name = c["pattern"]
+    if name == "dense":
+        return P.dense_blocks(n, b, causal=causal, device=device)
+    if name == "dilated":
+        heads = num_heads if any(r > 1 for r in c["dilation_rates"]) else None
+        parts.append(P.dilated_blocks(n, b, c["segment_blocks"], c["dilation_rates"], causal=causal,
+                                      num_heads=heads, device=device))
+    elif name == "hierarchical":
+        parts.append(P.hierarchical_blocks(n, b, c["windows"], c["strides"], causal=causal, device=device))
+    elif name == "random":
+        parts.append(P.random_blocks(n, b, c["random_blocks"], seed=c["seed"], causal=causal, device=device))
+    if c["local_blocks"]:
+        parts.append(P.local_blocks(n, b, c["local_blocks"], causal=causal, device=device))
+    if c["global_blocks"]:
+        parts.append(P.global_blocks(n, b, c["global_blocks"], causal=causal, device=device))
+    if not parts:
+        raise ValueError(f"pattern {name!r} with local_blocks=0 and global_blocks=0 selects no block")
+    return union(*parts)

@@ -1,0 +1,429 @@
+"""Block-sparse attention kernels over a compact layout (``ops/block_sparse/layout.py``) and their launchers.
+
+- forward: one program per (tile of ``BLOCK_M`` query columns, query head, batch row). It reads its query block's
+  active key blocks from ``kv_index`` and runs one online softmax over all of them (exactly one softmax per query),
+  then writes the output and the log-sum-exp. Queries sit at key columns ``q_offset + row``; decoding (``Nq < Nk``)
+  is the same kernel with ``q_offset = Nk - Nq`` and small query tiles.
+- dq: the same walk, flash-attention's ``dS = P (dO V^T - delta)``.
+- dk / dv: one program per (tile of ``BLOCK_N`` key columns, kv head, batch row); it walks the transposed layout (the
+  query blocks that read its key block) for every query head of its GQA group, so K / V are never repeated and each
+  key row is written by one program (no atomics, deterministic).
+
+Masks inside tiles, per token: ``CONTIG`` (no padding, one sequence, keys at positions ``0..Nk-1``) masks by column
+only, and when causal skips tiles wholly above the diagonal; otherwise positions, sequence ids and key validity are
+loaded per tile (causal ``p' <= p``, same sequence, no padding). A query with no key gets output 0 and lse ``-inf``.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E_F = 1.4426950408889634
+LOG2E = tl.constexpr(LOG2E_F)
+LN2 = tl.constexpr(0.6931471805599453)
+
+# Kernel launches by name; tests read it to assert that the kernels (not a fallback) ran.
+LAUNCHES: collections.Counter = collections.Counter()
+
+
+@triton.jit
+def _mm(a, b, UPCAST: tl.constexpr):
+    """``tl.dot`` by mode (as ``forward.mm``): 0 plain, 1 float32 operands (the interpreter's bfloat16), 2 ieee fp32."""
+    if UPCAST == 1:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif UPCAST == 2:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, kbase, Nk, IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr,
+            TRANS: tl.constexpr = False):
+    """Which keys (columns ``kc``) each query (columns ``qc``, valid ``qv``) may attend: ``[BLOCK_M, BLOCK_N]`` bool,
+    or ``[BLOCK_N, BLOCK_M]`` with ``TRANS`` (built in that orientation, no transpose of a bool tile)."""
+    kmask = kc < Nk
+    if CONTIG:
+        kp = kc
+        kv = kmask
+        ks = kc * 0
+    else:
+        kp = tl.load(KPOS + kbase + kc, mask=kmask, other=0)
+        ks = tl.load(KSEQ + kbase + kc, mask=kmask, other=-2)
+        kv = (tl.load(KOK + kbase + kc, mask=kmask, other=0) != 0) & kmask
+        ks = tl.where(kv, ks, -2)
+    if TRANS:
+        ok = kv[:, None] & qv[None, :] & (ks[:, None] == qs[None, :])
+        if IS_CAUSAL:
+            ok = ok & (kp[:, None] <= qp[None, :])
+    else:
+        ok = kv[None, :] & qv[:, None] & (ks[None, :] == qs[:, None])
+        if IS_CAUSAL:
+            ok = ok & (kp[None, :] <= qp[:, None])
+    return ok
+
+
+@triton.jit
+def _edge(k0, q0, q_whole, Nk, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr):
+    """Whether the tile (keys from column ``k0``, queries from ``q0``) needs its mask. Contiguous layouts skip it for
+    interior tiles: every row a query, every key real and, when causal, every key before every query."""
+    if CONTIG:
+        edge = (k0 + BLOCK_N > Nk) | (q_whole == 0)
+        if IS_CAUSAL:
+            edge = edge | (k0 + BLOCK_N - 1 > q0)
+    else:
+        edge = k0 >= 0  # always true: masks come from per-token data
+    return edge
+
+
+@triton.jit
+def _query_meta(QPOS, QSEQ, QOK, qbase, qr, qc, qmask, CONTIG: tl.constexpr):
+    """Positions, sequence ids and validity of a query tile (rows outside the queries are invalid)."""
+    if CONTIG:
+        qp = qc
+        qs = qc * 0
+        qv = qmask
+    else:
+        qp = tl.load(QPOS + qbase + qr, mask=qmask, other=0)
+        qs = tl.load(QSEQ + qbase + qr, mask=qmask, other=0)
+        qv = tl.load(QOK + qbase + qr, mask=qmask, other=0) != 0
+    return qp, qs, qv
+
+
+@triton.jit
+def bs_fwd_kernel(
+    Q, K, V, O, L, CNT, IDX, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_lb, stride_lh,
+    stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+    Nq, Nk, q_offset, tile0, group, ratio, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr,
+):
+    t = tl.program_id(0) + tile0
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    qc = t * BLOCK_M + tl.arange(0, BLOCK_M)
+    qr = qc - q_offset
+    qmask = (qr >= 0) & (qr < Nq)
+    qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
+    i = (t * BLOCK_M) // BLOCK
+    lh = h // ratio
+    kvh = (h // group).to(tl.int64)
+    h64 = h.to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + h64 * stride_qh + qr.to(tl.int64)[:, None] * stride_qn + d[None, :],
+                mask=qmask[:, None], other=0.0)
+    cnt = tl.load(CNT + b * stride_cb + lh * stride_ch + i)
+    idx_row = IDX + b * stride_ib + lh * stride_ih + i * stride_iq
+    q_first = t * BLOCK_M
+    q_whole = (q_first >= q_offset) & (q_first + BLOCK_M <= Nk)  # every row of the tile is a query
+    k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
+    v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
+    cols = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in range(0, cnt * (BLOCK // BLOCK_N)):
+        k0 = tl.load(idx_row + s // (BLOCK // BLOCK_N)) * BLOCK + (s % (BLOCK // BLOCK_N)) * BLOCK_N
+        kc = k0 + cols
+        kmask = kc < Nk
+        kc64 = kc.to(tl.int64)[:, None]
+        k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
+        qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
+        if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
+            ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
+            qk = tl.where(ok, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    has = l_i > 0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    qr64 = qr.to(tl.int64)
+    tl.store(O + b * stride_ob + h64 * stride_oh + qr64[:, None] * stride_on + d[None, :],
+             out.to(O.dtype.element_ty), mask=qmask[:, None])
+    tl.store(L + b * stride_lb + h64 * stride_lh + qr64, lse, mask=qmask)
+
+
+@triton.jit
+def bs_bwd_dq_kernel(
+    Q, K, V, DO, L, Delta, DQ, CNT, IDX, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_db, stride_dh, stride_dn,
+    stride_lb, stride_lh,
+    stride_dqb, stride_dqh, stride_dqn,
+    stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+    Nq, Nk, q_offset, tile0, group, ratio, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr,
+):
+    t = tl.program_id(0) + tile0
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    qc = t * BLOCK_M + tl.arange(0, BLOCK_M)
+    qr = qc - q_offset
+    qmask = (qr >= 0) & (qr < Nq)
+    qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
+    i = (t * BLOCK_M) // BLOCK
+    lh = h // ratio
+    kvh = (h // group).to(tl.int64)
+    h64 = h.to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    qr64 = qr.to(tl.int64)
+    q = tl.load(Q + b * stride_qb + h64 * stride_qh + qr64[:, None] * stride_qn + d[None, :],
+                mask=qmask[:, None], other=0.0)
+    do = tl.load(DO + b * stride_db + h64 * stride_dh + qr64[:, None] * stride_dn + d[None, :],
+                 mask=qmask[:, None], other=0.0)
+    lse = tl.load(L + b * stride_lb + h64 * stride_lh + qr64, mask=qmask, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+    delta = tl.load(Delta + b * stride_lb + h64 * stride_lh + qr64, mask=qmask, other=0.0)
+    cnt = tl.load(CNT + b * stride_cb + lh * stride_ch + i)
+    idx_row = IDX + b * stride_ib + lh * stride_ih + i * stride_iq
+    q_first = t * BLOCK_M
+    q_whole = (q_first >= q_offset) & (q_first + BLOCK_M <= Nk)  # every row of the tile is a query
+    k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
+    v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
+    cols = tl.arange(0, BLOCK_N)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in range(0, cnt * (BLOCK // BLOCK_N)):
+        k0 = tl.load(idx_row + s // (BLOCK // BLOCK_N)) * BLOCK + (s % (BLOCK // BLOCK_N)) * BLOCK_N
+        kc = k0 + cols
+        kmask = kc < Nk
+        kc64 = kc.to(tl.int64)[:, None]
+        k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
+        v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
+        qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
+        p = tl.math.exp2(qk - lse[:, None])
+        if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
+            ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
+            p = tl.where(ok, p, 0.0)
+        dp = _mm(do, tl.trans(v), UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq += _mm(ds.to(k.dtype), k, UPCAST)
+    dq = dq * scale
+    tl.store(DQ + b * stride_dqb + h64 * stride_dqh + qr64[:, None] * stride_dqn + d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=qmask[:, None])
+
+
+@triton.jit
+def bs_bwd_dkdv_kernel(
+    Q, K, V, DO, L, Delta, DK, DV, QPTR, QIDX, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_db, stride_dh, stride_dn,
+    stride_lb, stride_lh,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_cb, stride_ch, stride_ib, stride_ih,
+    Nq, Nk, q_offset, group, ratio, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr,
+):
+    kt = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    k_first = kt * BLOCK_N
+    kc = k_first + tl.arange(0, BLOCK_N)
+    kmask = kc < Nk
+    j = k_first // BLOCK
+    d = tl.arange(0, HEAD_DIM)
+    kvh64 = kvh.to(tl.int64)
+    kc64 = kc.to(tl.int64)[:, None]
+    k = tl.load(K + b * stride_kb + kvh64 * stride_kh + kc64 * stride_kn + d[None, :], mask=kmask[:, None], other=0.0)
+    v = tl.load(V + b * stride_vb + kvh64 * stride_vh + kc64 * stride_vn + d[None, :], mask=kmask[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    rows = tl.arange(0, BLOCK_M)
+    for g in range(0, group):
+        h = kvh * group + g
+        h64 = h.to(tl.int64)
+        lh = h // ratio
+        ptr = QPTR + b * stride_cb + lh * stride_ch + j
+        p0 = tl.load(ptr)
+        cnt = tl.load(ptr + 1) - p0
+        idx_row = QIDX + b * stride_ib + lh * stride_ih + p0
+        q_row = Q + b * stride_qb + h64 * stride_qh + d[None, :]
+        do_row = DO + b * stride_db + h64 * stride_dh + d[None, :]
+        l_row = L + b * stride_lb + h64 * stride_lh
+        dl_row = Delta + b * stride_lb + h64 * stride_lh
+        for s in range(0, cnt * (BLOCK // BLOCK_M)):
+            q0 = tl.load(idx_row + s // (BLOCK // BLOCK_M)) * BLOCK + (s % (BLOCK // BLOCK_M)) * BLOCK_M
+            qc = q0 + rows
+            qr = qc - q_offset
+            qmask = (qr >= 0) & (qr < Nq)
+            qr64 = qr.to(tl.int64)
+            q = tl.load(q_row + qr64[:, None] * stride_qn, mask=qmask[:, None], other=0.0)
+            do = tl.load(do_row + qr64[:, None] * stride_dn, mask=qmask[:, None], other=0.0)
+            lse = tl.load(l_row + qr64, mask=qmask, other=0.0)
+            lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+            delta = tl.load(dl_row + qr64, mask=qmask, other=0.0)
+            qkT = _mm(k, tl.trans(q), UPCAST) * qk_scale
+            pT = tl.math.exp2(qkT - lse[None, :])
+            q_whole = (q0 >= q_offset) & (q0 + BLOCK_M <= Nk)
+            if _edge(k_first, q0, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
+                qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
+                ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG, True)
+                pT = tl.where(ok, pT, 0.0)
+            dv += _mm(pT.to(do.dtype), do, UPCAST)
+            dpT = _mm(v, tl.trans(do), UPCAST)
+            dsT = pT * (dpT - delta[None, :])
+            dk += _mm(dsT.to(q.dtype), q, UPCAST)
+    dk = dk * scale
+    tl.store(DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :],
+             dk.to(DK.dtype.element_ty), mask=kmask[:, None])
+    tl.store(DV + b * stride_dvb + kvh64 * stride_dvh + kc64 * stride_dvn + d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kmask[:, None])
+
+
+# ---- launchers -------------------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _upcast(dtype: torch.dtype) -> int:
+    if _interpreting():
+        return int(dtype == torch.bfloat16)
+    return 2 if dtype == torch.float32 else 0
+
+
+def _fwd_config(block: int, d: int, dtype: torch.dtype, nq: int) -> dict:
+    if _interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    if nq <= 16:  # decoding: a few queries per program
+        return dict(BLOCK_M=16, BLOCK_N=min(block, 64), num_warps=4, num_stages=2)
+    wide = dtype == torch.float32 or d > 128
+    m = min(block, 64 if wide else 128)
+    n = min(block, 32 if wide else 64)
+    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=8 if m * n >= 8192 else 4, num_stages=2 if wide else 3)
+
+
+def _bwd_config(block: int, d: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(dq config, dk/dv config)."""
+    if _interpreting():
+        c = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+        return c, dict(c)
+    wide = dtype == torch.float32 or d > 128
+    dq = dict(BLOCK_M=min(block, 64), BLOCK_N=min(block, 32 if wide else 64), num_warps=4 if wide else 8,
+              num_stages=1 if wide else 2)
+    dkdv = dict(BLOCK_M=min(block, 32 if wide else 64), BLOCK_N=min(block, 64 if wide else 128),
+                num_warps=4 if wide else 8, num_stages=1 if wide else 2)
+    return dq, dkdv
+
+
+def _rowmajor(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _layout_strides(count: torch.Tensor, index: torch.Tensor, batch: int):
+    """Strides of ``count [L, Hl, n]`` and ``index [L, Hl, n, A]`` (or the flat ``[L, Hl, E]`` of the transpose,
+    without the last); a shared batch (``L == 1``) gets stride 0."""
+    cb = count.stride(0) if count.shape[0] == batch and batch > 1 else 0
+    ib = index.stride(0) if index.shape[0] == batch and batch > 1 else 0
+    return (cb, count.stride(1), ib, index.stride(1)) + ((index.stride(2),) if index.ndim == 4 else ())
+
+
+def _meta(tokens, contiguous):
+    """Per-token tensors for the kernels (contiguous int32 / int8); dummies when the layout is contiguous."""
+    q_pos, q_seq, q_valid, k_pos, k_seq, k_valid = tokens
+    conv = lambda t, dt: t.to(dt).contiguous()  # noqa: E731
+    return (conv(q_pos, torch.int32), conv(q_seq, torch.int32), conv(q_valid, torch.int8),
+            conv(k_pos, torch.int32), conv(k_seq, torch.int32), conv(k_valid, torch.int8))
+
+
+def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, is_causal: bool, scale: float):
+    """``(out [B, H, Nq, D] in q's dtype, lse [B, H, Nq] float32)``; ``tokens`` = (q_pos, q_seq, q_valid, k_pos,
+    k_seq, k_valid) as ``[B, N]`` tensors on q's device."""
+    q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    o = torch.empty(B, H, Nq, D, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
+    if Nq == 0:
+        return o, lse
+    cfg = _fwd_config(block, D, q.dtype, Nq)
+    q_offset = Nk - Nq
+    tile0 = q_offset // cfg["BLOCK_M"]
+    grid = (triton.cdiv(Nk, cfg["BLOCK_M"]) - tile0, H, B)
+    meta = _meta(tokens, contiguous)
+    bs_fwd_kernel[grid](
+        q, k, v, o, lse, kv_count, kv_index, *meta,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+        *_layout_strides(kv_count, kv_index, B),
+        Nq, Nk, q_offset, tile0, H // k.shape[1], H // kv_index.shape[1], scale * LOG2E_F,
+        HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, CONTIG=contiguous, UPCAST=_upcast(q.dtype), **cfg,
+    )
+    LAUNCHES["forward"] += 1
+    return o, lse
+
+
+def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, block: int, contiguous: bool,
+             is_causal: bool, scale: float, dlse=None):
+    """``(dq, dk, dv)`` in the dtypes of q, k, v; a gradient ``dlse`` on the lse enters as ``delta - dlse``.
+    ``q_ptr, q_flat``: the layout's transpose in CSR form (``BlockLayout.transposed``)."""
+    q, k, v, o, do = (_rowmajor(t) for t in (q, k, v, o, do))
+    lse = lse.contiguous()
+    B, H, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    delta = (o.float() * do.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    delta = delta.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if Nq == 0:
+        return dq, dk.zero_(), dv.zero_()
+    meta = _meta(tokens, contiguous)
+    q_cfg, kv_cfg = _bwd_config(block, D, q.dtype)
+    q_offset = Nk - Nq
+    group, ratio = H // Hk, H // kv_index.shape[1]
+    tile0 = q_offset // q_cfg["BLOCK_M"]
+    grid = (triton.cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)
+    common = dict(HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, CONTIG=contiguous, UPCAST=_upcast(q.dtype))
+    bs_bwd_dq_kernel[grid](
+        q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *dq.stride()[:3],
+        *_layout_strides(kv_count, kv_index, B),
+        Nq, Nk, q_offset, tile0, group, ratio, scale, scale * LOG2E_F, **common, **q_cfg,
+    )
+    grid = (triton.cdiv(Nk, kv_cfg["BLOCK_N"]), Hk, B)
+    bs_bwd_dkdv_kernel[grid](
+        q, k, v, do, lse, delta, dk, dv, q_ptr, q_flat, *meta,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
+        *dk.stride()[:3], *dv.stride()[:3],
+        *_layout_strides(q_ptr, q_flat, B),
+        Nq, Nk, q_offset, group, ratio, scale, scale * LOG2E_F, **common, **kv_cfg,
+    )
+    LAUNCHES["backward"] += 1
+    return dq, dk, dv
+
+
+def kernels_support(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> bool:
+    """Shapes and dtypes the kernels cover (the op runs the PyTorch reference otherwise)."""
+    d = q.shape[-1]
+    return (
+        q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and v.shape[-1] == d
+        and 16 <= d <= 256
+        and d & (d - 1) == 0
+        and block >= 16
+    )

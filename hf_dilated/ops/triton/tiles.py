@@ -1,0 +1,170 @@
+"""``@triton.jit`` helpers shared by the forward, backward and decode kernels: reading a work item, the dilated row
+grid, the key (or query) range a tile may see, the (query, key) pair mask, the online-softmax step, and the dropout
+draw (the same uint32 arithmetic as ``ops/dropout.py``)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import schedule
+
+LOG2E_F = 1.4426950408889634
+LOG2E = tl.constexpr(LOG2E_F)
+LN2 = tl.constexpr(0.6931471805599453)
+
+_IT_B = tl.constexpr(schedule.IT_B)
+_IT_Q_BASE = tl.constexpr(schedule.IT_Q_BASE)
+_IT_K_BASE = tl.constexpr(schedule.IT_K_BASE)
+_IT_Q_LO = tl.constexpr(schedule.IT_Q_LO)
+_IT_Q_HI = tl.constexpr(schedule.IT_Q_HI)
+_IT_K_LO = tl.constexpr(schedule.IT_K_LO)
+_IT_K_HI = tl.constexpr(schedule.IT_K_HI)
+_ITEM_COLUMNS = tl.constexpr(schedule.ITEM_COLUMNS)
+
+
+@triton.jit
+def load_item(T, item):
+    """``(b, q_base, k_base, q_lo, q_hi, k_lo, k_hi)`` of work item ``item`` (see ``schedule.py``); ``b`` as int64."""
+    t = T + item * _ITEM_COLUMNS
+    return (tl.load(t + _IT_B).to(tl.int64), tl.load(t + _IT_Q_BASE), tl.load(t + _IT_K_BASE),
+            tl.load(t + _IT_Q_LO), tl.load(t + _IT_Q_HI), tl.load(t + _IT_K_LO), tl.load(t + _IT_K_HI))
+
+
+@triton.jit
+def mm(a, b, UPCAST: tl.constexpr):
+    """``tl.dot`` by mode: 0 plain (bf16 / fp16), 1 float32 operands (works around the interpreter's wrong bfloat16
+    dots, CPU tests only), 2 full float32 (``ieee``) for float32 inputs:
+    exact but slower (tf32 missed SPEC's 1e-3 tolerance in the H100 tests)."""
+    if UPCAST == 1:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif UPCAST == 2:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def first_selected(lo, off, r):
+    """Smallest position ``p >= lo`` with ``p % r == off`` (``off >= 0``; ``lo`` may be negative)."""
+    return lo + ((off - lo) % r + r) % r
+
+
+@triton.jit
+def n_rows(first, hi, r):
+    """How many dilated rows ``first, first + r, ...`` lie below ``hi``."""
+    return tl.maximum((hi - first + r - 1) // r, 0)
+
+
+@triton.jit
+def key_range(p_min, p_max, k_lo, k_hi, window, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Positions ``[lo, hi)`` of the item's keys that queries at positions ``p_min..p_max`` may see."""
+    lo = k_lo
+    hi = k_hi
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, p_max + 1)
+    if WINDOW:
+        lo = tl.maximum(lo, p_min - window + 1)
+        if not IS_CAUSAL:
+            hi = tl.minimum(hi, p_max + window)
+    return lo, hi
+
+
+@triton.jit
+def query_range(kp_min, kp_max, q_lo, q_hi, window, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Positions ``[lo, hi)`` of the item's queries that may see keys at positions ``kp_min..kp_max``."""
+    lo = q_lo
+    hi = q_hi
+    if IS_CAUSAL:
+        lo = tl.maximum(lo, kp_min)
+    if WINDOW:
+        hi = tl.minimum(hi, kp_max + window)
+        if not IS_CAUSAL:
+            lo = tl.maximum(lo, kp_min - window + 1)
+    return lo, hi
+
+
+@triton.jit
+def allowed(ok, dist, window, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """``ok`` and the causal / window rule on ``dist = p - p'`` (SPEC.md: causal ``0 <= dist < window``,
+    bidirectional ``|dist| < window``)."""
+    if IS_CAUSAL:
+        ok = ok & (dist >= 0)
+    if WINDOW:
+        ok = ok & (dist < window)
+        if not IS_CAUSAL:
+            ok = ok & (dist > -window)
+    return ok
+
+
+@triton.jit
+def load_rows(ptrs, rmask, dmask, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """A ``[rows, HEAD_DIM]`` tile, zero outside the valid rows (``MASK_ROWS``) and past the real head dim."""
+    if MASK_ROWS:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=rmask[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=rmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=dmask[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def tile_mask(rmask, dmask, EVEN_D: tl.constexpr):
+    """The ``[rows, HEAD_DIM]`` store mask: valid rows, real head dims (no column mask when none is padded)."""
+    if EVEN_D:
+        m = rmask[:, None]
+    else:
+        m = rmask[:, None] & dmask[None, :]
+    return m
+
+
+@triton.jit
+def softmax_step(acc, l_i, m_i, qk, v, keep, inv_keep, DROPOUT: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax step over a key tile (``qk`` in log2 units, -inf where masked). The normaliser ``l_i`` sums
+    the undropped probabilities; with ``DROPOUT`` the output accumulates only the kept ones, scaled by ``inv_keep``."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(keep, p * inv_keep, 0.0)
+    acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, UPCAST)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def finish(acc, l_i, m_i):
+    """Output ``acc / l`` and natural-log lse of a row (0 and -inf for a row that saw no key)."""
+    has = l_i > 0
+    l_safe = tl.where(has, l_i, 1.0)
+    return acc / l_safe[:, None], tl.where(has, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+
+
+@triton.jit
+def mix32(x):
+    """lowbias32 on uint32 (``ops/dropout.mix32``)."""
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def drop_rows(S, b, h, H, q_col):
+    """Per query row the first hash ``mix32(stream ^ q_col)``; ``S`` points at this branch's ``[B, H]`` int64 streams
+    (``ops/dropout.stream``)."""
+    s = tl.load(S + b * H + h).to(tl.uint32)
+    return mix32(s ^ q_col.to(tl.uint32))
+
+
+@triton.jit
+def drop_keep(row_hash, k_col, threshold):
+    """Keep decisions ``mix32(row_hash ^ k_col) >= threshold`` (operands already broadcast to the tile's shape)."""
+    return mix32(row_hash ^ k_col.to(tl.uint32)) >= threshold.to(tl.uint32)

@@ -1,0 +1,448 @@
+"""Benchmark sequence-parallel dilated attention ("dilated_ring") on 1..W GPUs of one host, launched by torchrun.
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 4 scripts/bench_ring.py --out $OUT
+
+For each group size P = 1, 2, 4, ... W (sub-groups of the launched ranks), bf16, H = 16, D = 128, LongNet branches,
+causal, one long document whose shards cut every segment (positions start at 16384: the misaligned, costly case):
+- check: the ring's output and every gradient against the single-device op on the gathered sequence (before timing);
+- weak scaling: forward+backward time at a fixed shard per GPU; efficiency = time(1 GPU) / time(P GPUs);
+- bytes: the rows each rank received (the plan's) against the cost model (hf_dilated.distributed.cost_model);
+- against Ulysses (all-to-all to a slice of heads, "dilated" with the global head offset) and a dense SDPA
+  context-parallel baseline (all-gather of K/V, flash attention on the local queries), at a smaller shard;
+- the largest N that runs forward+backward: peak memory fitted linearly in the shard length, then verified by a run.
+Writes ``<out>/ring-<gpu>-<date>.json`` (rows, GPU, versions, command) and a PNG beside it after every phase.
+``--device cpu`` (gloo, the reference backend, tiny sizes) checks the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import hf_dilated  # noqa: E402
+from hf_dilated.distributed import cost_model  # noqa: E402
+from hf_dilated.distributed.collectives import all_to_all  # noqa: E402
+from hf_dilated.distributed.dilated_ring import _PLANS, dilated_ring_attention  # noqa: E402
+from hf_dilated.distributed.sharding import shard_range  # noqa: E402
+
+LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
+SHIFT = 16384  # positions start here: every shard boundary cuts a segment of every branch
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gather_sequence(x, p, group):
+    """``[1, H, S, D]`` shards of ``p`` ranks -> ``[1, H, p S, D]``, differentiable (the gradient of each copy returns
+    to its owner and the copies' gradients add up). (torch.distributed.nn.functional.all_gather's backward gave wrong
+    key gradients in a sub-group here.)"""
+    if p == 1:
+        return x
+    _, h, n, d = x.shape
+    rows = x.permute(2, 0, 1, 3).reshape(n, h * d)
+    got = all_to_all(rows.repeat(p, 1), [n] * p, [n] * p, group)
+    return got.view(p * n, 1, h, d).permute(1, 2, 0, 3)
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        cuda = args.device == "cuda"
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        self.backend = "auto" if cuda else "torch"
+        self.H, self.Hk, self.D = args.heads, args.kv_heads, args.head_dim
+        self.branches = LONGNET if not args.tiny else [(16, 1), (32, 2), (64, 4)]
+        self.shift = SHIFT if not args.tiny else 24
+        self.sizes = [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= self.world]
+        self.groups = {p: dist.new_group(list(range(p))) for p in self.sizes}
+        self.rows, self.t0 = [], time.monotonic()
+        self.out = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "benchmarks",
+                                                                    "results")
+        gpu = torch.cuda.get_device_name(self.device) if cuda else platform.processor() or "cpu"
+        self.meta = {
+            "gpu": gpu, "gpus": self.world, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": _version("triton"), "transformers": _version("transformers"), "python": platform.python_version(),
+            "command": "torchrun --nproc-per-node %d %s" % (self.world, " ".join(sys.argv)),
+            "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"), "dtype": str(self.dtype), "heads": self.H,
+            "kv_heads": self.Hk, "head_dim": self.D, "branches": self.branches, "causal": True,
+            "positions_start": self.shift, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "flops": "useful (query, key) pairs x 4 D, forward+backward = 3.5 x forward (as bench_attention.py)",
+        }
+        self.stamp = f"ring-{gpu.replace(' ', '-')}-{datetime.date.today()}"
+
+    # ---- helpers -------------------------------------------------------------------------------------------------
+    def over_budget(self) -> bool:
+        """The same decision on every rank (rank 0's clock)."""
+        flag = torch.tensor([time.monotonic() - self.t0 > self.args.budget_s], dtype=torch.int32,
+                            device=self.device)
+        dist.broadcast(flag, 0)
+        return bool(flag.item())
+
+    def tensors(self, n, seed):
+        """q, k, v, dout of a whole sequence of ``n`` tokens (identical on every rank: one seed)."""
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        mk = lambda h: torch.randn(1, h, n, self.D, generator=g, device=self.device, dtype=self.dtype)
+        return mk(self.H), mk(self.Hk), mk(self.Hk), mk(self.H)
+
+    def shard(self, full, p, n):
+        s, e = shard_range(n, p, self.rank)
+        return tuple(t[:, :, s:e].detach().clone().requires_grad_(i < 3) for i, t in enumerate(full))
+
+    def local(self, p, n, seed):
+        """This rank's shard of random q, k, v, dout (no whole sequence is ever allocated)."""
+        s, e = shard_range(n, p, self.rank)
+        g = torch.Generator(device=self.device).manual_seed(seed * 1000 + self.rank)
+        mk = lambda h, grad: torch.randn(1, h, e - s, self.D, generator=g, device=self.device, dtype=self.dtype,
+                                         requires_grad=grad)
+        return mk(self.H, True), mk(self.Hk, True), mk(self.Hk, True), mk(self.H, False)
+
+    def positions(self, n):
+        return (torch.arange(n, device=self.device) + self.shift)[None]
+
+    def ws_rs(self):
+        return [w for w, _ in self.branches], [r for _, r in self.branches]
+
+    def timed(self, fn, group, reps):
+        fn()  # warm-up (compiles, plans)
+        sync(self.device)
+        dist.barrier(group=group)
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(self.device)
+        elapsed = torch.tensor([(time.perf_counter() - t) / reps], device=self.device, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        return float(elapsed) * 1e3
+
+    def record(self, **row):
+        if self.rank == 0:
+            row["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+            print(json.dumps(row), flush=True)
+            self.rows.append(row)
+            self.save(plot=False)
+
+    # ---- the three methods, on the local shard ----------------------------------------------------------------------
+    # Each returns a step closure over this rank's shard (q, k, v, dout); a step returns (out, dq, dk, dv).
+    def ring_step(self, p, n, shard):
+        s, e = shard_range(n, p, self.rank)
+        q, k, v, do = shard
+        pos = self.positions(n)[:, s:e]
+        ws, rs = self.ws_rs()
+
+        def step():
+            for t in (q, k, v):
+                t.grad = None
+            out = dilated_ring_attention(q, k, v, ws, rs, position_ids=pos, group=self.groups[p], backend=self.backend)
+            out.backward(do)
+            return out.detach(), q.grad, k.grad, v.grad
+
+        return step
+
+    def ulysses_step(self, p, n, shard):
+        """Head parallelism: all-to-all from a shard of tokens to all tokens of H / p heads, "dilated" with the
+        global head offset, and back (DeepSpeed-Ulysses' scheme with this library's differentiable all-to-all)."""
+        group = self.groups[p]
+        q, k, v, do = shard
+        pos = self.positions(n)
+        ws, rs = self.ws_rs()
+
+        def to_heads(x):  # [1, H, n/p, D] -> [1, H/p, n, D]
+            h = x.shape[1] // p
+            send = x.view(1, p, h, -1, self.D).transpose(0, 1).reshape(-1, self.D)
+            split = [send.shape[0] // p] * p
+            got = all_to_all(send, split, split, group).view(p, h, -1, self.D)
+            return got.permute(1, 0, 2, 3).reshape(1, h, -1, self.D)
+
+        def to_tokens(x):  # [1, H/p, n, D] -> [1, H, n/p, D]
+            h = x.shape[1]
+            send = x.view(h, p, -1, self.D).permute(1, 0, 2, 3).reshape(-1, self.D)
+            split = [send.shape[0] // p] * p
+            got = all_to_all(send, split, split, group).view(p, h, -1, self.D)
+            return got.reshape(1, p * h, -1, self.D)
+
+        def step():
+            for t in (q, k, v):
+                t.grad = None
+            qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
+            rank = dist.get_rank(group)
+            out = hf_dilated.dilated_attention(qh, kh, vh, ws, rs, position_ids=pos, head_offset=rank * qh.shape[1],
+                                               backend=self.backend)
+            out = to_tokens(out)
+            out.backward(do)
+            return out.detach(), q.grad, k.grad, v.grad
+
+        return step
+
+    def dense_step(self, p, n, shard):
+        """Dense causal attention with the keys and values all-gathered (Llama-3-style context parallelism without
+        load balancing): SDPA (flash) on the local queries against every earlier key."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        s, e = shard_range(n, p, self.rank)
+        group = self.groups[p]
+        q, k, v, do = shard
+
+        def step():
+            for t in (q, k, v):
+                t.grad = None
+            kk, vv = (gather_sequence(t, p, group)[:, :, :e] for t in (k, v))
+            rep = self.H // self.Hk
+            kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
+            out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal_lower_right(e - s, e))
+            out.backward(do)
+            return out.detach(), q.grad, k.grad, v.grad
+
+        return step
+
+    # ---- phases --------------------------------------------------------------------------------------------------
+    def check(self):
+        """Every timed method against its single-device computation on the gathered sequence: output and every
+        gradient (the ring and Ulysses against the dilated op, the dense baseline against causal SDPA)."""
+        for p in self.sizes[1:]:
+            if self.rank < p:
+                for method in ("dilated_ring", "ulysses_dilated", "dense_sdpa_allgather"):
+                    ragged = method == "dilated_ring"
+                    if method == "ulysses_dilated" and (self.H % p or self.Hk % p):
+                        continue
+                    n = self.args.check_shard * p + (3 if ragged else 0)
+                    full = self.tensors(n, seed=1)
+                    q, k, v, do = (t.detach().clone().requires_grad_(i < 3) for i, t in enumerate(full))
+                    if method == "dense_sdpa_allgather":
+                        rep = self.H // self.Hk
+                        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                             is_causal=True)
+                    else:
+                        ws, rs = self.ws_rs()
+                        ref = hf_dilated.dilated_attention(q, k, v, ws, rs, position_ids=self.positions(n),
+                                                           backend=self.backend)
+                    ref.backward(do)
+                    got = self.step_of(method)(p, n, self.shard(full, p, n))()
+                    s, e = shard_range(n, p, self.rank)
+                    errs = torch.tensor([rel_err(a, b[:, :, s:e]) for a, b in zip(got, (ref, q.grad, k.grad, v.grad))],
+                                        device=self.device, dtype=torch.float64)
+                    dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=self.groups[p])
+                    self.record(phase="check", method=method, gpus=p, N=n, rel_err_out=float(errs[0]),
+                                rel_err_dq=float(errs[1]), rel_err_dk=float(errs[2]), rel_err_dv=float(errs[3]),
+                                ok=bool(errs.max() < 1e-2))
+                    del full, q, k, v, do, ref, got
+            dist.barrier()
+
+    def step_of(self, method):
+        return {"dilated_ring": self.ring_step, "ulysses_dilated": self.ulysses_step,
+                "dense_sdpa_allgather": self.dense_step}[method]
+
+    def weak_scaling(self):
+        S = self.args.shard
+        base = rate = None
+        for p in self.sizes:
+            if self.over_budget():
+                return
+            if self.rank < p:
+                n = S * p
+                shard = self.local(p, n, seed=2)
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                ms = self.timed(self.ring_step(p, n, shard), self.groups[p], self.args.reps)
+                peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+                plan = _PLANS.entries[0][2] if p > 1 and _PLANS.entries else None
+                rows = torch.tensor([sum(plan.recv_splits) if plan else 0], device=self.device, dtype=torch.float64)
+                dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=self.groups[p])
+                row_bytes = 2 * self.D * (2 if self.dtype == torch.bfloat16 else 4)
+                predicted_rows = max(
+                    sum(cost_model.rows_received(n, p, r, self.branches, self.H, self.Hk, True, self.shift).values())
+                    for r in range(p))
+                flops = 3.5 * 4 * self.D * cost_model.pairs_computed(n, p, p - 1, self.branches, self.H, True, self.shift)
+                if base is None:
+                    base, rate = ms, flops / ms * 1e3  # the cost model's compute rate: measured on one GPU
+                hw = cost_model.Hardware(flops=rate)
+                model = cost_model.predict(n, p, self.branches, self.H, self.Hk, self.D, 2, True, self.shift, hw)
+                self.record(phase="weak_scaling", method="dilated_ring", gpus=p, N=n, shard=S, ms=ms,
+                            predicted_ms=model.step_s * 1e3, predicted_comm_ms=model.comm_s * 1e3,
+                            efficiency=base / ms, tflops_per_gpu=flops / ms / 1e9, peak_gib=peak,
+                            bytes_per_rank_measured=2 * float(rows) * row_bytes,
+                            bytes_per_rank_predicted=2 * predicted_rows * row_bytes)
+            dist.barrier()
+
+    def compare(self):
+        S = self.args.compare_shard
+        for p in self.sizes:
+            for method in ("dilated_ring", "ulysses_dilated", "dense_sdpa_allgather"):
+                if self.over_budget():
+                    return
+                if method == "ulysses_dilated" and (self.H % p or self.Hk % p):
+                    continue
+                if self.rank < p:
+                    n = S * p
+                    shard = self.local(p, n, seed=3)
+                    if self.device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(self.device)
+                    reps = 1 if method == "dense_sdpa_allgather" else self.args.reps
+                    ms = self.timed(self.step_of(method)(p, n, shard), self.groups[p], reps)
+                    del shard
+                    peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+                    self.record(phase="compare", method=method, gpus=p, N=n, shard=S, ms=ms, peak_gib=peak)
+                dist.barrier()
+
+    def largest(self):
+        """Peak memory of the ring step is linear in the shard: fit it from two shards, run the largest that should
+        fit in 90% of the GPU, and record it if it runs."""
+        if self.device.type != "cuda":
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        for p in self.sizes:
+            if self.over_budget():
+                return
+            if self.rank < p:
+                peaks = []
+                for S in (self.args.shard // 2, self.args.shard):
+                    n = S * p
+                    shard = self.local(p, n, seed=4)
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    self.ring_step(p, n, shard)()
+                    sync(self.device)
+                    del shard
+                    peaks.append(torch.cuda.max_memory_allocated(self.device))
+                slope = max((peaks[1] - peaks[0]) / (self.args.shard // 2), 1.0)
+                fixed = peaks[1] - slope * self.args.shard
+                s_max = int((0.9 * total - fixed) / slope) // 65536 * 65536
+                s_max_t = torch.tensor([s_max], device=self.device)
+                dist.all_reduce(s_max_t, op=dist.ReduceOp.MIN, group=self.groups[p])
+                s_max = int(s_max_t)
+                n = s_max * p
+                _PLANS.entries.clear()
+                torch.cuda.empty_cache()
+                shard = self.local(p, n, seed=5)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                t = time.perf_counter()
+                self.ring_step(p, n, shard)()
+                sync(self.device)
+                ms = (time.perf_counter() - t) * 1e3
+                del shard
+                _PLANS.entries.clear()
+                torch.cuda.empty_cache()
+                self.record(phase="largest", gpus=p, N=n, shard=s_max, first_step_ms=ms,
+                            peak_gib=torch.cuda.max_memory_allocated(self.device) / 2**30,
+                            bytes_per_token_fit=slope, gpu_gib=total / 2**30)
+            dist.barrier()
+
+    # ---- output --------------------------------------------------------------------------------------------------
+    def save(self, plot=True):
+        os.makedirs(self.out, exist_ok=True)
+        path = os.path.join(self.out, self.stamp + ".json")
+        with open(path, "w") as f:
+            json.dump({"meta": self.meta, "rows": self.rows}, f, indent=1)
+        if not plot:
+            return
+        try:
+            self.plot(path[:-5] + ".png")
+        except Exception as err:  # a plot must not lose the numbers
+            print(f"plot failed: {err!r}", flush=True)
+
+    def plot(self, path):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+        weak = [r for r in self.rows if r["phase"] == "weak_scaling"]
+        if weak:
+            ax = axes[0]
+            ax.plot([r["gpus"] for r in weak], [r["ms"] for r in weak], "o-", label="dilated_ring")
+            ax.set_xlabel("GPUs")
+            ax.set_ylabel("fwd+bwd ms")
+            ax.set_title(f"weak scaling, {weak[0]['shard'] // 1024}K tokens per GPU")
+            for r in weak:
+                ax.annotate(f"eff {r['efficiency']:.2f}", (r["gpus"], r["ms"]))
+            ax.set_xscale("log", base=2)
+            ax = axes[1]
+            ax.bar([str(r["gpus"]) for r in weak], [r["bytes_per_rank_measured"] / 1e6 for r in weak], alpha=0.6,
+                   label="measured (plan)")
+            ax.plot([str(r["gpus"]) for r in weak], [r["bytes_per_rank_predicted"] / 1e6 for r in weak], "kx",
+                    label="cost model")
+            ax.set_ylabel("MB received per rank per step")
+            ax.set_xlabel("GPUs")
+            ax.legend()
+        comp = [r for r in self.rows if r["phase"] == "compare"]
+        if comp:
+            ax = axes[2]
+            for method in ("dilated_ring", "ulysses_dilated", "dense_sdpa_allgather"):
+                rs = [r for r in comp if r["method"] == method]
+                if rs:
+                    ax.plot([r["gpus"] for r in rs], [r["ms"] for r in rs], "o-", label=method)
+            ax.set_xlabel("GPUs")
+            ax.set_ylabel("fwd+bwd ms")
+            ax.set_yscale("log")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{comp[0]['shard'] // 1024}K tokens per GPU")
+            ax.legend()
+        fig.suptitle(f"{self.meta['gpu']}, {self.meta['dtype']}, H={self.H}, D={self.D}, LongNet branches, causal")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def _version(name):
+    try:
+        import importlib.metadata as md
+
+        return md.version(name)
+    except Exception:
+        return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shard", type=int, default=262144, help="tokens per GPU for weak scaling")
+    ap.add_argument("--compare-shard", type=int, default=65536, help="tokens per GPU for ring / Ulysses / dense")
+    ap.add_argument("--check-shard", type=int, default=40000, help="tokens per GPU for the correctness check")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=300, help="skip later phases past this many seconds")
+    ap.add_argument("--phases", default="check,weak,compare,largest")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU self-check)")
+    ap.add_argument("--out", default=None, help="directory for JSON + PNG (default $OUT, else benchmarks/results)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=180))
+    bench = Bench(args)
+    phases = {"check": bench.check, "weak": bench.weak_scaling, "compare": bench.compare, "largest": bench.largest}
+    for name in args.phases.split(","):
+        phases[name]()
+        if bench.rank == 0:
+            bench.save()  # JSON and plot after every phase: a later failure keeps these
+    dist.barrier()
+    if bench.rank == 0:
+        bench.save()
+        print("wrote", os.path.join(bench.out, bench.stamp + ".json"), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
