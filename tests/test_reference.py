@@ -530,3 +530,18 @@ def test_gpu_peak_memory_is_linear(rng, layer):
         peaks.append(peak)
         del q, k, v, out, lse
     assert peaks[1] < 2.3 * peaks[0], peaks
+
+
+def test_plan_is_built_once_per_layout(rng):
+    """Layers sharing a layout reuse its plan (no repeated sorts and host syncs); any other argument rebuilds it."""
+    from hf_dilated.ops import reference
+
+    q, k, v = [t.detach() for t in make_qkv(rng, 1, 4, 2, 40, 40, 8, torch.float64)]
+    layout = make_layout(1, 40, 40)
+    first = reference._plan(layout, ((8, 1), (16, 2)), 4, 2, True, 0, None, 0)
+    assert reference._plan(layout, ((8, 1), (16, 2)), 4, 2, True, 0, None, 0) is first
+    assert reference._plan(layout, ((8, 1), (16, 2)), 4, 2, True, 0, 5, 0) is not first
+    assert reference._plan(make_layout(1, 40, 40), ((8, 1), (16, 2)), 4, 2, True, 0, None, 0) is not first
+    out1, _ = dilated_attention_reference(q, k, v, ((8, 1), (16, 2)), layout, True, 0.3)
+    out2, _ = dilated_attention_reference(q, k, v, ((8, 1), (16, 2)), layout, True, 0.3)
+    assert torch.equal(out1, out2)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .dropout import keep_mask, keep_threshold
-from .layout import TokenLayout
+from .layout import TokenLayout, _IdentityMemo
 
 _TILE = 128  # most tokens of one bucket in one tile
 _MIN_BUDGET, _MAX_BUDGET = 1 << 18, 1 << 26  # bounds of the scores per batch of tile pairs (see _budget)
@@ -154,8 +154,19 @@ def _bucket_ids(keys: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
     return list(torch.split(inverse, [t.shape[0] for t in keys])), ids.shape[0]
 
 
+_PLANS = _IdentityMemo(size=4)  # every layer of a forward shares the layout: build its plan (and host syncs) once
+
+
 def _plan(layout: TokenLayout, branches, Hq: int, Hk: int, is_causal: bool, head_offset: int,
           window: int | None, global_tokens: int) -> list[_Class]:
+    """:func:`_build_plan`, memoized on the identity of the layout's tensors and the other arguments."""
+    tensors = (layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid)
+    extra = (tuple(branches), Hq, Hk, bool(is_causal), head_offset, window, global_tokens)
+    return _PLANS(lambda: _build_plan(layout, *extra), tensors, extra)
+
+
+def _build_plan(layout: TokenLayout, branches, Hq: int, Hk: int, is_causal: bool, head_offset: int,
+                window: int | None, global_tokens: int) -> list[_Class]:
     """Every branch class of one call (index tensors only, O(N) of them)."""
     group = Hq // Hk
     dev = layout.q_pos.device
