@@ -265,8 +265,10 @@ def check_backend(fn, q, k, v, branches, layout, tol, *, is_causal=True, scale=N
     finite = torch.isfinite(ref_lse)
     padding = ~layout.q_valid[:, None].cpu()
     assert torch.equal(torch.isfinite(lse).cpu() | padding, finite.cpu() | padding), "rows reaching no key differ"
-    if finite.any():
-        assert rel_err(lse[finite], ref_lse[finite]) < tol, f"lse rel err {rel_err(lse[finite], ref_lse[finite])}"
+    if finite.any():  # a log: its error is the normalizer's relative error, so lse near 0 is measured against 1
+        a, b = lse[finite].detach().double().cpu(), ref_lse[finite].detach().cpu()
+        err = float((a - b).norm() / max(float(b.norm()), b.numel() ** 0.5))
+        assert err < tol, f"lse rel err {err}"
     g = (torch.randn_like(ref) * rows).to(out.dtype).double()  # representable in out's dtype: no rounding of its own
     gl = (torch.randn_like(ref_lse) * finite).to(lse.dtype).double()
     loss = (out * g.to(out.dtype)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * gl.to(lse.dtype)).sum()
@@ -528,3 +530,18 @@ def test_gpu_peak_memory_is_linear(rng, layer):
         peaks.append(peak)
         del q, k, v, out, lse
     assert peaks[1] < 2.3 * peaks[0], peaks
+
+
+def test_plan_is_built_once_per_layout(rng):
+    """Layers sharing a layout reuse its plan (no repeated sorts and host syncs); any other argument rebuilds it."""
+    from hf_dilated.ops import reference
+
+    q, k, v = [t.detach() for t in make_qkv(rng, 1, 4, 2, 40, 40, 8, torch.float64)]
+    layout = make_layout(1, 40, 40)
+    first = reference._plan(layout, ((8, 1), (16, 2)), 4, 2, True, 0, None, 0)
+    assert reference._plan(layout, ((8, 1), (16, 2)), 4, 2, True, 0, None, 0) is first
+    assert reference._plan(layout, ((8, 1), (16, 2)), 4, 2, True, 0, 5, 0) is not first
+    assert reference._plan(make_layout(1, 40, 40), ((8, 1), (16, 2)), 4, 2, True, 0, None, 0) is not first
+    out1, _ = dilated_attention_reference(q, k, v, ((8, 1), (16, 2)), layout, True, 0.3)
+    out2, _ = dilated_attention_reference(q, k, v, ((8, 1), (16, 2)), layout, True, 0.3)
+    assert torch.equal(out1, out2)

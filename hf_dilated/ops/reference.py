@@ -19,12 +19,12 @@ decisions from ``ops/dropout.py`` by tensor column (local head index), in the fo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .dropout import keep_mask, keep_threshold
-from .layout import TokenLayout
+from .layout import TokenLayout, _IdentityMemo
 
 _TILE = 128  # most tokens of one bucket in one tile
 _MIN_BUDGET, _MAX_BUDGET = 1 << 18, 1 << 26  # bounds of the scores per batch of tile pairs (see _budget)
@@ -100,6 +100,7 @@ class _Class:
     pair_k: torch.Tensor  # [pairs] key tile of each pair
     heads: torch.Tensor  # [KH, GQ] query heads: slot (kv, g) reads key/value head kv_heads[kv]
     kv_heads: torch.Tensor  # [KH]
+    batches: dict = field(default_factory=dict)  # budget -> [(pair_q, pair_k, query tiles, index into them)]
 
 
 def _head_slots(heads: list[int], group: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,8 +155,19 @@ def _bucket_ids(keys: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
     return list(torch.split(inverse, [t.shape[0] for t in keys])), ids.shape[0]
 
 
+_PLANS = _IdentityMemo(size=4)  # every layer of a forward shares the layout: build its plan (and host syncs) once
+
+
 def _plan(layout: TokenLayout, branches, Hq: int, Hk: int, is_causal: bool, head_offset: int,
           window: int | None, global_tokens: int) -> list[_Class]:
+    """:func:`_build_plan`, memoized on the identity of the layout's tensors and the other arguments."""
+    tensors = (layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid)
+    extra = (tuple(branches), Hq, Hk, bool(is_causal), head_offset, window, global_tokens)
+    return _PLANS(lambda: _build_plan(layout, *extra), tensors, extra)
+
+
+def _build_plan(layout: TokenLayout, branches, Hq: int, Hk: int, is_causal: bool, head_offset: int,
+                window: int | None, global_tokens: int) -> list[_Class]:
     """Every branch class of one call (index tensors only, O(N) of them)."""
     group = Hq // Hk
     dev = layout.q_pos.device
@@ -198,12 +210,17 @@ def _plan(layout: TokenLayout, branches, Hq: int, Hk: int, is_causal: bool, head
     return classes
 
 
-def _batches(c: _Class, elements_per_pair: int, budget: int):
-    """Consecutive slices of the pair list of at most ``budget`` scores each (at least one pair)."""
-    step = max(1, budget // elements_per_pair)
-    n = c.pair_q.numel()
-    for s in range(0, n, step):
-        yield c.pair_q[s : s + step], c.pair_k[s : s + step]
+def _batches(c: _Class, elements_per_pair: int, budget: int) -> list:
+    """Consecutive slices of the pair list of at most ``budget`` scores each (at least one pair), with their distinct
+    query tiles; kept with the (memoized) plan, so the loops of later calls and of the backward need no host sync."""
+    if budget not in c.batches:
+        step = max(1, budget // elements_per_pair)
+        out = []
+        for s in range(0, c.pair_q.numel(), step):
+            pq, pk = c.pair_q[s : s + step], c.pair_k[s : s + step]
+            out.append((pq, pk, *torch.unique_consecutive(pq, return_inverse=True)))
+        c.batches[budget] = out
+    return c.batches[budget]
 
 
 def _allowed(c: _Class, pq: torch.Tensor, pk: torch.Tensor, is_causal: bool, window: int | None) -> torch.Tensor:
@@ -318,13 +335,12 @@ def _forward(q, k, v, classes: list[_Class], is_causal, scale, window, dropout_p
         m = Q.new_full((c.q.n_tiles, KH, GQ, Tq), -math.inf, dtype=acc_dtype)
         l = Q.new_zeros(c.q.n_tiles, KH, GQ, Tq, dtype=acc_dtype)
         acc = Q.new_zeros(c.q.n_tiles, KH, GQ, Tq, Dv, dtype=acc_dtype)
-        for pq, pk in _batches(c, KH * GQ * Tq * Tk, budget):
+        for pq, pk, tiles, inv in _batches(c, KH * GQ * Tq * Tk, budget):
             P = pq.numel()
             s = _mm(Q[pq], K[pk].transpose(-1, -2)).view(P, KH, GQ, Tq, Tk)
             if tile_dtype != acc_dtype:
                 s.mul_(scale)
             s.masked_fill_(~_allowed(c, pq, pk, is_causal, window), -math.inf)
-            tiles, inv = torch.unique_consecutive(pq, return_inverse=True)
             m_old = m[tiles]
             top = s.amax(-1)
             m_new = m_old.scatter_reduce(0, inv.view(-1, 1, 1, 1).expand_as(top), top, "amax", include_self=True)
@@ -379,7 +395,7 @@ def _backward(dout, dlse, q, k, v, out, m, log_l, classes, is_causal, scale, win
         Dl = _gather_rows(c, delta, 0.0)
         dO = _gather_rows(c, dout, 0.0)
         dQ, dK, dV = (torch.zeros_like(t, dtype=acc_dtype) for t in (Q, K, V))
-        for pq, pk in _batches(c, KH * GQ * Tq * Tk, budget):
+        for pq, pk, _, _ in _batches(c, KH * GQ * Tq * Tk, budget):
             P = pq.numel()
             Qb, Kb, Vb, dOb = Q[pq], K[pk], V[pk], dO[pq]
             s = _mm(Qb, Kb.transpose(-1, -2)).view(P, KH, GQ, Tq, Tk)
