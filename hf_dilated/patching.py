@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import importlib.resources
 import math
+from pathlib import Path
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Sequence

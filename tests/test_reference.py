@@ -15,7 +15,7 @@ from hf_dilated.ops.layout import TokenLayout
 from hf_dilated.ops.reference import dilated_attention_reference
 from naive import naive_dilated_attention, rel_err
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2}
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
 @pytest.fixture(autouse=True)
