@@ -318,7 +318,7 @@ def test_help_version_and_no_doubled_defaults(capsys):
 
 def test_cli_constants_match_the_library():
     from hf_dilated import cli, config, patching
-    from hf_dilated.evaluation import VARIANTS
+    from hf_dilated.scripts.eval_long_context import VARIANTS
 
     assert cli.BACKENDS == config.BACKENDS and cli.ROPE_CHOICES == patching.ROPE_CHOICES
     assert cli.EVAL_VARIANTS == VARIANTS and cli.PATCH_MARKER == patching.PATCH_KEY

@@ -39,7 +39,7 @@ def test_default_branches_follow_trained_context():
 
 def test_config_round_trip_through_model_config(tmp_path):
     cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=3, max_position_embeddings=4096)
-    assert DilatedAttentionConfig.from_model_config(cfg).segment_lengths == [2048, 4096]
+    assert DilatedAttentionConfig.from_model_config(cfg).segment_lengths == [1024, 2048, 4096]  # default_branches: w_0 <= ctx / 4
     ours = DilatedAttentionConfig(segment_lengths=[64, 128], dilation_rates=[1, 2], layers=[2, 0], backend="torch")
     ours.save_to(cfg)
     cfg.save_pretrained(tmp_path)
