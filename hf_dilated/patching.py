@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import importlib.resources
-import math
 from pathlib import Path
 from dataclasses import dataclass, field
 from functools import lru_cache

@@ -17,6 +17,7 @@ from ..ops.block_sparse.op import block_sparse_op, check_tensors, choose_backend
 from ..ops.block_sparse.reference import block_sparse_reference
 from ..ops.dilated import DENSE, attend
 from ..ops.layout import resolve_layout
+from .transformers import attention_function
 
 ATTENTION_NAME = "block_sparse"
 
@@ -28,43 +29,11 @@ def block_sparse_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     return dilated_mask(*args, **kwargs)
 
 
-def block_sparse_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention function registered with ``AttentionInterface``: ``([B, Nq, Hq, D], None)``."""
-    name = type(module).__name__
-    if kwargs.get("output_attentions"):
-        raise ValueError(f"attn_implementation='{ATTENTION_NAME}' does not return attention weights; use 'eager'")
-    for kw in ("softcap", "s_aux"):
-        if kwargs.get(kw) is not None:
-            raise ValueError(f"{name}: {kw} is not supported by '{ATTENTION_NAME}' attention")
-    if dropout and dropout > 0:
-        raise ValueError(f"attention dropout ({dropout}) is not supported by '{ATTENTION_NAME}'; set attention_dropout=0")
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
-        with torch.autocast(device_type, enabled=False):
-            return _attend(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
-    return _attend(module, query, key, value, attention_mask, scaling, is_causal, kwargs)
-
-
-def _attend(module, query, key, value, attention_mask, scaling, is_causal, kwargs):
+def _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs) -> torch.Tensor:
+    """Block-sparse attention for one layer (``[B, Hq, Nq, D]`` in and out); layers outside ``config.layers`` and
+    sliding-window layers are the dense branch of :func:`~hf_dilated.ops.dilated.attend`."""
     check_tensors(query, key, value)
-    if attention_mask is not None and attention_mask.ndim != 2:
-        raise ValueError(
-            f"'{ATTENTION_NAME}' attention takes a 2-D key mask [B, Nk]; got shape {tuple(attention_mask.shape)}"
-        )
     config = BlockSparseConfig.from_model_config(module.config)
-    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     if query.shape[2] < key.shape[2] and attention_mask is not None and not torch.compiler.is_compiling():
         # A static cache holds unfilled slots after the last written key: drop them, so that the new queries are
@@ -87,7 +56,10 @@ def _attend(module, query, key, value, attention_mask, scaling, is_causal, kwarg
     else:
         out, _ = attend(query, key, value, tokens, DENSE, is_causal=bool(is_causal), scale=scale, window=sliding,
                         backend=config.backend)
-    return out.transpose(1, 2).contiguous(), None
+    return out
+
+
+block_sparse_attention_forward = attention_function(ATTENTION_NAME, _attend, supports_dropout=False)
 
 
 def register() -> None:

@@ -10,7 +10,7 @@ flash-style ``cu_seq_lens_q/k`` kwargs of ``DataCollatorWithFlattening``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -63,55 +63,60 @@ def dilated_mask(
     return real & (index < q_offset + q_length)
 
 
-def _reject_unsupported(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
-    name = type(module).__name__
-    if kwargs.get("output_attentions"):
-        logger.warning_once(
-            f"`{ATTENTION_NAME}` attention does not return attention weights (output_attentions=True gives None);"
-            " set attn_implementation='eager' to inspect them."
-        )
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"{name}: attention logit softcapping is not supported by '{ATTENTION_NAME}' attention")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(f"{name}: attention sinks (s_aux) are not supported by '{ATTENTION_NAME}' attention")
+def attention_function(name: str, attend_fn: Callable[..., torch.Tensor], *, supports_dropout: bool = True) -> Callable:
+    """Adapt ``attend_fn(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)`` (which
+    returns ``[B, Hq, Nq, D]``) to Transformers' attention-function signature, the same way for every kind:
 
-
-def dilated_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention function registered with ``AttentionInterface`` (Transformers' signature).
-
-    ``query [B, Hq, Nq, D]``, ``key/value [B, Hk, Nk, D]`` (GQA by head ratio, no repeat), ``attention_mask`` as
-    :func:`dilated_mask` returns it. Returns ``([B, Nq, Hq, D], None)``: attention weights are never formed
-    (``output_attentions=True`` warns once). ``dropout`` is what the model passes (0.0 in eval mode). Layers
-    outside ``config.layers`` are the dense branch ``DENSE`` (sliding-window layers keep their window).
+    ``output_attentions=True`` warns once and gives ``None`` weights (as Transformers' sdpa and flash backends do);
+    logit softcapping and attention sinks (``s_aux``), 4-D masks and, where ``supports_dropout=False``, attention dropout are
+    refused with a ``ValueError``; ``is_causal`` defaults to the module's; under autocast (Trainer's ``bf16=True``,
+    where RoPE leaves q, k in float32 and v in bf16) the op runs, like SDPA, in the autocast dtype with autocast off
+    inside; the output is returned as ``([B, Nq, Hq, D], None)``.
     """
-    _reject_unsupported(module, kwargs)
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        # Under autocast (Trainer's bf16=True) RoPE leaves q, k in float32 while v is bf16: run the op, like SDPA
-        # under autocast, in the autocast dtype, and keep autocast from re-casting inside the op.
-        dtype = torch.get_autocast_dtype(device_type)
-        query, key, value = (t.to(dtype) for t in (query, key, value))
-        with torch.autocast(device_type, enabled=False):
-            return _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
-    return _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+
+    def forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        cls = type(module).__name__
+        if kwargs.get("output_attentions"):
+            logger.warning_once(
+                f"`{name}` attention does not return attention weights (output_attentions=True gives None);"
+                " set attn_implementation='eager' to inspect them."
+            )
+        if kwargs.get("softcap") is not None:
+            raise ValueError(f"{cls}: attention logit softcapping is not supported by '{name}' attention")
+        if kwargs.get("s_aux") is not None:
+            raise ValueError(f"{cls}: attention sinks (s_aux) are not supported by '{name}' attention")
+        if not supports_dropout and dropout and dropout > 0:
+            raise ValueError(
+                f"attention dropout ({dropout}) is not supported by '{name}' attention; set config.attention_dropout = 0.0"
+            )
+        if attention_mask is not None and attention_mask.ndim != 2:
+            raise ValueError(
+                f"'{name}' attention takes a 2-D key mask [B, Nk]; got a {attention_mask.ndim}-D mask of shape "
+                f"{tuple(attention_mask.shape)} (custom 4-D masks are not supported: pass a 2-D attention_mask and "
+                "position_ids)"
+            )
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        device_type = query.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            query, key, value = (t.to(dtype) for t in (query, key, value))
+            with torch.autocast(device_type, enabled=False):
+                out = attend_fn(module, query, key, value, attention_mask, dropout, scaling, bool(is_causal), kwargs)
+        else:
+            out = attend_fn(module, query, key, value, attention_mask, dropout, scaling, bool(is_causal), kwargs)
+        return out.transpose(1, 2).contiguous(), None
+
+    forward.__name__ = forward.__qualname__ = f"{name}_attention_forward"
+    forward.__doc__ = f"The ``{name!r}`` attention function (Transformers' signature); see :func:`attention_function`."
+    return forward
 
 
-def _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs) -> tuple[torch.Tensor, None]:
-    if attention_mask is not None and attention_mask.ndim != 2:
-        raise ValueError(
-            f"'{ATTENTION_NAME}' attention takes a 2-D key mask [B, Nk]; got a {attention_mask.ndim}-D mask of shape "
-            f"{tuple(attention_mask.shape)} (custom 4-D masks are not supported: pass a 2-D attention_mask and position_ids)"
-        )
+def _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs) -> torch.Tensor:
+    """Dilated attention for one layer: the model's branches, or the dense branch (with its sliding window) for layers
+    outside ``config.layers``. ``[B, Hq, Nq, D]`` in, ``[B, Hq, Nq, D]`` out."""
     config = DilatedAttentionConfig.of(module.config)
     layer = getattr(module, "layer_idx", None)
     sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
@@ -122,8 +127,6 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, is_caus
             f"{sliding}); '{ATTENTION_NAME}' attention replaces full-attention layers only: leave it dense with "
             "DilatedAttentionConfig(layers=[...]) or a patch recipe"
         )
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
     batch, _, q_len, _ = query.shape
     layout = resolve_layout(
         batch,
@@ -153,7 +156,10 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, is_caus
         seed=draw_seed(query.device) if dropout > 0 else None,
         backend=config.backend,
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out
+
+
+dilated_attention_forward = attention_function(ATTENTION_NAME, _attend)
 
 
 def register() -> None:
