@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
+from ...config import BACKENDS
 from ..layout import TokenLayout
 from .layout import BlockLayout, check_block_size, union
 
 CONFIG_KEY = "block_sparse_attention"
 PATTERNS = ("local", "dilated", "hierarchical", "random", "adaptive", "dense")
-BACKENDS = ("auto", "torch", "triton")
 
 
 def _int(name: str, value, minimum: int) -> int:

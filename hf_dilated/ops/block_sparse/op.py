@@ -8,16 +8,15 @@ reference inside the op, explicitly; ``backend="torch"`` runs the reference with
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from ..dilated import check_tensors as check_dilated_tensors
+from ..dilated import choose_backend
 from ..layout import TokenLayout, resolve_layout
 from .layout import BlockLayout, check_block_size, from_mask
 from .reference import block_sparse_reference
 
-BACKENDS = ("auto", "torch", "triton")
 
 
 def _tokens(layout: TokenLayout) -> tuple[torch.Tensor, ...]:
@@ -144,26 +143,6 @@ def block_sparse_op(query, key, value, blocks: BlockLayout, tokens: TokenLayout,
 
 
 # ---- the public op -------------------------------------------------------------------------------------------------
-
-
-def _triton_available(device: torch.device) -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def choose_backend(backend: str, query: torch.Tensor) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if query.is_cuda and _triton_available(query.device) else "torch"
-    if backend == "triton" and not _triton_available(query.device):
-        raise ValueError("backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); use 'torch'")
-    return backend
 
 
 def check_tensors(query, key, value) -> None:
