@@ -70,6 +70,17 @@ def kernels_run(*kinds):
     assert launch.LAUNCHES["reference"] == before["reference"], "the op fell back to the reference"
 
 
+def check_grads(got, want, tol, what=""):
+    """dq, dk, dv against float64 ones: finite, and relative error below ``tol``. A gradient that is zero by symmetry
+    (a query that sees one key has dq = 0 exactly) is measured against 5% of the whole q, k, v gradient, as in
+    test_reference.check_backend: the relative error of rounding noise against an exact zero means nothing."""
+    whole = float(sum(b.norm() ** 2 for b in want) ** 0.5)
+    for name, a, b in zip("qkv", got, want):
+        assert torch.isfinite(a).all(), f"d{name} has NaN / inf"
+        err = float((a.detach().double() - b).norm()) / max(float(b.norm()), 0.05 * whole, 1e-300)
+        assert err < tol, f"d{name}{what}: rel err {err}"
+
+
 def check(q, k, v, branches, tol, naive_kwargs=None, use_naive=True, decode=False, **op_kwargs):
     """Output and dq, dk, dv of the Triton backend against the float64 oracle and the float64 reference."""
     ws, rs = [w for w, _ in branches], [r for _, r in branches]
@@ -99,10 +110,7 @@ def check(q, k, v, branches, tol, naive_kwargs=None, use_naive=True, decode=Fals
     for oracle, o in want.items():
         err = rel_err(out, o)
         assert err < tol, f"output vs {oracle}: rel err {err}"
-        gw = torch.autograd.grad(o, (q64, k64, v64), grad)
-        for name, a, b in zip("qkv", got, gw):
-            err = rel_err(a, b)
-            assert err < tol, f"d{name} vs {oracle}: rel err {err}"
+        check_grads(got, torch.autograd.grad(o, (q64, k64, v64), grad), tol, f" vs {oracle}")
     return out
 
 
@@ -258,10 +266,7 @@ def check_op(q, k, v, branches, tol, layout=None, decode=False, is_causal=True, 
     grad = torch.randn(want.shape, dtype=torch.float64, device=want.device)
     with kernels_run("backward"):
         got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
-    for name, a, b in zip("qkv", got, torch.autograd.grad(want, (q64, k64, v64), grad)):
-        assert torch.isfinite(a).all(), f"d{name} has NaN / inf"
-        err = rel_err(a, b)
-        assert err < tol, f"d{name}: rel err {err}"
+    check_grads(got, torch.autograd.grad(want, (q64, k64, v64), grad), tol)
     return out, lse
 
 
