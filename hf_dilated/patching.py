@@ -628,7 +628,7 @@ def _fmt_layers(layers: list[int]) -> str:
 def format_eval_table(eval_results: dict | None) -> str:
     """Markdown for the model card's evaluation section.
 
-    Takes the JSON that :func:`hf_dilated.evaluation.evaluate` writes (``{"results": [{"context": ..,
+    Takes the JSON that `scripts/eval_long_context.py`'s ``evaluate`` writes (``{"results": [{"context": ..,
     "variant": .., "perplexity": ..}, ...]}``) or a flat ``{metric: value}`` dict.
     """
     if not eval_results:

@@ -176,7 +176,10 @@ def main(argv=None) -> int:
     model, tokenizer = assets.load_smollm2(dtype=dtype)
     model = model.to(device).eval()
     trained = model.config.max_position_embeddings
-    from hf_dilated.evaluation import text_tokens
+    try:  # the eval program's tokenizer helper (installed as hf_dilated.scripts, or beside this file in a checkout)
+        from .eval_long_context import text_tokens
+    except ImportError:
+        from eval_long_context import text_tokens
 
     tokens = text_tokens(tokenizer, assets.shakespeare_text(), max(contexts))
     if tokens.numel() < max(contexts):
