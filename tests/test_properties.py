@@ -144,10 +144,14 @@ def build_case(pick) -> Case:
 
 
 def check_case(fn, case: Case, tol: dict) -> None:
+    """The backend against the float64 oracle (``check_backend`` asserts outputs, lse and every gradient), and an
+    output of the right shape with no NaN or inf anywhere, padding rows included."""
     torch.manual_seed(case.rng_seed)
-    check_backend(fn, case.q, case.k, case.v, case.branches, case.layout, tol[case.q.dtype], is_causal=case.is_causal,
-                  head_offset=case.head_offset, window=case.window, global_tokens=case.global_tokens,
-                  dropout_p=case.dropout_p, seed=case.seed)
+    out, _ = check_backend(fn, case.q, case.k, case.v, case.branches, case.layout, tol[case.q.dtype],
+                           is_causal=case.is_causal, head_offset=case.head_offset, window=case.window,
+                           global_tokens=case.global_tokens, dropout_p=case.dropout_p, seed=case.seed)
+    assert out.shape == case.q.shape[:3] + (case.v.shape[-1],)
+    assert torch.isfinite(out).all(), "NaN or inf in the output"
 
 
 PROPERTY = settings(max_examples=int(os.environ.get("HF_DILATED_PROPERTY_EXAMPLES", 40)), deadline=None,
