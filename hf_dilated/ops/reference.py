@@ -378,10 +378,13 @@ def _backward(dout, dlse, q, k, v, out, m, log_l, classes, is_causal, scale, win
     ``delta = rowsum(dO * O) - dL``."""
     acc_dtype = m.dtype
     tile_dtype = q.dtype if q.dtype in _HALF else acc_dtype
-    delta = (dout.to(acc_dtype) * out).sum(-1)
+    # dS = P (dP - delta) cancels exactly where a query sees one key (dq = 0): in float32, dP and delta are formed in
+    # float64 (tile-sized, cheap next to the matmuls), so that cancellation leaves no float32 rounding noise.
+    diff_dtype = torch.float64 if acc_dtype == torch.float32 else acc_dtype
+    delta = (dout.to(diff_dtype) * out.to(diff_dtype)).sum(-1)
     dout = dout.to(tile_dtype)
     if dlse is not None:
-        delta = delta - torch.where(torch.isfinite(m), dlse.to(acc_dtype), torch.zeros_like(delta))
+        delta = delta - torch.where(torch.isfinite(m), dlse.to(diff_dtype), torch.zeros_like(delta))
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
@@ -403,7 +406,8 @@ def _backward(dout, dlse, q, k, v, out, m, log_l, classes, is_causal, scale, win
                 s.mul_(scale)
             s.masked_fill_(~_allowed(c, pq, pk, is_causal, window), -math.inf)
             p = s.view(P, KH, GQ * Tq, Tk).sub_(M[pq][..., None]).sub_(logL[pq][..., None]).exp_()
-            dp = _mm(dOb, Vb.transpose(-1, -2))
+            dp = _mm(dOb, Vb.transpose(-1, -2)) if diff_dtype == acc_dtype else dOb.to(diff_dtype) @ Vb.to(
+                diff_dtype).transpose(-1, -2)
             if dropout_p:
                 z = _dropout_scale(c, pq, pk, dropout_p, seed, p.dtype).view(P, KH, GQ * Tq, Tk)
                 dV.index_add_(0, pk, _mm((p * z).to(tile_dtype).transpose(-1, -2), dOb))
@@ -411,7 +415,7 @@ def _backward(dout, dlse, q, k, v, out, m, log_l, classes, is_causal, scale, win
                 del z
             else:
                 dV.index_add_(0, pk, _mm(p.to(tile_dtype).transpose(-1, -2), dOb))
-            ds = dp.sub_(Dl[pq][..., None]).mul_(p)
+            ds = dp.sub_(Dl[pq][..., None]).mul_(p).to(acc_dtype)
             del p
             dQ.index_add_(0, pq, _mm_exact(ds, Kb))
             dK.index_add_(0, pk, _mm_exact(ds.transpose(-1, -2), Qb))
