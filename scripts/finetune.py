@@ -88,8 +88,12 @@ def build_parser():
     import torch
     from transformers import HfArgumentParser, TrainingArguments
 
-    parser = HfArgumentParser((ScriptArguments, TrainingArguments), prog="hf-dilated finetune",
-                              description="Fine-tune a causal LM with dilated (or dense) attention at long context.")
+    class OneLineErrors(HfArgumentParser):
+        def error(self, message: str):  # one line, like every hf-dilated command (the usage is in --help)
+            self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    parser = OneLineErrors((ScriptArguments, TrainingArguments), prog="hf-dilated finetune",
+                           description="Fine-tune a causal LM with dilated (or dense) attention at long context.")
     # Trainer's defaults, where a long-context run wants others: one row a step, a loss point per step, no checkpoint
     # unless asked; without CUDA, the CPU (where --bf16 autocast works too).
     parser.set_defaults(logging_steps=1, save_strategy="no", max_steps=200, report_to="none",

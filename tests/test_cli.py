@@ -360,11 +360,16 @@ BAD = {
         ["--dtype", "int8"], ["--segment-lengths", "64"], ["--recipe", "nope"], ["--frobnicate"],
     ],
     "recipes": [["--frobnicate"], ["extra"]],
+    "finetune": [
+        ["--seq-len", "0"], ["--attn", "flash"], ["--frobnicate"], ["--layers", "x"], ["--rope", "ntk"],
+        ["--segment-lengths", "64"], ["--data", "missing-dir"], ["--model", "missing-dir"], ["--max-steps", "x"],
+    ],
 }
 GOOD = {
     "patch": [["--backend", "torch"], ["--rope", "none"], ["--dtype", "float32"], ["--overwrite"], ["--layers", "0"]],
     "eval": [["--windows", "2"], ["--device", "cpu"], ["--overwrite"], ["--contexts", "64", "128"]],
     "recipes": [[]],
+    "finetune": [["--attn", "sdpa"], ["--overwrite"], ["--max-steps", "2"]],
 }
 
 
@@ -372,7 +377,9 @@ GOOD = {
 def bad_command_lines(draw):
     command = draw(st.sampled_from(sorted(BAD)))
     options = draw(st.lists(st.sampled_from(BAD[command]), min_size=1, max_size=3))
-    options += draw(st.lists(st.sampled_from(GOOD[command]), max_size=2))
+    bad_flags = {option[0] for option in options if option}
+    good = [option for option in GOOD[command] if not option or option[0] not in bad_flags]  # no override of a bad one
+    options += draw(st.lists(st.sampled_from(good), max_size=2)) if good else []
     options = draw(st.permutations(options))
     argv = [command]
     if command == "patch":
