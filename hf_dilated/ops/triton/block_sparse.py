@@ -22,24 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import mm
+
 LOG2E_F = 1.4426950408889634
 LOG2E = tl.constexpr(LOG2E_F)
 LN2 = tl.constexpr(0.6931471805599453)
 
 # Kernel launches by name; tests read it to assert that the kernels (not a fallback) ran.
 LAUNCHES: collections.Counter = collections.Counter()
-
-
-@triton.jit
-def _mm(a, b, UPCAST: tl.constexpr):
-    """``tl.dot`` by mode (as ``forward.mm``): 0 plain, 1 float32 operands (the interpreter's bfloat16), 2 ieee fp32."""
-    if UPCAST == 1:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32))
-    elif UPCAST == 2:
-        c = tl.dot(a, b, input_precision="ieee")
-    else:
-        c = tl.dot(a, b)
-    return c
 
 
 @triton.jit
@@ -138,7 +128,7 @@ def bs_fwd_kernel(
         kmask = kc < Nk
         kc64 = kc.to(tl.int64)[:, None]
         k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
-        qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
+        qk = mm(q, tl.trans(k), UPCAST) * qk_scale
         if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
             ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
             qk = tl.where(ok, qk, float("-inf"))
@@ -147,7 +137,7 @@ def bs_fwd_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
+        acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
@@ -208,14 +198,14 @@ def bs_bwd_dq_kernel(
         kc64 = kc.to(tl.int64)[:, None]
         k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
         v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
-        qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
+        qk = mm(q, tl.trans(k), UPCAST) * qk_scale
         p = tl.math.exp2(qk - lse[:, None])
         if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
             ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
             p = tl.where(ok, p, 0.0)
-        dp = _mm(do, tl.trans(v), UPCAST)
+        dp = mm(do, tl.trans(v), UPCAST)
         ds = p * (dp - delta[:, None])
-        dq += _mm(ds.to(k.dtype), k, UPCAST)
+        dq += mm(ds.to(k.dtype), k, UPCAST)
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + h64 * stride_dqh + qr64[:, None] * stride_dqn + d[None, :],
              dq.to(DQ.dtype.element_ty), mask=qmask[:, None])
@@ -274,17 +264,17 @@ def bs_bwd_dkdv_kernel(
             lse = tl.load(l_row + qr64, mask=qmask, other=0.0)
             lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
             delta = tl.load(dl_row + qr64, mask=qmask, other=0.0)
-            qkT = _mm(k, tl.trans(q), UPCAST) * qk_scale
+            qkT = mm(k, tl.trans(q), UPCAST) * qk_scale
             pT = tl.math.exp2(qkT - lse[None, :])
             q_whole = (q0 >= q_offset) & (q0 + BLOCK_M <= Nk)
             if _edge(k_first, q0, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
                 qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
                 ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG, True)
                 pT = tl.where(ok, pT, 0.0)
-            dv += _mm(pT.to(do.dtype), do, UPCAST)
-            dpT = _mm(v, tl.trans(do), UPCAST)
+            dv += mm(pT.to(do.dtype), do, UPCAST)
+            dpT = mm(v, tl.trans(do), UPCAST)
             dsT = pT * (dpT - delta[None, :])
-            dk += _mm(dsT.to(q.dtype), q, UPCAST)
+            dk += mm(dsT.to(q.dtype), q, UPCAST)
     dk = dk * scale
     tl.store(DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :],
              dk.to(DK.dtype.element_ty), mask=kmask[:, None])
