@@ -2,7 +2,7 @@
 fastest per head dim, to copy into ``hf_dilated/ops/triton/configs.py``. Each candidate's output is checked against a
 baseline config's before it is timed.
 
-    python benchmarks/tune_triton.py --n 65536 --dims 64 128
+    python benchmarks/tune_triton.py --n 65536 --dims 64 128 256
 """
 
 from __future__ import annotations
@@ -23,6 +23,14 @@ LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)]
 KV = [(64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)]
 DQ = [(128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2), (128, 32, 8, 3)]
+# Head dim 256: a tile row is 512 bytes, so shared memory allows only smaller tiles and fewer stages.
+CANDIDATES = {
+    256: (
+        [(64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 1), (64, 32, 4, 3), (32, 64, 4, 2)],
+        [(32, 32, 8, 1), (32, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 1), (32, 64, 4, 2), (16, 64, 4, 2)],
+        [(32, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 1), (32, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 1)],
+    ),
+}
 
 
 def rel(a, b):
@@ -42,12 +50,13 @@ def main():
     valid = (layout.q_valid, layout.k_valid)
     key = ("contiguous", 1, N, N)
     for D in args.dims:
+        FWD_C, KV_C, DQ_C = CANDIDATES.get(D, (FWD, KV, DQ))
         q, k, v, do = (torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
         scale = D ** -0.5
         fwd = lambda: launch.forward(q, k, v, launch.Problem(LONGNET, True, scale, 0), plan, valid, key)  # noqa: E731
         base_o, lse = fwd()
         best = None
-        for c in FWD:
+        for c in FWD_C:
             configs._FWD_HOPPER[D] = c
             try:
                 o, _ = fwd()
@@ -64,7 +73,7 @@ def main():
         o, lse = fwd()
         bwd = lambda: launch.backward(do, q, k, v, o, lse, launch.Problem(LONGNET, True, scale, 0), plan, valid, key)  # noqa: E731
         base = bwd()
-        for name, table, cands in (("dkdv", configs._BWD_KV_HOPPER, KV), ("dq", configs._BWD_Q_HOPPER, DQ)):
+        for name, table, cands in (("dkdv", configs._BWD_KV_HOPPER, KV_C), ("dq", configs._BWD_Q_HOPPER, DQ_C)):
             best = None
             for c in cands:
                 table[D] = c

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface
 
 from ..config import DENSE_SEGMENT, DilatedAttentionConfig
 from ..distributed.dilated_ring import dilated_ring_attention
@@ -50,5 +49,7 @@ dilated_ring_attention_forward = attention_function(ATTENTION_NAME, _attend, sup
 
 def register() -> None:
     """Register ``"dilated_ring"`` with Transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface  # loads the model code: only on register
+
     AttentionInterface.register(ATTENTION_NAME, dilated_ring_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, dilated_mask)

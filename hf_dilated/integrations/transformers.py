@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.utils import logging
 
 from ..config import DilatedAttentionConfig
@@ -164,6 +163,8 @@ dilated_attention_forward = attention_function(ATTENTION_NAME, _attend)
 
 def register() -> None:
     """Register ``"dilated"`` with Transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface  # loads the model code: only on register
+
     AttentionInterface.register(ATTENTION_NAME, dilated_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, dilated_mask)
 
