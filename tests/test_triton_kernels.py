@@ -138,6 +138,21 @@ def test_random_configs_contiguous(rng, causal, gqa):
 
 
 @cpu
+@pytest.mark.parametrize("tma", [True, False])
+def test_forward_tensor_descriptors_and_pointers(rng, tma, monkeypatch):
+    """The forward reads Q/K/V through TMA tensor descriptors (strided by r rows) where it may, else through
+    pointers; both paths against the oracle, and the counter proves which one ran."""
+    if not tma:
+        monkeypatch.setattr(launch, "use_tma", lambda *a, **k: False)
+    pyrng = pyrng_of(rng)
+    branches = random_branches(pyrng)
+    q, k, v = make_qkv(rng, 2, 4, 2, pyrng.randint(30, 70), pyrng.randint(70, 90), 16, torch.float32, "cpu")
+    before = launch.LAUNCHES["forward_tma"]
+    check(q, k[:, :, -q.shape[2]:], v[:, :, -q.shape[2]:], branches, TOL[torch.float32], is_causal=True)
+    assert (launch.LAUNCHES["forward_tma"] > before) == tma
+
+
+@cpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("chunked", [False, True])
 def test_half_precision(rng, dtype, chunked, monkeypatch):

@@ -5,6 +5,8 @@ of the queries, ``[k_lo, k_hi)`` of the keys; position ``p`` sits at column ``ba
 selects positions ``p = first + j * r`` with ``p % r == (h + head_offset) % r``; the kernel reads those rows in place
 through the row stride times ``r``: no gathered copies. A sliding window (``WINDOW``) narrows each tile's key range,
 holes (``HOLES``) mask keys and queries by their validity, ``DROPOUT`` drops probabilities by the counter-based draw.
+With ``TMA`` (Hopper, unpadded head dim, no holes) the dilated Q, K and V rows are read through tensor descriptors
+whose row stride is ``r`` rows, so the copy engine fetches them and zero-fills the rows past the item's end.
 The kernel folds its branch into the running output (float32) and log-sum-exp of the earlier branches with the
 exact merge ``o = sum_i softmax(lse)_i o_i``.
 """
@@ -31,7 +33,7 @@ def dilated_fwd_branch_kernel(
     Nq, Nk, H, head_offset, group, r, qk_scale, window, drop_threshold, inv_keep,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-    FIRST: tl.constexpr, UPCAST: tl.constexpr,
+    FIRST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     item = tl.program_id(0)
     tile = tl.program_id(1)
@@ -55,8 +57,14 @@ def dilated_fwd_branch_kernel(
     EVEN_D: tl.constexpr = D == HEAD_DIM
     kvh = (h // group).to(tl.int64)
     h64 = h.to(tl.int64)
-    q_ptrs = Q + b * stride_qb + h64 * stride_qh + qc.to(tl.int64)[:, None] * stride_qn + d[None, :]
-    q = load_rows(q_ptrs, qmask, dmask, True, EVEN_D)
+    if TMA:
+        q_desc = tl.make_tensor_descriptor(
+            Q + b * stride_qb + h64 * stride_qh + (qbase + q_first).to(tl.int64) * stride_qn,
+            shape=[n_rows(q_first, q_hi, r), HEAD_DIM], strides=[r * stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        q = q_desc.load([row0, 0])
+    else:
+        q_ptrs = Q + b * stride_qb + h64 * stride_qh + qc.to(tl.int64)[:, None] * stride_qn + d[None, :]
+        q = load_rows(q_ptrs, qmask, dmask, True, EVEN_D)
     row_hash = qp
     if DROPOUT:
         row_hash = drop_rows(S, b, h, H, qc)
@@ -77,14 +85,24 @@ def dilated_fwd_branch_kernel(
     cols = tl.arange(0, BLOCK_N)
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
+    if TMA:
+        k0 = (kbase + k_first).to(tl.int64)
+        k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh + k0 * stride_kn, shape=[n_k, HEAD_DIM],
+                                           strides=[r * stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh + k0 * stride_vn, shape=[n_k, HEAD_DIM],
+                                           strides=[r * stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start in range(0, n_full, BLOCK_N):
         kp = k_first + (start + cols) * r
         kc = kbase + kp
-        k = load_rows(k_row + kc.to(tl.int64)[:, None] * stride_kn, cols, dmask, False, EVEN_D)
-        v = load_rows(v_row + kc.to(tl.int64)[:, None] * stride_vn, cols, dmask, False, EVEN_D)
+        if TMA:
+            k = k_desc.load([start, 0])
+            v = v_desc.load([start, 0])
+        else:
+            k = load_rows(k_row + kc.to(tl.int64)[:, None] * stride_kn, cols, dmask, False, EVEN_D)
+            v = load_rows(v_row + kc.to(tl.int64)[:, None] * stride_vn, cols, dmask, False, EVEN_D)
         qk = mm(q, tl.trans(k), UPCAST) * qk_scale
         keep = 0
         if DROPOUT:
@@ -96,8 +114,12 @@ def dilated_fwd_branch_kernel(
         kmask = start + cols < n_k
         if HOLES:
             kmask = kmask & (tl.load(KV + b * Nk + kc, mask=kmask, other=0) != 0)
-        k = load_rows(k_row + kc.to(tl.int64)[:, None] * stride_kn, kmask, dmask, True, EVEN_D)
-        v = load_rows(v_row + kc.to(tl.int64)[:, None] * stride_vn, kmask, dmask, True, EVEN_D)
+        if TMA:  # rows past the item's last come back as zeros
+            k = k_desc.load([start, 0])
+            v = v_desc.load([start, 0])
+        else:
+            k = load_rows(k_row + kc.to(tl.int64)[:, None] * stride_kn, kmask, dmask, True, EVEN_D)
+            v = load_rows(v_row + kc.to(tl.int64)[:, None] * stride_vn, kmask, dmask, True, EVEN_D)
         qk = mm(q, tl.trans(k), UPCAST) * qk_scale
         ok = kmask[None, :]
         if HOLES:

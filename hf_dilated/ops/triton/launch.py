@@ -15,7 +15,7 @@ import triton
 from ...config import DENSE_SEGMENT
 from ..dropout import keep_threshold, stream
 from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kernel
-from .configs import bwd_config, decode_config, fwd_config, interpreting
+from .configs import bwd_config, decode_config, descriptor_scratch, fwd_config, interpreting, use_tma
 from .decode import dilated_decode_kernel
 from .forward import dilated_fwd_branch_kernel
 from .schedule import RunPlan, branch_items
@@ -98,6 +98,10 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     lse = torch.full((B, H, Nq), float("-inf"), device=q.device, dtype=torch.float32)
     qv, kv, streams, window, thr, inv_keep, flags = _extras(pb, plan, layout_valid, B, H, q.device)
     cfg = fwd_config(head_dim_block(D), q.dtype)
+    tma = use_tma((q, k, v), head_dim_block(D) != D, plan.holes)
+    if tma:
+        descriptor_scratch(q.device)
+        LAUNCHES["forward_tma"] += 1
     first = True
     for i, (w, r, cap) in enumerate(pb.kernel_branches()):
         it = branch_items(plan.runs, w, r, pb.is_causal, q.device, cache_key, cap)
@@ -108,7 +112,7 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
             q, k, v, o, lse, it.items, qv, kv, streams[i],
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
             Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep,
-            HEAD_DIM=head_dim_block(D), D=D, FIRST=first, UPCAST=_upcast(q), **flags, **cfg,
+            HEAD_DIM=head_dim_block(D), D=D, FIRST=first, UPCAST=_upcast(q), TMA=tma, **flags, **cfg,
         )
         first = False
     return o.to(q.dtype), lse
