@@ -90,11 +90,17 @@ def run_dilated(backend, q, k, v, branches, do=None):
     return out, dq, dk, dv
 
 
-def run_sdpa(q, k, v, do=None):
+def run_sdpa(q, k, v, do=None, backend="flash"):
+    """Dense causal SDPA on one named backend: FlashAttention-2 (``flash``) or cuDNN (``cudnn``, the fastest dense
+    kernel on Hopper; K/V repeated for GQA, which its SDPA path does not take)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gqa = q.shape[1] != k.shape[1]
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    if backend == "cudnn" and gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False
+    chosen = SDPBackend.CUDNN_ATTENTION if backend == "cudnn" else SDPBackend.FLASH_ATTENTION
+    with sdpa_kernel(chosen):
         if do is None:
             with torch.no_grad():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -202,7 +208,7 @@ def main():
     ap.add_argument("--gqa", type=int, nargs="+", default=[1, 4], help="query heads per kv head")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--modes", nargs="+", default=["decode", "fwd", "fwdbwd"])
-    ap.add_argument("--methods", nargs="+", default=["triton", "reference", "sdpa", "flex"])
+    ap.add_argument("--methods", nargs="+", default=["triton", "reference", "sdpa", "cudnn", "flex"])
     ap.add_argument("--max-sdpa", type=int, default=262144, help="largest N for dense SDPA (1M takes ~15 s a call)")
     ap.add_argument("--max-flex", type=int, default=262144)
     ap.add_argument("--flex-dims", type=int, nargs="+", default=[128], help="head dims FlexAttention runs at")
@@ -236,7 +242,9 @@ def main():
         do = torch.randn(B, H, nq, D, device=dev, dtype=dtype, generator=gen) if mode == "fwdbwd" else None
         for method in args.methods:
             row = dict(mode=mode, N=N, D=D, H=H, Hk=Hk, B=B, method=method)
-            if method == "sdpa" and N > args.max_sdpa and mode != "decode":
+            if method in ("sdpa", "cudnn") and N > args.max_sdpa and mode != "decode":
+                continue
+            if method == "cudnn" and mode == "decode":
                 continue
             if method == "flex" and (mode == "decode" or N > args.max_flex or D not in args.flex_dims
                                      or G not in args.flex_gqa):
@@ -262,8 +270,8 @@ def main():
                         ref = run_dilated("torch", q, k[:, :, seg:].contiguous(), v[:, :, seg:].contiguous(), branches)
                         err = rel_err(out, ref)
                 else:
-                    if method == "sdpa":
-                        fn = lambda: run_sdpa(q, k, v, do)  # noqa: E731
+                    if method in ("sdpa", "cudnn"):
+                        fn = lambda: run_sdpa(q, k, v, do, "cudnn" if method == "cudnn" else "flash")  # noqa: E731
                     elif method == "flex":
                         fn = lambda: run_flex(q, k, v, branches, do)  # noqa: E731
                     else:
@@ -272,7 +280,8 @@ def main():
                     t0 = time.time()
                     out = fn()  # first call: compiles / builds, checked below
                     row["first_call_s"] = round(time.time() - t0, 3)
-                    err = check_sdpa(out, q, k, v, do) if method == "sdpa" else check_dilated(out, q, k, v, branches, do)
+                    err = (check_sdpa(out, q, k, v, do) if method in ("sdpa", "cudnn")
+                           else check_dilated(out, q, k, v, branches, do))
                 del out
                 row["rel_err"] = err
                 if err is not None and not (err < TOL):
@@ -297,7 +306,7 @@ def main():
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"ERROR {mode} N={N} D={D} G={G} {method}: {row['error']}")
             if "ms" in row and mode != "decode":
-                fl = dense_flops(N, D, H, B) if method == "sdpa" else dilated_flops(N, branches, D, H, B)
+                fl = dense_flops(N, D, H, B) if method in ("sdpa", "cudnn") else dilated_flops(N, branches, D, H, B)
                 fl *= 3.5 if mode == "fwdbwd" else 1.0  # backward = 2.5 x forward (flash-attention convention)
                 row["tflops"] = fl / (row["ms"] * 1e-3) / 1e12
             rows.append(row)
@@ -318,6 +327,11 @@ def main():
                 r["speedup_vs_sdpa"] = s["ms"] / r["ms"]
             else:
                 r["tflops_ratio_vs_sdpa"] = r["tflops"] / s["tflops"]
+    cudnn = {(r["mode"], r["N"], r["D"], r["Hk"]): r for r in rows if r["method"] == "cudnn" and "ms" in r}
+    for r in rows:
+        c = cudnn.get((r["mode"], r["N"], r["D"], r["Hk"]))
+        if r["method"] == "triton" and "ms" in r and c is not None:
+            r["tflops_ratio_vs_cudnn"] = r["tflops"] / c["tflops"]
     flex = {(r["mode"], r["N"], r["D"], r["Hk"]): r for r in rows if r["method"] == "flex" and "ms" in r}
     for r in rows:
         f = flex.get((r["mode"], r["N"], r["D"], r["Hk"]))
@@ -328,7 +342,7 @@ def main():
 
 
 def print_table(rows):
-    hdr = f"{'mode':7} {'N':>8} {'D':>4} {'H/Hk':>6} {'method':10} {'ms':>10} {'TFLOP/s':>8} {'xSDPA':>6} {'xFlex':>6} {'peak GiB':>9} {'err':>8}"
+    hdr = f"{'mode':7} {'N':>8} {'D':>4} {'H/Hk':>6} {'method':10} {'ms':>10} {'TFLOP/s':>8} {'xSDPA':>6} {'xcuDNN':>6} {'xFlex':>6} {'peak GiB':>9} {'err':>8}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -339,12 +353,13 @@ def print_table(rows):
         if r.get("sdpa_ratio_from_N"):
             ratio += "*"
         fx = f"{r['speedup_vs_flex']:.1f}" if "speedup_vs_flex" in r else "-"
+        cd = f"{r['tflops_ratio_vs_cudnn']:.2f}" if "tflops_ratio_vs_cudnn" in r else "-"
         pk = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
         err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
         print(f"{r['mode']:7} {r['N']:>8} {r['D']:>4} {str(r['H']) + '/' + str(r['Hk']):>6} {r['method']:10} {ms:>10} "
-              f"{tf:>8} {ratio:>6} {fx:>6} {pk:>9} {err:>8}")
+              f"{tf:>8} {ratio:>6} {cd:>6} {fx:>6} {pk:>9} {err:>8}")
     print("xSDPA: useful TFLOP/s over SDPA-flash's (decode: SDPA time / time); * = SDPA measured at a smaller N."
-          " xFlex: FlexAttention time / Triton time.")
+          " xcuDNN: useful TFLOP/s over dense cuDNN's. xFlex: FlexAttention time / Triton time.")
 
 
 def write_results(rows, args, gpu):
@@ -372,7 +387,7 @@ def write_results(rows, args, gpu):
         return
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
     for j, mode in enumerate(["fwd", "fwdbwd", "decode"]):
-        for method, style in [("sdpa", "o-"), ("flex", "s-"), ("reference", "^-"), ("triton", "D-")]:
+        for method, style in [("sdpa", "o-"), ("cudnn", "v-"), ("flex", "s-"), ("reference", "^-"), ("triton", "D-")]:
             for D in sorted({r["D"] for r in rows}):
                 for Hk in sorted({r["Hk"] for r in rows}):
                     pts = sorted((r["N"], r["ms"], r["peak_gib"]) for r in rows if r["mode"] == mode
