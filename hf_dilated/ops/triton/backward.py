@@ -46,6 +46,49 @@ def delta_kernel(O, DO, Delta, stride_ob, stride_oh, stride_on, stride_db, strid
 
 
 @triton.jit
+def dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, qbase, b, h, h64, H, Nq, QV,
+              q_row, do_row, l_row, dl_row, S, stride_qn, stride_dn, dmask, window, qk_scale, drop_threshold, inv_keep,
+              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr,
+              DROPOUT: tl.constexpr, UPCAST: tl.constexpr, EVEN_D: tl.constexpr):
+    """One query tile's share of a key tile's dK and dV. Unmasked (``MASKED`` false) where every query of the tile
+    is valid and sees every key: rows past the tile's last key were loaded as zeros and are never stored."""
+    rows = start + rows_base
+    qp = q_first + rows * r
+    qc = qbase + qp
+    qc64 = qc.to(tl.int64)
+    if MASKED:
+        qmask = qp < q_hi
+        if HOLES:
+            qmask = qmask & (tl.load(QV + b * Nq + qc, mask=qmask, other=0) != 0)
+        q = load_rows(q_row + qc64[:, None] * stride_qn, qmask, dmask, True, EVEN_D)
+        do = load_rows(do_row + qc64[:, None] * stride_dn, qmask, dmask, True, EVEN_D)
+        lse = tl.load(l_row + qc64, mask=qmask, other=0.0)
+        delta = tl.load(dl_row + qc64, mask=qmask, other=0.0)
+    else:
+        q = load_rows(q_row + qc64[:, None] * stride_qn, qc, dmask, False, EVEN_D)
+        do = load_rows(do_row + qc64[:, None] * stride_dn, qc, dmask, False, EVEN_D)
+        lse = tl.load(l_row + qc64)
+        delta = tl.load(dl_row + qc64)
+    lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+    qkT = mm(k, tl.trans(q), UPCAST) * qk_scale
+    if MASKED:
+        ok = allowed(kmask[:, None] & qmask[None, :], qp[None, :] - kp[:, None], window, IS_CAUSAL, WINDOW)
+        pT = tl.where(ok, tl.math.exp2(qkT - lse[None, :]), 0.0)
+    else:
+        pT = tl.math.exp2(qkT - lse[None, :])
+    dpT = mm(v, tl.trans(do), UPCAST)
+    if DROPOUT:
+        keepT = drop_keep(drop_rows(S, b, h, H, qc)[None, :], kc[:, None], drop_threshold)
+        dv += mm(tl.where(keepT, pT * inv_keep, 0.0).to(do.dtype), do, UPCAST)
+        dsT = pT * (tl.where(keepT, dpT * inv_keep, 0.0) - delta[None, :])
+    else:
+        dv += mm(pT.to(do.dtype), do, UPCAST)
+        dsT = pT * (dpT - delta[None, :])
+    dk += mm(dsT.to(q.dtype), q, UPCAST)
+    return dk, dv
+
+
+@triton.jit
 def dilated_bwd_dkdv_kernel(
     Q, K, V, DO, L, Delta, DK, DV, T, QV, KV, S,
     stride_qb, stride_qh, stride_qn,
@@ -102,31 +145,31 @@ def dilated_bwd_dkdv_kernel(
         do_row = DO + b * stride_db + h64 * stride_dh + d[None, :]
         l_row = L + b * stride_lb + h64 * stride_lh
         dl_row = Delta + b * stride_lb + h64 * stride_lh
-        for start in range(start_q, n_q, BLOCK_M):
-            rows = start + rows_base
-            qp = q_first + rows * r
-            qmask = qp < q_hi
-            qc = qbase + qp
-            if HOLES:
-                qmask = qmask & (tl.load(QV + b * Nq + qc, mask=qmask, other=0) != 0)
-            qc64 = qc.to(tl.int64)
-            q = load_rows(q_row + qc64[:, None] * stride_qn, qmask, dmask, True, EVEN_D)
-            do = load_rows(do_row + qc64[:, None] * stride_dn, qmask, dmask, True, EVEN_D)
-            lse = tl.load(l_row + qc64, mask=qmask, other=0.0)
-            lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-            delta = tl.load(dl_row + qc64, mask=qmask, other=0.0)
-            qkT = mm(k, tl.trans(q), UPCAST) * qk_scale
-            ok = allowed(kmask[:, None] & qmask[None, :], qp[None, :] - kp[:, None], window, IS_CAUSAL, WINDOW)
-            pT = tl.where(ok, tl.math.exp2(qkT - lse[None, :]), 0.0)
-            dpT = mm(v, tl.trans(do), UPCAST)
-            if DROPOUT:
-                keepT = drop_keep(drop_rows(S, b, h, H, qc)[None, :], kc[:, None], drop_threshold)
-                dv += mm(tl.where(keepT, pT * inv_keep, 0.0).to(do.dtype), do, UPCAST)
-                dsT = pT * (tl.where(keepT, dpT * inv_keep, 0.0) - delta[None, :])
-            else:
-                dv += mm(pT.to(do.dtype), do, UPCAST)
-                dsT = pT * (dpT - delta[None, :])
-            dk += mm(dsT.to(q.dtype), q, UPCAST)
+        # Query tiles that see every key of this tile need no mask (plain causal or bidirectional layouts only):
+        # [start_q, start_full) masked, [start_full, end_full) unmasked, [end_full, n_q) masked (the partial tail).
+        if WINDOW or HOLES:
+            start_full = n_q
+        elif IS_CAUSAL:
+            j_full = tl.where(kp_max > q_first, (kp_max - q_first + r - 1) // r, 0)
+            start_full = tl.minimum(tl.maximum((j_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, start_q), n_q)
+        else:
+            start_full = start_q
+        end_full = tl.maximum((n_q // BLOCK_M) * BLOCK_M, start_full)
+        for start in range(start_q, start_full, BLOCK_M):
+            dk, dv = dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, qbase, b, h, h64, H,
+                               Nq, QV, q_row, do_row, l_row, dl_row, S, stride_qn, stride_dn, dmask, window,
+                               qk_scale, drop_threshold, inv_keep, True, IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST,
+                               EVEN_D)
+        for start in range(start_full, end_full, BLOCK_M):
+            dk, dv = dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, qbase, b, h, h64, H,
+                               Nq, QV, q_row, do_row, l_row, dl_row, S, stride_qn, stride_dn, dmask, window,
+                               qk_scale, drop_threshold, inv_keep, False, IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST,
+                               EVEN_D)
+        for start in range(end_full, n_q, BLOCK_M):
+            dk, dv = dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, qbase, b, h, h64, H,
+                               Nq, QV, q_row, do_row, l_row, dl_row, S, stride_qn, stride_dn, dmask, window,
+                               qk_scale, drop_threshold, inv_keep, True, IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST,
+                               EVEN_D)
     dk = dk * scale
     smask = tile_mask(in_range, dmask, EVEN_D)
     dk_ptrs = DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :]
@@ -193,28 +236,59 @@ def dilated_bwd_dq_kernel(
     cols_base = tl.arange(0, BLOCK_N)
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
+    # Key tiles that every query row sees whole need no mask (plain causal or bidirectional layouts only).
+    if WINDOW or HOLES:
+        n_full = 0
+    elif IS_CAUSAL:
+        n_full = tl.minimum(tl.where(p_min >= k_first, (p_min - k_first) // r + 1, 0), n_k)
+    else:
+        n_full = n_k
+    n_full = (n_full // BLOCK_N) * BLOCK_N
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for start in range(0, n_k, BLOCK_N):
-        cols = start + cols_base
-        kp = k_first + cols * r
-        kc = kbase + kp
-        kmask = cols < n_k
-        if HOLES:
-            kmask = kmask & (tl.load(KV + b * Nk + kc, mask=kmask, other=0) != 0)
-        kc64 = kc.to(tl.int64)[:, None]
-        k = load_rows(k_row + kc64 * stride_kn, kmask, dmask, True, EVEN_D)
-        v = load_rows(v_row + kc64 * stride_vn, kmask, dmask, True, EVEN_D)
-        qk = mm(q, tl.trans(k), UPCAST) * qk_scale
-        ok = allowed(qmask[:, None] & kmask[None, :], qp[:, None] - kp[None, :], window, IS_CAUSAL, WINDOW)
-        p = tl.where(ok, tl.math.exp2(qk - lse[:, None]), 0.0)
-        dp = mm(do, tl.trans(v), UPCAST)
-        if DROPOUT:
-            dp = tl.where(drop_keep(row_hash[:, None], kc[None, :], drop_threshold), dp * inv_keep, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += mm(ds.to(k.dtype), k, UPCAST)
+    for start in range(0, n_full, BLOCK_N):
+        dq = dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_first, r, n_k, kbase, b, Nk, KV,
+                     k_row, v_row, stride_kn, stride_vn, dmask, window, qk_scale, drop_threshold, inv_keep, False,
+                     IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST, EVEN_D)
+    for start in range(n_full, n_k, BLOCK_N):
+        dq = dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_first, r, n_k, kbase, b, Nk, KV,
+                     k_row, v_row, stride_kn, stride_vn, dmask, window, qk_scale, drop_threshold, inv_keep, True,
+                     IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST, EVEN_D)
     dq = dq * scale
     smask = tile_mask(in_range, dmask, EVEN_D)
     dq_ptrs = DQ + b * stride_dqb + h64 * stride_dqh + qc64[:, None] * stride_dqn + d[None, :]
     if not FIRST:
         dq += tl.load(dq_ptrs, mask=smask, other=0.0).to(tl.float32)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=smask)
+
+
+@triton.jit
+def dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_first, r, n_k, kbase, b, Nk, KV, k_row,
+            v_row, stride_kn, stride_vn, dmask, window, qk_scale, drop_threshold, inv_keep, MASKED: tl.constexpr,
+            IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
+            UPCAST: tl.constexpr, EVEN_D: tl.constexpr):
+    """One key tile's share of a query tile's dQ. Unmasked (``MASKED`` false) where every key of the tile is valid
+    and seen by every query: rows past the tile's last query were loaded as zeros and are never stored."""
+    cols = start + cols_base
+    kp = k_first + cols * r
+    kc = kbase + kp
+    kc64 = kc.to(tl.int64)[:, None]
+    if MASKED:
+        kmask = cols < n_k
+        if HOLES:
+            kmask = kmask & (tl.load(KV + b * Nk + kc, mask=kmask, other=0) != 0)
+        k = load_rows(k_row + kc64 * stride_kn, kmask, dmask, True, EVEN_D)
+        v = load_rows(v_row + kc64 * stride_vn, kmask, dmask, True, EVEN_D)
+    else:
+        k = load_rows(k_row + kc64 * stride_kn, cols, dmask, False, EVEN_D)
+        v = load_rows(v_row + kc64 * stride_vn, cols, dmask, False, EVEN_D)
+    qk = mm(q, tl.trans(k), UPCAST) * qk_scale
+    if MASKED:
+        ok = allowed(qmask[:, None] & kmask[None, :], qp[:, None] - kp[None, :], window, IS_CAUSAL, WINDOW)
+        p = tl.where(ok, tl.math.exp2(qk - lse[:, None]), 0.0)
+    else:
+        p = tl.math.exp2(qk - lse[:, None])
+    dp = mm(do, tl.trans(v), UPCAST)
+    if DROPOUT:
+        dp = tl.where(drop_keep(row_hash[:, None], kc[None, :], drop_threshold), dp * inv_keep, 0.0)
+    ds = p * (dp - delta[:, None])
+    return dq + mm(ds.to(k.dtype), k, UPCAST)
