@@ -178,10 +178,12 @@ class Recipe:
         return default_branches(max(trained, 1), target, max_first_segment=self.max_first_segment,
                                 first_segment_divisor=self.first_segment_divisor)
 
-    def block_sparse_config(self, trained: int, target: int | None = None, **settings: Any) -> BlockSparseConfig:
+    def block_sparse_config(self, trained: int, target: int | None = None, *, dilated: Any = None,
+                            **settings: Any) -> BlockSparseConfig:
         """Block-sparse settings for a model trained on ``trained`` tokens, read at ``max(target, trained)``:
         ``settings`` (any ``BlockSparseConfig`` field) over the recipe's ``block_sparse`` entries, the rest derived
-        from the dilated default :meth:`branches` (same budget, same reach):
+        from the dilated default :meth:`branches`, or from ``dilated`` (a ``DilatedAttentionConfig``) when given
+        (same budget, same reach):
 
         - ``local_blocks``: half the first dilated segment (``w_0 / 2`` tokens), at least one block;
         - ``"adaptive"`` (the default pattern): ``top_k`` such that a query attends to as many keys as under the
@@ -189,7 +191,8 @@ class Recipe:
         - ``"dilated"``: the dilated default's branches in blocks (``segment_blocks = w_i / block_size``).
         """
         context = max(trained, target or trained)
-        ws, rs = self.branches(trained, target)
+        ws, rs = (self.branches(trained, target) if dilated is None
+                  else (list(dilated.segment_lengths), list(dilated.dilation_rates)))
         merged = {**self.block_sparse, **settings}
         merged.setdefault("pattern", "adaptive")
         b = merged.setdefault("block_size", BlockSparseConfig.block_size)
@@ -199,7 +202,11 @@ class Recipe:
                 merged["segment_blocks"] = [max(1, w // b) for w in ws]
                 merged.setdefault("dilation_rates", rs)
         if merged["pattern"] == "adaptive" and "top_k" not in merged:
-            dilated = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs)
+            if dilated is None:
+                dilated = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs)
+            else:  # its branches set the budget; layers and backend come from the caller
+                dilated = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs,
+                                                 global_tokens=dilated.global_tokens)
             rest = {k: v for k, v in merged.items() if k not in ("pattern", "top_k")}
             return BlockSparseConfig.matching_budget(dilated, context, causal=self.causal, **rest)
         return BlockSparseConfig(**merged)

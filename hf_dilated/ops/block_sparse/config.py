@@ -144,8 +144,9 @@ class BlockSparseConfig:
         a window and sink already above the budget give ``top_k = 1``. ``layers`` and ``backend`` default to
         ``dilated``'s; other ``settings`` are passed to the config.
 
-        Example: SmolLM2's default (``w = 2048, 4096, 8192``, ``r = 1, 2, 4``) at 8192 tokens scores 1,792 keys per
-        query; ``matching_budget`` gives ``block_size=64, local_blocks=16, global_blocks=1, top_k=12`` (1,792 too).
+        Example: SmolLM2's default (``w = 2048, 4096, 8192``, ``r = 1, 2, 4``) attends to 1,408.5 keys per query at
+        8192 tokens; ``matching_budget(dilated, 8192)`` gives ``block_size=64, local_blocks=16, global_blocks=1,
+        top_k=8`` (1,418.5).
         """
         from ...config import DilatedAttentionConfig
         from .budget import dilated_keys_per_query
