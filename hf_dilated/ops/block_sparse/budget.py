@@ -77,7 +77,7 @@ def layout_keys_per_query(layout: BlockLayout, seq_len: int, *, causal: bool = T
     """Mean keys scored per query (over queries, layout batch entries and layout heads) by a block layout on one
     sequence of ``seq_len`` tokens (``layout.n_blocks == ceil(seq_len / block_size)``)."""
     n, b = layout.n_blocks, layout.block_size
-    layout.check_for(1, layout.layout_heads, _check_len(seq_len))
+    layout.check_for(layout.layout_batch, layout.layout_heads, _check_len(seq_len))
     size = torch.clamp(seq_len - b * torch.arange(n, dtype=torch.float64), max=b)  # tokens per block
     idx = layout.kv_index.long().cpu()
     active = idx >= 0
