@@ -448,3 +448,24 @@ def test_block_sparse_bad_arguments_name_the_argument_and_change_nothing():
     with pytest.raises(ValueError, match="recipe 'x': block_sparse: top_k must be"):
         Recipe.from_dict({"name": "x", "model_types": ["x"], "block_sparse": {"top_k": 0}})
     assert all(load_recipe(name).block_sparse.get("pattern") == "adaptive" for name in list_recipes())
+
+
+@pytest.mark.slow
+def test_block_sparse_on_smollm2_reads_real_text(smollm2, shakespeare):
+    """The real checkpoint (its fixture is shared with the dilated test above), two forwards: the recipe's adaptive
+    pattern at small blocks changes the logits but keeps the model reading Shakespeare. (Exactness of an all-dense
+    layout is checked on the tiny models; the command line's `patch smollm2 DST --attention block_sparse` takes over
+    a minute on 2 cores, GGUF dequantization and saving, and tests/test_cli.py covers it on a tiny checkpoint.)"""
+    model, tok = smollm2
+    ids = tok(shakespeare[:4000], return_tensors="pt", add_special_tokens=False).input_ids[:, :128]
+    dense = run(model, ids)
+    patch(model, {"block_size": 16, "local_blocks": 2, "top_k": 2}, attention="block_sparse")  # <= 5 of 8 blocks
+    try:
+        assert patch_summary(model)["recipe"] == "llama" and patch_summary(model)["converted_layers"] == list(range(30))
+        sparse = run(model, ids)
+    finally:
+        unpatch(model)
+    assert model.config._attn_implementation != "block_sparse" and not is_patched(model)
+    nll = lambda logits: torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
+    assert (sparse - dense).abs().max() > 1e-2
+    assert nll(sparse) < nll(dense) + 1.0, (nll(sparse), nll(dense))
