@@ -333,7 +333,7 @@ def test_dilated_keys_per_query_is_the_union_of_branches(causal):
     from hf_dilated.ops.block_sparse.budget import dilated_keys_per_query
 
     for ws, rs, n, g in [([4, 8, 16], [1, 2, 4], 37, 0), ([6, 12], [1, 3], 29, 3), ([8], [1], 8, 0),
-                         ([4, 12, 24], [1, 2, 6], 50, 5)]:
+                         ([4, 12, 24], [1, 2, 6], 50, 5), ([6, 8], [1, 2], 31, 2), ([4, 6, 8], [1, 2, 4], 23, 9)]:
         assert dilated_keys_per_query(ws, rs, n, causal=causal, global_tokens=g) == pytest.approx(
             brute_dilated_keys(ws, rs, n, causal, g), rel=1e-12), (ws, rs, n, g)
     # one branch covering the sequence is dense attention: (n + 1) / 2 keys causal, n otherwise

@@ -7,8 +7,10 @@ attends, in each branch ``(w, r)`` that selects it (``p % r == h % r``), to the 
 it once per branch); global tokens add the keys ``p' < g``. For a block layout: every key of an active tile (causal:
 on the diagonal tile only keys up to the query).
 
-All counts are exact, computed from positions and block indices (inclusion-exclusion over the branches:
-``O(2^branches * seq_len)`` integer operations; ``O((seq_len / b) * active blocks)`` for a layout), never from scores.
+All counts are exact, computed from positions and block indices, never from scores: inclusion-exclusion over the
+branches, each set of branches in closed form when its segment lengths are multiples of the shortest (LongNet's and
+the default branches) and position by position otherwise (``O(2^branches * seq_len)``); ``O((seq_len / b) * active
+blocks)`` for a layout.
 """
 
 from __future__ import annotations
@@ -45,32 +47,53 @@ def dilated_keys_per_query(segment_lengths, dilation_rates, seq_len: int, *, cau
     branches = list(validate_branches(list(segment_lengths), list(dilation_rates)))
     if len(branches) > 16:
         raise ValueError(f"segment_lengths: at most 16 branches can be counted, got {len(branches)}")
-    p = torch.arange(n, dtype=torch.int64)
-    spans = []  # per branch: (lo, hi, r), keys p' with lo <= p' <= hi and p' ≡ p (mod r)
-    for w, r in branches:
-        lo = torch.div(p, w, rounding_mode="floor") * w
-        spans.append((lo, torch.clamp(lo + w, max=n) - 1, r))
-    if global_tokens:
-        spans.append((torch.zeros_like(p), torch.full_like(p, min(global_tokens, n) - 1), 1))
+    g = min(global_tokens, n)
+    spans = branches + ([(None, 1)] if g else [])  # (segment length, rate); None: the global branch [0, g)
     total = 0.0
-
-    def visit(start: int, lo: torch.Tensor, hi: torch.Tensor, period: int, size: int) -> None:
-        # every set T of branches, by its smallest-index-first extension (each intersection computed once)
-        nonlocal total
-        for i in range(start, len(spans)):
-            lo_i, hi_i, r_i = spans[i]
-            lo_t = lo_i if lo is None else torch.maximum(lo, lo_i)
-            hi_t = hi_i if hi is None else torch.minimum(hi, hi_i)
-            period_t = math.lcm(period, r_i)
-            # residue class of p in [lo, hi]: floor((hi - p) / L) - ceil((lo - p) / L) + 1, at least 0
-            count = (torch.div(hi_t - p, period_t, rounding_mode="floor")
-                     + torch.div(p - lo_t, period_t, rounding_mode="floor") + 1).clamp_min_(0)
-            total += (1.0 if size % 2 == 0 else -1.0) * float(count.sum()) / period_t
-            if count.any():  # an empty intersection stays empty in every larger set
-                visit(i + 1, lo_t, hi_t, period_t, size + 1)
-
-    visit(0, None, torch.minimum(torch.full_like(p, n - 1), p) if causal else None, 1, 0)
+    for mask in range(1, 1 << len(spans)):
+        members = [spans[i] for i in range(len(spans)) if mask >> i & 1]
+        period = math.lcm(*(r for _, r in members))
+        sign = 1.0 if len(members) % 2 else -1.0
+        total += sign * _intersection_sum(members, period, n, g, causal) / period
     return total / n
+
+
+def _floor_sum(t: int, period: int) -> int:
+    """``sum(u // period for u in range(t))``."""
+    q, rem = divmod(t, period)
+    return period * q * (q - 1) // 2 + q * rem
+
+
+def _intersection_sum(members: list, period: int, n: int, g: int, causal: bool) -> int:
+    """``sum_p |keys ≡ p (mod period) in the intersection of the members' intervals|`` over positions ``p < n``."""
+    ws = [w for w, _ in members if w is not None]
+    if len(ws) < len(members):
+        # The global branch is a member: every key is some p' < g; count, for each, the queries p that reach it
+        # (p ≡ p' mod period, in p''s segment of every member branch, causal: p >= p').
+        key = torch.arange(g, dtype=torch.int64)
+        start, end = torch.zeros_like(key), torch.full_like(key, n)
+        for w in ws:
+            seg = torch.div(key, w, rounding_mode="floor") * w
+            start, end = torch.maximum(start, seg), torch.minimum(end, seg + w)
+        first = key if causal else start
+        return int((torch.div(end - 1 - key, period, rounding_mode="floor")
+                    + torch.div(key - first, period, rounding_mode="floor") + 1).clamp_min(0).sum())
+    if all(w % min(ws) == 0 for w in ws):
+        # Every segment of the set is a multiple of the shortest, m: the intersection is p's segment of length m,
+        # and the count depends only on p's offset u in it (causal: keys u' <= u; else the whole segment, cut at n).
+        m = min(ws)
+        full, tail = divmod(n, m)
+        per = (lambda t: _floor_sum(t, period) + t) if causal else (lambda t: 2 * _floor_sum(t, period) + t)
+        return full * per(m) + per(tail)
+    p = torch.arange(n, dtype=torch.int64)  # in general, position by position
+    lo = torch.zeros_like(p)
+    hi = p.clone() if causal else torch.full_like(p, n - 1)
+    for w in ws:
+        start = torch.div(p, w, rounding_mode="floor") * w
+        lo, hi = torch.maximum(lo, start), torch.minimum(hi, start + w - 1)
+    # residue class of p in [lo, hi]: floor((hi - p) / L) - ceil((lo - p) / L) + 1, at least 0
+    count = torch.div(hi - p, period, rounding_mode="floor") + torch.div(p - lo, period, rounding_mode="floor") + 1
+    return int(count.clamp_min(0).sum())
 
 
 def layout_keys_per_query(layout: BlockLayout, seq_len: int, *, causal: bool = True) -> float:
