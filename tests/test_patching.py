@@ -449,6 +449,16 @@ def test_block_sparse_bad_arguments_name_the_argument_and_change_nothing():
         Recipe.from_dict({"name": "x", "model_types": ["x"], "block_sparse": {"top_k": 0}})
     assert all(load_recipe(name).block_sparse.get("pattern") == "adaptive" for name in list_recipes())
 
+    # A malformed stored config fails at the first forward (the mask function), naming the field.
+    broken = tiny("llama")
+    broken.set_attn_implementation("block_sparse")
+    ids = torch.randint(0, 128, (1, 20))
+    for stored, message in [({"pattern": "star"}, "pattern must be one of"), ({"layers": [5]}, "layers names layer 5"),
+                            ("adaptive", "must be a dict")]:
+        broken.config.block_sparse_attention = stored
+        with pytest.raises(ValueError, match=message):
+            run(broken, ids)
+
 
 @pytest.mark.slow
 def test_block_sparse_on_smollm2_reads_real_text(smollm2, shakespeare):

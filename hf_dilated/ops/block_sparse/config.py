@@ -197,13 +197,29 @@ class BlockSparseConfig:
 
     @classmethod
     def from_model_config(cls, model_config: Any) -> "BlockSparseConfig":
-        """The config under ``model_config.block_sparse_attention``, or the defaults."""
+        """The config under ``model_config.block_sparse_attention`` (checked against the model: ``layers`` within
+        ``num_hidden_layers``), or the defaults."""
         stored = getattr(model_config, CONFIG_KEY, None)
         if isinstance(stored, cls):
-            return stored
-        return cls() if stored is None else cls.from_dict(dict(stored))
+            return stored.check_model(model_config)
+        if stored is None:
+            return cls()
+        if not isinstance(stored, dict):
+            raise ValueError(f"{CONFIG_KEY} must be a dict of BlockSparseConfig fields, got {type(stored).__name__}")
+        return cls.from_dict(dict(stored)).check_model(model_config)
+
+    def check_model(self, model_config: Any) -> "BlockSparseConfig":
+        """Raise a ``ValueError`` naming ``layers`` when it names a layer the model does not have."""
+        n_layers = getattr(model_config, "num_hidden_layers", None)
+        if self.layers and isinstance(n_layers, int) and self.layers[-1] >= n_layers:
+            raise ValueError(f"{CONFIG_KEY}.layers names layer {self.layers[-1]}, but the model has {n_layers} layers "
+                             f"(indices 0..{n_layers - 1}); got layers={self.layers}")
+        return self
 
     def save_to(self, model_config: Any) -> None:
+        """Store this config in ``model_config`` (a JSON-friendly dict under ``block_sparse_attention``), after
+        checking it against the model."""
+        self.validate().check_model(model_config)
         setattr(model_config, CONFIG_KEY, self.to_dict())
 
 
