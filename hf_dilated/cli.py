@@ -639,8 +639,9 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     for name in list_recipes():
         r = load_recipe(name)
         rope = r.rope_type or ("none (absolute positions)" if r.positions == "absolute" else "none")
+        block_sparse = ",".join(f"{k}={v}" for k, v in r.block_sparse.items()) or "derived"
         print(f"{name:<11} model_types={','.join(r.model_types):<40} convert={r.convert:<15} "
-              f"sliding_window={r.sliding_window:<7} rope={rope}")
+              f"sliding_window={r.sliding_window:<7} rope={rope:<26} block_sparse={block_sparse}")
     return 0
 
 

@@ -249,6 +249,7 @@ def test_recipes_command(capsys):
     printed = capsys.readouterr().out
     for name in ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gpt_neox", "bert"):
         assert f"\n{name} " in "\n" + printed
+    assert printed.count("block_sparse=pattern=adaptive,block_size=64,global_blocks=1") == len(printed.splitlines())
 
 
 # ---- output paths: atomic, never deleting what the command did not write ----------------------------------------
