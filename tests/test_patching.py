@@ -479,3 +479,28 @@ def test_block_sparse_on_smollm2_reads_real_text(smollm2, shakespeare):
     nll = lambda logits: torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
     assert (sparse - dense).abs().max() > 1e-2
     assert nll(sparse) < nll(dense) + 1.0, (nll(sparse), nll(dense))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_block_sparse_patch_triton_matches_reference(tmp_path):
+    """A patched model on the GPU (bf16, block 64, the recipe's adaptive default at 2K tokens): the Triton kernels give
+    the reference's logits, and the saved checkpoint reloads to the same."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (2, 2048), device="cuda")
+    patch(model, attention="block_sparse", backend="triton")
+    from hf_dilated import BlockSparseConfig
+
+    cfg = BlockSparseConfig.from_model_config(model.config)
+    assert cfg.pattern == "adaptive" and cfg.block_size == 64 and cfg.local_blocks == 4  # w0 = 512 -> 256 tokens
+    fast = run(model, ids).float()
+    model.config.block_sparse_attention = dict(model.config.block_sparse_attention, backend="torch")
+    ref = run(model, ids).float()
+    assert ((fast - ref).norm() / ref.norm()).item() < 2e-2
+    model.config.block_sparse_attention = dict(model.config.block_sparse_attention, backend="triton")
+    save_patched(model, tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to("cuda").eval()
+    assert torch.equal(run(reloaded, ids), run(model, ids))
