@@ -139,7 +139,7 @@ def add_attention_options(p: argparse.ArgumentParser, *, rope_default: str = "re
                    help="branch dilation rates r_i, one per segment length, e.g. 1 2 4")
     g.add_argument("--layers", type=_layer, nargs="+", default=["all"], metavar="L",
                    help="layers to convert: 'all' (the recipe's choice) or indices, e.g. 0 2 4")
-    g.add_argument("--backend", choices=BACKENDS, default="auto", help="dilated-attention backend")
+    g.add_argument("--backend", choices=BACKENDS, default="auto", help="kernels: Triton on CUDA, or the PyTorch reference (both attentions)")
     g.add_argument("--rope", choices=ROPE_CHOICES, default=rope_default,
                    help="RoPE scaling past the trained context ('recipe': the recipe's type)")
 
