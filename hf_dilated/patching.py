@@ -46,8 +46,8 @@ ROPE_CHOICES = ("recipe", "none") + ROPE_TYPES
 LAYER_POLICIES = ("keep", "refuse")
 ATTENTIONS = ("dilated", "block_sparse")
 CONFIG_KEYS = {"dilated": CONFIG_KEY, "block_sparse": BLOCK_SPARSE_KEY}
-# BlockSparseConfig fields a recipe may set (layers come from the recipe's layer choice, backend from the caller).
 BLOCK_SPARSE_PATTERNS = PATTERNS
+# BlockSparseConfig fields a recipe may set (layers come from the recipe's layer choice, backend from the caller).
 RECIPE_BLOCK_SPARSE_FIELDS = tuple(f for f in BlockSparseConfig.__dataclass_fields__ if f not in ("layers", "backend"))
 _STATE_ATTR = "_hf_dilated_patch_state"
 _MISSING = object()
