@@ -1,12 +1,15 @@
 """The ``hf-dilated`` command: ``patch`` a checkpoint, ``eval`` its long-context perplexity, ``finetune`` it.
 
     hf-dilated patch SRC DST [--context-length N] [--layers all | 0 2 4] [--segment-lengths W ...] [--rope recipe]
-    hf-dilated eval [--model smollm2] [--contexts 2048 8192 ...] [--device cuda --dtype bfloat16] [--output-dir DIR]
+    hf-dilated patch SRC DST --attention block_sparse [--pattern adaptive] [--block-size 64] [--top-k K] ...
+    hf-dilated eval [--model smollm2] [--contexts 2048 8192 ...] [--variants dense dilated block_sparse] [--device cuda]
     hf-dilated recipes
     hf-dilated finetune ...   (runs scripts/finetune.py, installed as hf_dilated.scripts.finetune)
 
 One vocabulary across commands: ``--segment-lengths W W ...`` and ``--dilation-rates R R ...`` (space-separated
-integers), ``--layers all`` or ``--layers 0 2 4``, ``--rope recipe|none|linear|dynamic|yarn``, ``--overwrite``.
+integers), ``--layers all`` or ``--layers 0 2 4``, ``--rope recipe|none|linear|dynamic|yarn``, ``--overwrite``; for
+block-sparse attention ``--pattern --block-size --top-k --local-blocks --global-blocks`` (each left out comes from the
+recipe: adaptive, as many keys per query as the dilated default).
 Options, output paths and optional packages are checked before anything is loaded or written (exit status 2 and
 one line on stderr). ``patch`` builds DST in a temporary directory beside it and moves it into place at the end.
 
@@ -28,13 +31,19 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Sequence
 
-# Kept in step with hf_dilated.config.BACKENDS and hf_dilated.patching.ROPE_CHOICES (tests check it); written out
-# here so that building the parser imports neither torch nor Transformers.
+# Kept in step with hf_dilated.config.BACKENDS, hf_dilated.patching.ROPE_CHOICES / ATTENTIONS and the block-sparse
+# PATTERNS (tests check it); written out here so that building the parser imports neither torch nor Transformers.
 BACKENDS = ("auto", "torch", "triton")
 ROPE_CHOICES = ("recipe", "none", "linear", "dynamic", "yarn")
+ATTENTIONS = ("dilated", "block_sparse")
+PATTERNS = ("local", "dilated", "hierarchical", "random", "adaptive", "dense")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 DEFAULT_CONTEXTS = (2048, 8192, 16384, 32768, 65536)
-EVAL_VARIANTS = ("dense", "dense+rope", "dilated", "dilated+rope")
+EVAL_VARIANTS = ("dense", "dense+rope", "dilated", "dilated+rope", "block_sparse", "block_sparse+rope")
+DEFAULT_EVAL_VARIANTS = EVAL_VARIANTS[:4]
+# The block-sparse options: command-line name -> BlockSparseConfig field.
+BLOCK_SPARSE_OPTIONS = {"--pattern": "pattern", "--block-size": "block_size", "--top-k": "top_k",
+                        "--local-blocks": "local_blocks", "--global-blocks": "global_blocks"}
 # Which extra of the package each command's optional imports come from (README: "Command line").
 EXTRAS = {"patch": "gguf", "eval": "eval", "finetune": "train"}
 # Library argument names as the command line spells them, for errors raised by the library.
@@ -46,6 +55,12 @@ _OPTION_NAMES = {
     "rope": "--rope",
     "recipe": "--recipe",
     "backend": "--backend",
+    "attention": "--attention",
+    "pattern": "--pattern",
+    "block_size": "--block-size",
+    "top_k": "--top-k",
+    "local_blocks": "--local-blocks",
+    "global_blocks": "--global-blocks",
 }
 
 
@@ -61,6 +76,16 @@ def _positive(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
     if number <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def _non_negative(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value!r}")
     return number
 
 
@@ -114,9 +139,40 @@ def add_attention_options(p: argparse.ArgumentParser, *, rope_default: str = "re
                    help="branch dilation rates r_i, one per segment length, e.g. 1 2 4")
     g.add_argument("--layers", type=_layer, nargs="+", default=["all"], metavar="L",
                    help="layers to convert: 'all' (the recipe's choice) or indices, e.g. 0 2 4")
-    g.add_argument("--backend", choices=BACKENDS, default="auto", help="dilated-attention backend")
+    g.add_argument("--backend", choices=BACKENDS, default="auto", help="kernels: Triton on CUDA, or the PyTorch reference (both attentions)")
     g.add_argument("--rope", choices=ROPE_CHOICES, default=rope_default,
                    help="RoPE scaling past the trained context ('recipe': the recipe's type)")
+
+
+def add_block_sparse_options(p: argparse.ArgumentParser, *, what: str) -> None:
+    """``--pattern --block-size --top-k --local-blocks --global-blocks``; :func:`block_sparse_settings` reads them.
+    Each one left out comes from the recipe (``patches/*.yaml``, ``Recipe.block_sparse_config``)."""
+    g = p.add_argument_group("block-sparse attention", f"{what}; each option left out comes from the recipe "
+                             "(adaptive, as many keys per query as the dilated default)")
+    g.add_argument("--pattern", choices=PATTERNS, help="block pattern (default: the recipe's, adaptive)")
+    g.add_argument("--block-size", type=_positive, metavar="B", help="tokens per block, a power of two >= 16 (64 or 128 on GPU)")
+    g.add_argument("--top-k", type=_positive, metavar="K", help="adaptive: content-chosen key blocks per query block")
+    g.add_argument("--local-blocks", type=_non_negative, metavar="L", help="sliding window in blocks")
+    g.add_argument("--global-blocks", type=_non_negative, metavar="G", help="first (sink) key blocks every query reads")
+
+
+def block_sparse_settings(args: argparse.Namespace) -> dict | None:
+    """The block-sparse options given, as ``BlockSparseConfig`` fields (``None``: none given, the recipe decides);
+    each checked by the config's own validation (``CLIError`` naming the option)."""
+    given = {field: getattr(args, field) for field in BLOCK_SPARSE_OPTIONS.values() if getattr(args, field) is not None}
+    if not given:
+        return None
+    from .ops.block_sparse.config import BlockSparseConfig
+
+    try:
+        BlockSparseConfig(**{"local_blocks": 1, **given})  # the window is the recipe's when not given
+    except ValueError as err:
+        raise CLIError(cli_message(err)) from None
+    return given
+
+
+def _given_block_sparse_options(args: argparse.Namespace) -> list[str]:
+    return [option for option, field in BLOCK_SPARSE_OPTIONS.items() if getattr(args, field) is not None]
 
 
 def attention_config(args: argparse.Namespace):
@@ -314,7 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_HelpFormatter)
     p.add_argument("src", metavar="SRC", help="checkpoint directory, .gguf file, or 'smollm2' (the bundled GGUF)")
     p.add_argument("dst", metavar="DST", help="output directory: new or empty, or an earlier patch output with --overwrite")
+    p.add_argument("--attention", choices=ATTENTIONS, default="dilated", help="the attention to patch in")
     add_attention_options(p)
+    add_block_sparse_options(p, what="with --attention block_sparse")
     p.add_argument("--context-length", type=_positive, metavar="N",
                    help="target context, at least the trained one; past it RoPE is scaled (default: the trained context)")
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPE_CHOICES,
@@ -329,10 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--contexts", type=_positive, nargs="+", default=list(DEFAULT_CONTEXTS), metavar="N",
                    help="context lengths to measure")
     e.add_argument("--windows", type=_positive, default=1, help="windows of each length to average")
-    e.add_argument("--variants", nargs="+", choices=EVAL_VARIANTS, default=list(EVAL_VARIANTS), help="what to compare")
+    e.add_argument("--variants", nargs="+", choices=EVAL_VARIANTS, default=list(DEFAULT_EVAL_VARIANTS),
+                   help="what to compare ('block_sparse': the recipe's block-sparse attention, '+rope' with its RoPE)")
     e.add_argument("--target-context", type=_positive, metavar="N",
                    help="context the patch is made for (default: the largest of --contexts)")
     add_attention_options(e)
+    add_block_sparse_options(e, what="for the block_sparse variants")
     e.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
     e.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -347,8 +407,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- commands ------------------------------------------------------------------------------------------------------
+def _check_patch_attention(args: argparse.Namespace):
+    """``(config, settings)``: the dilated config or block-sparse settings ``patch`` was given (``None``: the
+    recipe's); options of the other attention are refused by name."""
+    config = attention_config(args)
+    settings = block_sparse_settings(args)
+    if args.attention == "dilated" and settings is not None:
+        given = _given_block_sparse_options(args)
+        raise CLIError(f"{' / '.join(given)} {'needs' if len(given) == 1 else 'need'} --attention block_sparse "
+                       f"(--attention is one of {', '.join(ATTENTIONS)}; default dilated)")
+    if args.attention == "block_sparse" and config is not None:
+        raise CLIError("--segment-lengths / --dilation-rates are dilated-attention options; with --attention "
+                       f"block_sparse give {', '.join(BLOCK_SPARSE_OPTIONS)}")
+    return config, settings
+
+
 def cmd_patch(args: argparse.Namespace) -> int:
-    attention = attention_config(args)
+    attention, settings = _check_patch_attention(args)
     check_recipe(args.recipe)
     src = args.src
     if src != "smollm2" and not Path(src).exists():
@@ -372,7 +447,7 @@ def cmd_patch(args: argparse.Namespace) -> int:
         model, tokenizer = load_checkpoint(src, dtype=args.dtype)
         steps.update()
         if is_patched(model):
-            raise CLIError(f"SRC {src} is already patched with dilated attention; patch its base checkpoint instead")
+            raise CLIError(f"SRC {src} is already patched; patch its base checkpoint instead")
         trained = _trained_context(model)
         if args.context_length is not None and trained is not None and args.context_length < trained:
             raise CLIError(
@@ -381,8 +456,9 @@ def cmd_patch(args: argparse.Namespace) -> int:
                 "--dilation-rates for shorter branches"
             )
         steps.set_postfix_str("patch")
-        patch(model, attention, layers=args.layers, recipe=args.recipe, context_length=args.context_length,
-              rope=args.rope, backend=args.backend)
+        patch(model, attention if args.attention == "dilated" else settings, attention=args.attention,
+              layers=args.layers, recipe=args.recipe, context_length=args.context_length, rope=args.rope,
+              backend=args.backend)
         steps.update()
         steps.set_postfix_str("save")
         with staged_directory(dst) as stage:
@@ -458,8 +534,14 @@ def _device_and_dtype(args: argparse.Namespace):
 
 
 def _check_eval_options(args: argparse.Namespace):
-    """Everything ``eval`` can check before loading torch: returns the attention config (or ``None``)."""
+    """Everything ``eval`` can check before loading torch: returns the dilated config and the block-sparse settings
+    (each ``None`` when the recipe decides)."""
     config = attention_config(args)
+    settings = block_sparse_settings(args)
+    if settings is not None and not any(v.startswith("block_sparse") for v in args.variants):
+        given = _given_block_sparse_options(args)
+        raise CLIError(f"{' / '.join(given)} {'sets' if len(given) == 1 else 'set'} the block_sparse variants; add "
+                       "block_sparse or block_sparse+rope to --variants")
     check_recipe(args.recipe)
     if args.layers != "all":
         if config is None:
@@ -473,11 +555,11 @@ def _check_eval_options(args: argparse.Namespace):
         raise CLIError(f"--name must be a plain file name stem, got {args.name!r}")
     require_modules("eval", "matplotlib", *(("gguf",) if args.model == "smollm2" or args.model.endswith(".gguf") else ()))
     check_output_path(args.output_dir, option="--output-dir")
-    return config
+    return config, settings
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    config = _check_eval_options(args)
+    config, settings = _check_eval_options(args)
     device, dtype = _device_and_dtype(args)
     from .assets import SHAKESPEARE_MISSING, load_checkpoint, shakespeare_text
 
@@ -507,7 +589,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         result = program.evaluate(
             model, tokens, contexts, variants=args.variants, windows=args.windows, config=config,
-            recipe=args.recipe, target_context=args.target_context, backend=args.backend, rope=args.rope,
+            block_sparse=settings, recipe=args.recipe, target_context=args.target_context, backend=args.backend, rope=args.rope,
             logits_chunk=args.logits_chunk, progress=progress,
         )
     finally:
@@ -517,7 +599,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     json_path = program.save_json(result, args.output_dir / f"{args.name}.json")
     print(program.table(result))
     for variant, summary in (result.get("patches") or {}).items():
-        if summary and summary.get("converted_layers"):
+        if summary and summary.get("converted_layers") and summary.get("attention", "dilated") == "block_sparse":
+            from .patching import block_sparse_description
+
+            print(f"{variant}: {block_sparse_description(summary['block_sparse'])}, "
+                  f"{summary['keys_per_query']:.1f} keys per query at {summary['context_length']} tokens, on "
+                  f"{len(summary['converted_layers'])}/{summary['num_layers']} layers")
+        elif summary and summary.get("converted_layers"):
             why = ("given by --segment-lengths / --dilation-rates" if config is not None else
                    f"recipe {summary['recipe']}: up to max(target {result['target_context']}, trained "
                    f"{summary['trained_context']})")
@@ -535,7 +623,7 @@ def _branch_notes(result: dict) -> list[str]:
     branch has ``r = 1`` and a segment at least as long as the window)."""
     notes = []
     for variant, summary in (result.get("patches") or {}).items():
-        if not summary or not summary.get("converted_layers"):
+        if not summary or not summary.get("converted_layers") or summary.get("segment_lengths") is None:
             continue
         ws, rs = summary["segment_lengths"], summary["dilation_rates"]
         dense_at = [n for n in result["contexts"] if all(r == 1 and w >= n for w, r in zip(ws, rs))]
@@ -551,8 +639,9 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     for name in list_recipes():
         r = load_recipe(name)
         rope = r.rope_type or ("none (absolute positions)" if r.positions == "absolute" else "none")
+        block_sparse = ",".join(f"{k}={v}" for k, v in r.block_sparse.items()) or "derived"
         print(f"{name:<11} model_types={','.join(r.model_types):<40} convert={r.convert:<15} "
-              f"sliding_window={r.sliding_window:<7} rope={rope}")
+              f"sliding_window={r.sliding_window:<7} rope={rope:<26} block_sparse={block_sparse}")
     return 0
 
 

@@ -1,17 +1,22 @@
-"""Patch a loaded Transformers model to use dilated attention, and undo it.
+"""Patch a loaded Transformers model to use dilated or block-sparse attention, and undo it.
 
-``patch(model)`` switches a model's attention implementation to ``"dilated"`` (registered by ``import hf_dilated``),
-writes a :class:`~hf_dilated.config.DilatedAttentionConfig` into ``model.config`` and, when asked for a context longer
+``patch(model)`` switches a model's attention implementation to ``"dilated"`` (or, with
+``attention="block_sparse"``, to ``"block_sparse"``; both registered by ``import hf_dilated``), writes the attention
+config (:class:`~hf_dilated.config.DilatedAttentionConfig` or
+:class:`~hf_dilated.ops.block_sparse.BlockSparseConfig`) into ``model.config`` and, when asked for a context longer
 than the trained one, sets the RoPE scaling its recipe names. Recipes are YAML files in ``hf_dilated/patches`` (the
-top-level ``patches/`` directory of the repository), one per architecture family.
+top-level ``patches/`` directory of the repository), one per architecture family; each gives the dilated branches
+and the block-sparse defaults.
 
 What a patched model carries in its config (all plain JSON in ``config.json``, no remote code):
 
-- ``dilated_attention``: the branches and the converted layers (read by the attention function);
-- ``attn_implementation = "dilated"``: Transformers' own config loader turns this key into the attention
-  implementation, so ``from_pretrained(path)`` after ``import hf_dilated`` reloads the model patched;
-- ``dilated_attention_patch``: the recipe, target context and the base settings (attention implementation, RoPE,
-  ``max_position_embeddings``) that :func:`unpatch` restores.
+- ``dilated_attention`` or ``block_sparse_attention``: the branches or block pattern and the converted layers (read
+  by the attention function);
+- ``attn_implementation = "dilated"`` (or ``"block_sparse"``): Transformers' own config loader turns this key into
+  the attention implementation, so ``from_pretrained(path)`` after ``import hf_dilated`` reloads the model patched;
+- ``dilated_attention_patch``: the patch record (for either attention: the key keeps its first name so that every
+  patched checkpoint is found the same way): attention, recipe, target context and the base settings (attention
+  implementation, RoPE, ``max_position_embeddings``) that :func:`unpatch` restores.
 
 Without ``hf_dilated`` installed, ``from_pretrained(path)`` raises Transformers' own
 ``ValueError: Specified `attn_implementation="dilated"` is not supported ...``; pass ``attn_implementation="sdpa"``
@@ -31,12 +36,19 @@ import torch
 import yaml
 
 from .config import CONFIG_KEY, DilatedAttentionConfig, default_branches, trained_context
+from .ops.block_sparse.config import CONFIG_KEY as BLOCK_SPARSE_KEY
+from .ops.block_sparse.config import PATTERNS, BlockSparseConfig
 
 PATCH_KEY = "dilated_attention_patch"
 ATTN_KEY = "attn_implementation"
 ROPE_TYPES = ("linear", "dynamic", "yarn")
 ROPE_CHOICES = ("recipe", "none") + ROPE_TYPES
 LAYER_POLICIES = ("keep", "refuse")
+ATTENTIONS = ("dilated", "block_sparse")
+CONFIG_KEYS = {"dilated": CONFIG_KEY, "block_sparse": BLOCK_SPARSE_KEY}
+BLOCK_SPARSE_PATTERNS = PATTERNS
+# BlockSparseConfig fields a recipe may set (layers come from the recipe's layer choice, backend from the caller).
+RECIPE_BLOCK_SPARSE_FIELDS = tuple(f for f in BlockSparseConfig.__dataclass_fields__ if f not in ("layers", "backend"))
 _STATE_ATTR = "_hf_dilated_patch_state"
 _MISSING = object()
 
@@ -51,9 +63,12 @@ def shipped_directory(name: str):
         return Path(__file__).resolve().parent.parent / name
 
 
-def _attention_name() -> str:
-    from .integrations import transformers as integration
-
+def _attention_name(attention: str = "dilated") -> str:
+    """The registered implementation name of ``attention`` (registering it, in case Transformers was reset)."""
+    if attention == "block_sparse":
+        from .integrations import block_sparse as integration
+    else:
+        from .integrations import transformers as integration
     integration.register()
     return integration.ATTENTION_NAME
 
@@ -79,6 +94,8 @@ class Recipe:
         rope_type: RoPE scaling applied for a context past the trained one: ``"linear"``, ``"dynamic"``, ``"yarn"``
             or ``None``.
         rope_layer_types: for nested ``rope_parameters`` (one entry per layer type), the entries to scale.
+        block_sparse: defaults of ``attention="block_sparse"`` (``BlockSparseConfig`` fields but ``layers`` and
+            ``backend``); see :meth:`block_sparse_config` for what is derived when left out.
     """
 
     name: str
@@ -93,6 +110,7 @@ class Recipe:
     positions: str = "rope"
     rope_type: str | None = "yarn"
     rope_layer_types: tuple[str, ...] = ("full_attention",)
+    block_sparse: dict = field(default_factory=dict)
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -114,6 +132,16 @@ class Recipe:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"recipe {self.name!r}: {key} must be a positive integer, got {value!r}")
+        if not isinstance(self.block_sparse, dict):
+            raise ValueError(f"recipe {self.name!r}: block_sparse must be a mapping, got {self.block_sparse!r}")
+        unknown = sorted(set(self.block_sparse) - set(RECIPE_BLOCK_SPARSE_FIELDS))
+        if unknown:
+            raise ValueError(f"recipe {self.name!r}: unknown block_sparse keys {unknown}; allowed: "
+                             f"{list(RECIPE_BLOCK_SPARSE_FIELDS)}")
+        try:
+            BlockSparseConfig(**self.block_sparse)
+        except ValueError as err:
+            raise ValueError(f"recipe {self.name!r}: block_sparse: {err}") from None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Recipe":
@@ -127,6 +155,7 @@ class Recipe:
             "first_segment_divisor": branches.pop("first_segment_divisor", 4),
             "rope_type": rope.pop("type", None),
             "rope_layer_types": tuple(rope.pop("layer_types", None) or ("full_attention",)),
+            "block_sparse": dict(data.pop("block_sparse", None) or {}),
         }
         if branches or rope:
             raise ValueError(f"recipe {kwargs['name']!r}: unknown keys {sorted(branches) + sorted(rope)}")
@@ -148,6 +177,39 @@ class Recipe:
         """
         return default_branches(max(trained, 1), target, max_first_segment=self.max_first_segment,
                                 first_segment_divisor=self.first_segment_divisor)
+
+    def block_sparse_config(self, trained: int, target: int | None = None, *, dilated: Any = None,
+                            **settings: Any) -> BlockSparseConfig:
+        """Block-sparse settings for a model trained on ``trained`` tokens, read at ``max(target, trained)``:
+        ``settings`` (any ``BlockSparseConfig`` field) over the recipe's ``block_sparse`` entries, the rest derived
+        from the dilated default :meth:`branches`, or from ``dilated`` (a ``DilatedAttentionConfig``) when given
+        (same budget, same reach):
+
+        - ``local_blocks``: half the first dilated segment (``w_0 / 2`` tokens), at least one block;
+        - ``"adaptive"`` (the default pattern): ``top_k`` such that a query attends to as many keys as under the
+          dilated default at the context (:meth:`BlockSparseConfig.matching_budget`);
+        - ``"dilated"``: the dilated default's branches in blocks (``segment_blocks = w_i / block_size``).
+        """
+        context = max(trained, target or trained)
+        ws, rs = (self.branches(trained, target) if dilated is None
+                  else (list(dilated.segment_lengths), list(dilated.dilation_rates)))
+        merged = {**self.block_sparse, **settings}
+        merged.setdefault("pattern", "adaptive")
+        b = merged.setdefault("block_size", BlockSparseConfig.block_size)
+        if isinstance(b, int) and not isinstance(b, bool) and b > 0:
+            merged.setdefault("local_blocks", max(1, ws[0] // (2 * b)))
+            if merged["pattern"] == "dilated" and "segment_blocks" not in merged:
+                merged["segment_blocks"] = [max(1, w // b) for w in ws]
+                merged.setdefault("dilation_rates", rs)
+        if merged["pattern"] == "adaptive" and "top_k" not in merged:
+            if dilated is None:
+                dilated = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs)
+            else:  # its branches set the budget; layers and backend come from the caller
+                dilated = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs,
+                                                 global_tokens=dilated.global_tokens)
+            rest = {k: v for k, v in merged.items() if k not in ("pattern", "top_k")}
+            return BlockSparseConfig.matching_budget(dilated, context, causal=self.causal, **rest)
+        return BlockSparseConfig(**merged)
 
 
 DEFAULT_RECIPE = Recipe(
@@ -264,7 +326,7 @@ def _check_heads(config: Any) -> None:
                          f"positive integer, got {head_dim!r}")
 
 
-def _check_model(model: Any, recipe: Recipe) -> None:
+def _check_model(model: Any, recipe: Recipe, attention: str = "dilated") -> None:
     _check_is_model(model)
     _check_heads(model.config)
     if getattr(model.config, "sub_configs", None) and any(
@@ -282,11 +344,11 @@ def _check_model(model: Any, recipe: Recipe) -> None:
     if getattr(model.config, "attn_logit_softcapping", None) is not None:
         raise ValueError(
             f"{type(model).__name__} uses attention logit softcapping (attn_logit_softcapping="
-            f"{model.config.attn_logit_softcapping}), which dilated attention does not compute; recipe "
+            f"{model.config.attn_logit_softcapping}), which {attention} attention does not compute; recipe "
             f"{recipe.name!r} refuses it"
         )
     if _has_sinks(model):
-        raise ValueError(f"{type(model).__name__} uses attention sinks, which dilated attention does not compute")
+        raise ValueError(f"{type(model).__name__} uses attention sinks, which {attention} attention does not compute")
     sliding = sliding_window_layers(model.config)
     if sliding and recipe.sliding_window == "refuse":
         raise ValueError(
@@ -296,7 +358,7 @@ def _check_model(model: Any, recipe: Recipe) -> None:
         )
 
 
-def _resolve_layers(model_config: Any, recipe: Recipe, layers: Any, config: DilatedAttentionConfig | None) -> list[int]:
+def _resolve_layers(model_config: Any, recipe: Recipe, layers: Any, config_layers: list[int] | None) -> list[int]:
     n = _num_layers(model_config)
     sliding = set(sliding_window_layers(model_config))
     if recipe.convert == "full_attention" or recipe.sliding_window == "keep":
@@ -306,15 +368,15 @@ def _resolve_layers(model_config: Any, recipe: Recipe, layers: Any, config: Dila
     if isinstance(layers, str):
         if layers != "all":
             raise ValueError(f"layers must be 'all' or a list of layer indices in [0, {n}), got {layers!r}")
-        chosen = config.layers if (config is not None and config.layers is not None) else allowed
+        chosen = config_layers if config_layers is not None else allowed
     else:
         if isinstance(layers, (bytes, int)) or not isinstance(layers, Sequence):
             raise ValueError(f"layers must be 'all' or a list of layer indices in [0, {n}), got {layers!r}")
         chosen = list(layers)
         if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in chosen):
             raise ValueError(f"layers must be 'all' or a list of layer indices in [0, {n}), got {chosen!r}")
-        if config is not None and config.layers is not None and sorted(set(config.layers)) != sorted(set(chosen)):
-            raise ValueError(f"layers={chosen!r} contradicts config.layers={config.layers!r}; give one of them")
+        if config_layers is not None and sorted(set(config_layers)) != sorted(set(chosen)):
+            raise ValueError(f"layers={chosen!r} contradicts config.layers={config_layers!r}; give one of them")
     bad = sorted(set(chosen) & sliding)
     if bad:
         raise ValueError(
@@ -407,7 +469,13 @@ def _rebuild_rotary(model: torch.nn.Module) -> None:
 # ---- patch / unpatch ---------------------------------------------------------------------------------------------
 @dataclass
 class PatchSummary:
-    """What :func:`patch` changed (also stored, as a dict, under ``config.dilated_attention_patch``)."""
+    """What :func:`patch` changed (also stored, as a dict, under ``config.dilated_attention_patch``).
+
+    ``segment_lengths`` / ``dilation_rates`` are the dilated branches (``None`` under block-sparse attention);
+    ``block_sparse`` the block-sparse settings (``None`` under dilated attention); ``keys_per_query`` the mean
+    number of keys a query of a converted layer attends to at ``context_length`` (``ops/block_sparse/budget.py``).
+    Records written before block-sparse existed lack the last three fields and read as dilated.
+    """
 
     recipe: str
     model_type: str | None
@@ -422,12 +490,20 @@ class PatchSummary:
     rope_parameters_after: Any = None
     attn_implementation_before: str | None = None
     base: dict = field(default_factory=dict)
+    attention: str = "dilated"
+    block_sparse: dict | None = None
+    keys_per_query: float | None = None
 
     def lines(self) -> list[str]:
         out = [
             f"recipe: {self.recipe} (model_type {self.model_type})",
-            f"attention: {self.attn_implementation_before} -> dilated",
-            f"branches: w={self.segment_lengths} r={self.dilation_rates}",
+            f"attention: {self.attn_implementation_before} -> {self.attention}",
+            f"branches: w={self.segment_lengths} r={self.dilation_rates}" if self.attention == "dilated" else
+            "block-sparse: " + block_sparse_description(self.block_sparse or {}),
+        ]
+        if self.keys_per_query is not None:
+            out.append(f"keys per query at {self.context_length} tokens: {self.keys_per_query:.1f} (mean)")
+        out += [
             f"converted layers ({len(self.converted_layers)}/{self.num_layers}): {self.converted_layers}",
             f"dense layers: {self.dense_layers or 'none'}",
             f"context: trained {self.trained_context} -> target {self.context_length}",
@@ -439,27 +515,70 @@ class PatchSummary:
         return out
 
 
+def block_sparse_description(settings: dict) -> str:
+    """The settings of a block-sparse config that its pattern reads, in one line (``pattern=adaptive ...``)."""
+    pattern = settings.get("pattern")
+    keys = ["pattern", "block_size", "local_blocks", "global_blocks"] + {
+        "adaptive": ["top_k"], "dilated": ["segment_blocks", "dilation_rates"], "hierarchical": ["windows", "strides"],
+        "random": ["random_blocks", "seed"]}.get(pattern, [])
+    return " ".join(f"{k}={settings[k]}" for k in keys if k in settings)
+
+
 def is_patched(model: Any) -> bool:
-    """Whether ``model`` carries a dilated-attention patch (made in this process or loaded from disk)."""
+    """Whether ``model`` carries a patch of :func:`patch` (made in this process or loaded from disk)."""
     return getattr(model.config, PATCH_KEY, None) is not None
+
+
+def patched_attention(model: Any) -> str | None:
+    """``"dilated"`` or ``"block_sparse"``: the attention a patched model uses (``None`` when unpatched)."""
+    record = getattr(model.config, PATCH_KEY, None)
+    return None if record is None else record.get("attention", "dilated")
+
+
+def _attention_kind(attention: str | None, config: Any) -> str:
+    """The attention a :func:`patch` call asks for: ``attention``, or the kind of ``config`` when ``None``."""
+    if attention is None:
+        return "block_sparse" if isinstance(config, (BlockSparseConfig, str)) else "dilated"
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    wrong = ((attention == "dilated" and isinstance(config, (BlockSparseConfig, str)))
+             or (attention == "block_sparse" and isinstance(config, DilatedAttentionConfig)))
+    if wrong:
+        raise ValueError(f"config ({type(config).__name__} {config!r}) does not fit attention={attention!r}: give a "
+                         "DilatedAttentionConfig for 'dilated', a BlockSparseConfig or pattern name for 'block_sparse'")
+    return attention
+
+
+def _config_layers(config: Any) -> list[int] | None:
+    layers = config.get("layers") if isinstance(config, dict) else getattr(config, "layers", None)
+    if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence)):
+        raise ValueError(f"config.layers must be None or a list of layer indices, got {layers!r}")
+    return None if layers is None else list(layers)
 
 
 def patch(
     model: Any,
-    config: DilatedAttentionConfig | dict | None = None,
+    config: DilatedAttentionConfig | BlockSparseConfig | dict | str | None = None,
     *,
+    attention: str | None = None,
     layers: str | Sequence[int] = "all",
     recipe: str = "auto",
     context_length: int | None = None,
     rope: str = "recipe",
     backend: str | None = None,
 ) -> Any:
-    """Switch ``model`` to dilated attention in place and return it.
+    """Switch ``model`` to dilated (default) or block-sparse attention in place and return it.
 
     Args:
         model: a loaded Transformers model whose attention uses the generic ``AttentionInterface`` dispatch.
-        config: the branches (a :class:`DilatedAttentionConfig` or its dict). ``None``: the recipe's default branches
-            for the trained context, extended to ``context_length``.
+        config: the attention settings. Dilated: a :class:`DilatedAttentionConfig` or its dict; ``None``: the
+            recipe's default branches for the trained context, extended to ``context_length``. Block-sparse: a
+            :class:`BlockSparseConfig` (used as is), a pattern name (``"adaptive"``, ``"local"``, ...) or a dict of
+            ``BlockSparseConfig`` fields, the fields not given taken from the recipe
+            (:meth:`Recipe.block_sparse_config`: by default adaptive, attending to as many keys per query as the
+            dilated default at the context); ``None``: the recipe's block-sparse defaults.
+        attention: ``"dilated"`` or ``"block_sparse"``; ``None``: ``"block_sparse"`` for a ``BlockSparseConfig`` or a
+            pattern name, else ``"dilated"``.
         layers: ``"all"`` (the recipe's default: every full-attention layer, or ``config.layers`` if set) or a list of
             layer indices; the other layers keep exact dense attention.
         recipe: ``"auto"`` (by ``config.model_type``) or a recipe name from :func:`list_recipes`.
@@ -473,7 +592,9 @@ def patch(
     """
     _check_is_model(model)
     if is_patched(model):
-        raise ValueError("model is already patched with dilated attention; call hf_dilated.unpatch(model) first")
+        raise ValueError(f"model is already patched with {patched_attention(model)} attention; call "
+                         "hf_dilated.unpatch(model) first")
+    kind = _attention_kind(attention, config)
     if not isinstance(recipe, str):
         raise ValueError(f"recipe must be 'auto' or one of {list_recipes()}, got {recipe!r}")
     chosen = recipe_for(model) if recipe == "auto" else load_recipe(recipe)
@@ -481,38 +602,55 @@ def patch(
         raise ValueError(
             f"recipe {recipe!r} covers model types {list(chosen.model_types)}, not {model.config.model_type!r}"
         )
-    _check_model(model, chosen)
+    _check_model(model, chosen, kind)
     if rope not in ROPE_CHOICES:
         raise ValueError(f"rope must be one of {ROPE_CHOICES}, got {rope!r}")
     if context_length is not None and (isinstance(context_length, bool) or not isinstance(context_length, int) or context_length <= 0):
         raise ValueError(f"context_length must be a positive integer or None, got {context_length!r}")
-    if isinstance(config, dict):
-        config = DilatedAttentionConfig.from_dict(config)
-    elif config is not None and not isinstance(config, DilatedAttentionConfig):
-        raise ValueError(f"config must be a DilatedAttentionConfig, a dict or None, got {type(config).__name__}")
+    if kind == "dilated":
+        if isinstance(config, dict):
+            config = DilatedAttentionConfig.from_dict(config)
+        elif config is not None and not isinstance(config, DilatedAttentionConfig):
+            raise ValueError(f"config must be a DilatedAttentionConfig, a dict or None, got {type(config).__name__}")
+    else:
+        if isinstance(config, str):
+            config = {"pattern": config}
+        if isinstance(config, dict):
+            unknown = sorted(set(config) - set(BlockSparseConfig.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"unknown block-sparse config keys {unknown}; allowed: "
+                                 f"{sorted(BlockSparseConfig.__dataclass_fields__)}")
+        elif config is not None and not isinstance(config, BlockSparseConfig):
+            raise ValueError(f"config must be a BlockSparseConfig, a pattern name {BLOCK_SPARSE_PATTERNS}, a dict or "
+                             f"None for attention='block_sparse', got {type(config).__name__}")
 
     mc = model.config
     n = _num_layers(mc)
-    converted = _resolve_layers(mc, chosen, layers, config)
+    converted = _resolve_layers(mc, chosen, layers, _config_layers(config))
     trained = chosen.trained_context(mc)
     target = context_length or trained
     new_rope = rope_scaling_for(mc, chosen, target, rope) if target else None
-    if config is None:
+    if isinstance(config, (DilatedAttentionConfig, BlockSparseConfig)):
+        config = copy.deepcopy(config)
+    else:
         if trained is None:
             raise ValueError(
                 f"{type(mc).__name__} does not state its trained context (max_position_embeddings); pass config="
             )
-        ws, rs = chosen.branches(trained, target)
-        config = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs, backend="auto")
-    else:
-        config = copy.deepcopy(config)
+        if kind == "dilated":
+            ws, rs = chosen.branches(trained, target)
+            config = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs, backend="auto")
+        else:
+            settings = {k: v for k, v in (config or {}).items() if k not in ("layers", "backend")}
+            config = chosen.block_sparse_config(trained, target, **settings)
     config.layers = None if converted == list(range(n)) else converted
     if backend is not None:
         config.backend = backend
     config.validate()
 
-    name = _attention_name()
-    previous = {key: _snapshot(mc, key) for key in (CONFIG_KEY, ATTN_KEY, PATCH_KEY, "rope_parameters", "max_position_embeddings")}
+    name = _attention_name(kind)
+    previous = {key: _snapshot(mc, key) for key in (CONFIG_KEY, BLOCK_SPARSE_KEY, ATTN_KEY, PATCH_KEY, "rope_parameters",
+                                                     "max_position_embeddings")}
     previous_impl = mc._attn_implementation
     rotary = _rotary_modules(model)
     summary = PatchSummary(
@@ -521,8 +659,8 @@ def patch(
         num_layers=n,
         converted_layers=converted,
         dense_layers=[i for i in range(n) if i not in converted],
-        segment_lengths=list(config.segment_lengths),
-        dilation_rates=list(config.dilation_rates),
+        segment_lengths=list(config.segment_lengths) if kind == "dilated" else None,
+        dilation_rates=list(config.dilation_rates) if kind == "dilated" else None,
         trained_context=trained,
         context_length=target,
         rope_parameters_before=copy.deepcopy(getattr(mc, "rope_parameters", None)),
@@ -533,6 +671,9 @@ def patch(
             "rope_parameters": copy.deepcopy(getattr(mc, "rope_parameters", None)),
             "max_position_embeddings": getattr(mc, "max_position_embeddings", None),
         },
+        attention=kind,
+        block_sparse=config.to_dict() if kind == "block_sparse" else None,
+        keys_per_query=_keys_per_query(config, target, chosen.causal) if target else None,
     )
     model.set_attn_implementation(name)
     try:
@@ -552,6 +693,16 @@ def patch(
         raise
     object.__setattr__(model, _STATE_ATTR, (previous, previous_impl, rotary))
     return model
+
+
+def _keys_per_query(config: Any, seq_len: int, causal: bool) -> float:
+    """Mean keys a query of a converted layer attends to at ``seq_len`` tokens (``ops/block_sparse/budget.py``)."""
+    if isinstance(config, BlockSparseConfig):
+        return round(config.keys_per_query(seq_len, causal=causal), 2)
+    from .ops.block_sparse.budget import dilated_keys_per_query
+
+    return round(dilated_keys_per_query(config.segment_lengths, config.dilation_rates, seq_len, causal=causal,
+                                        global_tokens=config.global_tokens), 2)
 
 
 def _snapshot(model_config: Any, key: str) -> Any:
@@ -590,9 +741,9 @@ def unpatch(model: Any) -> Any:
         return model
     record = getattr(model.config, PATCH_KEY, None)
     if record is None:
-        raise ValueError("model is not patched with dilated attention (no config.dilated_attention_patch)")
+        raise ValueError("model is not patched (no config.dilated_attention_patch): nothing to unpatch")
     base = record.get("base", {})
-    previous = {CONFIG_KEY: _MISSING, ATTN_KEY: _MISSING, PATCH_KEY: _MISSING}
+    previous = {CONFIG_KEY: _MISSING, BLOCK_SPARSE_KEY: _MISSING, ATTN_KEY: _MISSING, PATCH_KEY: _MISSING}
     for key in ("rope_parameters", "max_position_embeddings"):
         if base.get(key) is not None:
             previous[key] = base[key]
@@ -607,14 +758,15 @@ def patch_summary(model: Any) -> dict | None:
 
 
 def ensure_reloadable(model: Any) -> None:
-    """Re-mark a patched model so that ``save_pretrained`` writes ``attn_implementation: "dilated"`` again.
+    """Re-mark a patched model so that ``save_pretrained`` writes ``attn_implementation: "dilated"`` (or
+    ``"block_sparse"``) again.
 
     Transformers consumes that key when loading, so a patched checkpoint loaded from disk and saved again would lose
     it; :func:`hf_dilated.save_patched` calls this for you.
     """
     if not is_patched(model):
-        raise ValueError("model is not patched with dilated attention; call hf_dilated.patch(model) first")
-    setattr(model.config, ATTN_KEY, _attention_name())
+        raise ValueError("model is not patched; call hf_dilated.patch(model) first")
+    setattr(model.config, ATTN_KEY, _attention_name(patched_attention(model)))
 
 
 # ---- saving and the model card -----------------------------------------------------------------------------------
@@ -659,18 +811,66 @@ def format_eval_table(eval_results: dict | None) -> str:
     return "\n".join(lines)
 
 
+# What the model card says of each attention: its name, tags, the explanation under the settings table.
+_CARD_TEXT = {
+    "dilated": {
+        "title": "dilated attention",
+        "name": "**LongNet dilated attention** ([Ding et al., 2023](https://arxiv.org/abs/2307.02486))",
+        "tags": ["dilated-attention", "longnet"],
+        "explainer": "Each branch `(w, r)` splits the sequence into segments of `w` tokens and, inside each, keeps "
+                     "every `r`-th token (offset by head); the branches' outputs are merged by their softmax "
+                     "normalisers, exactly.",
+    },
+    "block_sparse": {
+        "title": "block-sparse attention",
+        "name": "**block-sparse attention**",
+        "tags": ["block-sparse-attention", "sparse-attention"],
+        "explainer": "The sequence is cut into blocks of `block_size` tokens; each query block attends, with one "
+                     "exact softmax, to all keys of its active key blocks: the local window, the first (sink) "
+                     "blocks and the pattern's blocks (`adaptive`: the `top_k` key blocks whose mean key best "
+                     "matches the block's mean query, chosen per kv head from the content at every forward).",
+    },
+}
+
+
+def _card_rows(attention: str, config: Any, record: dict) -> list[tuple[str, str]]:
+    """The settings table of the model card: ``(label, value)`` rows for this attention."""
+    if attention == "dilated":
+        rows = [("Segment lengths `w`", ", ".join(map(str, config.segment_lengths))),
+                ("Dilation rates `r`", ", ".join(map(str, config.dilation_rates)))]
+        if config.global_tokens:
+            rows.append(("Global tokens", str(config.global_tokens)))
+    else:
+        settings = config.to_dict()
+        rows = [("Pattern", f"`{config.pattern}`"), ("Block size", str(config.block_size)),
+                ("Local window (blocks)", str(config.local_blocks)), ("Sink / global blocks", str(config.global_blocks))]
+        for key in block_sparse_description(settings).split()[4:]:
+            field_name, _, value = key.partition("=")
+            rows.append((f"`{field_name}`", value))
+    if record.get("keys_per_query") is not None:
+        rows.append((f"Keys per query at {record.get('context_length')} tokens (mean)", f"{record['keys_per_query']:.1f}"))
+    return rows
+
+
 def render_model_card(model: Any, eval_results: dict | None = None, load_path: str = "path/to/checkpoint") -> str:
     """The README.md model card of a patched model: ``huggingface_hub.ModelCard`` rendered from the package's
-    template (``model_cards/dilated_attention.md``) with Hub metadata (``ModelCardData``), the attention config, how
-    to load it from ``load_path``, and the evaluation table."""
+    template (``model_cards/dilated_attention.md``, one template for both attentions) with Hub metadata
+    (``ModelCardData``), which attention and its settings, how to load it from ``load_path``, and the evaluation
+    table."""
     import json
 
     from huggingface_hub import ModelCard, ModelCardData
 
     record = patch_summary(model)
     if record is None:
-        raise ValueError("model is not patched with dilated attention; call hf_dilated.patch(model) first")
-    dilated = DilatedAttentionConfig.from_model_config(model.config)
+        raise ValueError("model is not patched; call hf_dilated.patch(model) first")
+    attention = record.get("attention", "dilated")
+    if attention == "dilated":
+        config = DilatedAttentionConfig.from_model_config(model.config)
+    else:
+        config = BlockSparseConfig.from_model_config(model.config)
+    text = _CARD_TEXT[attention]
+    name = _attention_name(attention)
     base = getattr(model.config, "_name_or_path", "") or ""
     is_hub_id = base.count("/") == 1 and not base.startswith((".", "/", "~"))
     recipe = load_recipe(record["recipe"]) if record["recipe"] in _load_recipes() else DEFAULT_RECIPE
@@ -678,30 +878,34 @@ def render_model_card(model: Any, eval_results: dict | None = None, load_path: s
         library_name="transformers",
         base_model=base if is_hub_id else None,
         pipeline_tag="text-generation" if recipe.causal else "feature-extraction",
-        tags=["hf_dilated", "dilated-attention", "longnet", "long-context", record.get("model_type") or "transformers"],
+        tags=["hf_dilated", *text["tags"], "long-context", record.get("model_type") or "transformers"],
     )
     template = (shipped_directory("model_cards") / MODEL_CARD_TEMPLATE).read_text(encoding="utf-8")
+    rows = _card_rows(attention, config, record)
     card = ModelCard.from_template(
         card_data,
         template_str=template,
-        title=f"{base.rsplit('/', 1)[-1] or type(model).__name__} with dilated attention",
+        title=f"{base.rsplit('/', 1)[-1] or type(model).__name__} with {text['title']}",
         base_sentence=f"[`{base}`](https://huggingface.co/{base})" if is_hub_id else (
             f"`{type(model).__name__}` (base: `{base}`)" if base else f"A `{type(model).__name__}` checkpoint"
         ),
+        attention_name=text["name"],
+        attention_title=text["title"],
+        attn_implementation=name,
         recipe=record["recipe"],
-        segment_lengths=", ".join(map(str, dilated.segment_lengths)),
-        dilation_rates=", ".join(map(str, dilated.dilation_rates)),
+        settings_rows="\n".join(f"| {label} | {value} |" for label, value in rows),
+        explainer=text["explainer"],
         converted_layers=f"{len(record['converted_layers'])} of {record['num_layers']}: {_fmt_layers(record['converted_layers'])}",
         dense_layers=_fmt_layers(record["dense_layers"]),
         trained_context=record.get("trained_context"),
         context_length=record.get("context_length"),
         rope_before=json.dumps(record["base"].get("rope_parameters")),
         rope_after=json.dumps(getattr(model.config, "rope_parameters", None)),
-        backend=dilated.backend,
+        backend=config.backend,
         auto_class=_auto_class_name(model),
         load_path=str(load_path),
         evaluation=format_eval_table(eval_results),
-        config_json=json.dumps({CONFIG_KEY: dilated.to_dict(), PATCH_KEY: record}, indent=2),
+        config_json=json.dumps({CONFIG_KEYS[attention]: config.to_dict(), PATCH_KEY: record}, indent=2),
     )
     return str(card)
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .config import DilatedAttentionConfig, trained_context
-from .patching import ROPE_CHOICES, is_patched, patch, unpatch
+from .ops.block_sparse.config import BlockSparseConfig
+from .patching import ROPE_CHOICES, is_patched, patch, patched_attention, unpatch
 
-ATTENTIONS = ("dilated", "sdpa")
+ATTENTIONS = ("dilated", "block_sparse", "sdpa")
 
 
 def prepare_attention(
@@ -22,13 +23,14 @@ def prepare_attention(
     layers: str | Sequence[int] = "all",
     backend: str | None = None,
     rope: str | None = None,
-) -> DilatedAttentionConfig | None:
+) -> DilatedAttentionConfig | BlockSparseConfig | None:
     """Switch ``model`` to ``attn`` for training at ``seq_len`` tokens; return the dilated config in effect.
 
     ``"dilated"`` patches the model (:func:`hf_dilated.patch`): ``config`` gives the branches, else the recipe's are
     extended until a segment covers ``seq_len``; ``rope`` (default ``"recipe"``) scales RoPE to ``seq_len`` past the
-    trained context. A model loaded already patched keeps its stored patch unless ``config``, ``layers``, ``backend``
-    or ``rope`` say otherwise. ``"sdpa"`` is dense attention (a patched model is unpatched), the baseline. The KV
+    trained context. ``"block_sparse"`` patches with ``attention="block_sparse"`` (``config``: a ``BlockSparseConfig``,
+    a pattern name or ``None`` for the recipe's adaptive defaults at ``seq_len``). A model loaded already patched with
+    the same attention keeps its stored patch unless ``config``, ``layers``, ``backend`` or ``rope`` say otherwise. ``"sdpa"`` is dense attention (a patched model is unpatched), the baseline. The KV
     cache is turned off: training has no use for it, and with one Transformers' dense masks ignore packing.
     """
     if attn not in ATTENTIONS:
@@ -48,19 +50,20 @@ def prepare_attention(
     dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         raise ValueError(
-            f"dilated attention has no attention dropout, but the model config sets attention_dropout={dropout}; "
+            f"{attn} attention has no attention dropout, but the model config sets attention_dropout={dropout}; "
             "set model.config.attention_dropout = 0 (or train with attn='sdpa')"
         )
     overrides = config is not None or layers != "all" or backend is not None or rope is not None
+    kind = DilatedAttentionConfig if attn == "dilated" else BlockSparseConfig
     if is_patched(model):
-        if not overrides:
-            return DilatedAttentionConfig.from_model_config(model.config)
+        if not overrides and patched_attention(model) == attn:
+            return kind.from_model_config(model.config)
         unpatch(model)
     trained = trained_context(model.config)
     longer = seq_len is not None and (trained is None or seq_len > trained)
-    patch(model, config, layers=layers, backend=backend, context_length=seq_len if longer else None,
+    patch(model, config, attention=attn, layers=layers, backend=backend, context_length=seq_len if longer else None,
           rope=rope or "recipe")
-    return DilatedAttentionConfig.from_model_config(model.config)
+    return kind.from_model_config(model.config)
 
 
 def enable_sequence_parallel(model: Any, size: int) -> Any:

@@ -11,7 +11,9 @@ Options: those of :class:`ScriptArguments` below, and every ``TrainingArguments`
 1. loads ``--model``: ``smollm2`` (SmolLM2-135M-Instruct from its GGUF), ``tiny`` (a random SmolLM2-shaped Llama with
    SmolLM2's tokenizer, for smoke tests), a checkpoint directory (one saved by this program reloads dilated) or a
    ``.gguf`` file, through :func:`hf_dilated.assets.load_checkpoint`;
-2. switches attention with :func:`hf_dilated.training.prepare_attention` (``--attn dilated`` or the ``sdpa`` baseline);
+2. switches attention with :func:`hf_dilated.training.prepare_attention` (``--attn dilated``, ``--attn block_sparse``:
+   the recipe's adaptive block-sparse attention with as many keys per query as the dilated default at ``--seq-len``,
+   or the ``sdpa`` baseline);
 3. reads documents with ``datasets`` (Shakespeare's plays, or the ``.txt`` files of ``--data``, one document per file;
    the last ``--eval-docs`` are held out whole), tokenizes them with the model's tokenizer (each followed by EOS) and
    packs them into rows of exactly ``--seq-len`` tokens. ``DataCollatorWithFlattening`` makes the batches: under
@@ -45,7 +47,8 @@ except ImportError:  # run as a file: python scripts/finetune.py
 RESULTS_FILE = "results.json"
 PLOT_FILE = "loss.png"
 MODEL_SUBDIR = "model"
-ATTENTIONS = ("dilated", "sdpa")
+ATTENTIONS = ("dilated", "block_sparse", "sdpa")
+PATCHED = ("dilated", "block_sparse")  # the attentions hf_dilated.patch puts in (saved with save_patched)
 PACKINGS = ("documents", "stream")
 EDITIONS = ("modern", "folio", "all")
 DTYPES = ("float32", "bfloat16")
@@ -56,7 +59,8 @@ class ScriptArguments:
     """This program's options; ``TrainingArguments`` gives the rest."""
 
     model: str = field(default="smollm2", metadata={"help": "'smollm2' (the bundled GGUF), 'tiny' (a random SmolLM2-shaped Llama), a checkpoint directory or a .gguf file"})
-    attn: str = field(default="dilated", metadata={"choices": ATTENTIONS, "help": "attention to train with"})
+    attn: str = field(default="dilated", metadata={"choices": ATTENTIONS, "aliases": ["--attention"],
+                                                   "help": "attention to train with (block_sparse: the recipe's adaptive pattern)"})
     segment_lengths: Optional[list[int]] = field(default=None, metadata={"help": "branch segment lengths w_i, e.g. 2048 4096 (default: the recipe's, extended to --seq-len)"})
     dilation_rates: Optional[list[int]] = field(default=None, metadata={"help": "branch dilation rates r_i, e.g. 1 2"})
     layers: list[str] = field(default_factory=lambda: ["all"], metadata={"help": "layers to convert: 'all' (the recipe's choice) or indices, e.g. 0 2 4"})
@@ -141,9 +145,13 @@ def validate(script: ScriptArguments, training) -> None:
     if script.segment_lengths is not None:  # checks the branches, with its own message
         DilatedAttentionConfig(segment_lengths=script.segment_lengths, dilation_rates=script.dilation_rates)
     _layers(script.layers)
-    dilated_only = script.segment_lengths is not None or script.layers != ["all"] or script.backend or script.rope
-    if script.attn != "dilated" and dilated_only:
-        raise ValueError(f"--segment-lengths / --dilation-rates / --layers / --backend / --rope need --attn dilated, got --attn {script.attn}")
+    if script.attn == "block_sparse" and script.segment_lengths is not None:
+        raise ValueError("--segment-lengths / --dilation-rates are dilated-attention options; --attn block_sparse takes "
+                         "the recipe's block-sparse settings (hf-dilated patch --attention block_sparse sets others)")
+    patched_only = script.segment_lengths is not None or script.layers != ["all"] or script.backend or script.rope
+    if script.attn not in PATCHED and patched_only:
+        raise ValueError(f"--segment-lengths / --dilation-rates / --layers / --backend / --rope need --attn dilated or "
+                         f"block_sparse, got --attn {script.attn}")
     if not 0.0 <= script.lora_dropout < 1.0:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {script.lora_dropout}")
     if script.lora_r == 0 and (script.lora_alpha is not None or script.lora_dropout):
@@ -445,7 +453,8 @@ def run(script: ScriptArguments, training) -> dict[str, Any]:
         "status": "running",
         "model_name": script.model if script.model in ("smollm2", "tiny") else Path(script.model).name,
         "attn": script.attn,
-        "dilated_attention": dcfg.to_dict() if dcfg else None,
+        "dilated_attention": dcfg.to_dict() if script.attn == "dilated" else None,
+        "block_sparse_attention": dcfg.to_dict() if script.attn == "block_sparse" else None,
         "seq_len": script.seq_len,
         "packing": script.packing,
         "batch_size": training.per_device_train_batch_size,
@@ -494,11 +503,12 @@ def run(script: ScriptArguments, training) -> dict[str, Any]:
 
 
 def save_model(model, tokenizer, script: ScriptArguments, path: Path) -> Path:
-    """The trained model (LoRA merged) with its tokenizer; a dilated one with its model card, reloading dilated."""
+    """The trained model (LoRA merged) with its tokenizer; a patched one (dilated, block-sparse) with its model card,
+    reloading with its attention."""
     if script.lora_r:
         model = model.merge_and_unload()
     model.config.use_cache = True  # off for training only
-    if script.attn == "dilated":
+    if script.attn in PATCHED:
         from hf_dilated.patching import save_patched
 
         save_patched(model, str(path), tokenizer=tokenizer)
@@ -518,9 +528,10 @@ def verify_reload(path: Path, script: ScriptArguments, training, evaluation) -> 
 
     import hf_dilated
     from hf_dilated.config import CONFIG_KEY
+    from hf_dilated.ops.block_sparse.config import CONFIG_KEY as BLOCK_SPARSE_KEY
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, script.dtype))
-    expected = hf_dilated.ATTENTION_NAME if script.attn == "dilated" else "sdpa"
+    expected = {"dilated": hf_dilated.ATTENTION_NAME, "block_sparse": "block_sparse"}.get(script.attn, "sdpa")
     if model.config._attn_implementation != expected:
         raise RuntimeError(f"the saved model reloaded with attn_implementation={model.config._attn_implementation!r}, expected {expected!r}")
     model.config.use_cache = False
@@ -531,6 +542,7 @@ def verify_reload(path: Path, script: ScriptArguments, training, evaluation) -> 
         metrics = _eval(trainer)
     metrics["attn_implementation"] = model.config._attn_implementation
     metrics["dilated_attention"] = getattr(model.config, CONFIG_KEY, None)
+    metrics["block_sparse_attention"] = getattr(model.config, BLOCK_SPARSE_KEY, None)
     return metrics
 
 

@@ -308,6 +308,103 @@ def test_custom_op_traces_as_one_node(rng):
         assert rel(a.grad, r.grad) < 1e-5
 
 
+# ---- budget: attended keys per query, counted by brute force -----------------------------------------------------------
+
+
+def brute_dilated_keys(ws, rs, n, causal, g=0):
+    """Mean over positions and head offsets (0 .. lcm(r) - 1) of the size of the union of the key sets SPEC.md gives
+    a query in its selecting branches (and the global branch)."""
+    period = math.lcm(*rs)
+    total = 0
+    for h in range(period):
+        for p in range(n):
+            keys = set()
+            for w, r in zip(ws, rs):
+                if p % r != h % r:
+                    continue
+                keys |= {q for q in range(n) if q // w == p // w and q % r == h % r and (q <= p or not causal)}
+            keys |= {q for q in range(min(g, n)) if q <= p or not causal}
+            total += len(keys)
+    return total / (n * period)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dilated_keys_per_query_is_the_union_of_branches(causal):
+    from hf_dilated.ops.block_sparse.budget import dilated_keys_per_query
+
+    for ws, rs, n, g in [([4, 8, 16], [1, 2, 4], 37, 0), ([6, 12], [1, 3], 29, 3), ([8], [1], 8, 0),
+                         ([4, 12, 24], [1, 2, 6], 50, 5), ([6, 8], [1, 2], 31, 2), ([4, 6, 8], [1, 2, 4], 23, 9)]:
+        assert dilated_keys_per_query(ws, rs, n, causal=causal, global_tokens=g) == pytest.approx(
+            brute_dilated_keys(ws, rs, n, causal, g), rel=1e-12), (ws, rs, n, g)
+    # one branch covering the sequence is dense attention: (n + 1) / 2 keys causal, n otherwise
+    assert dilated_keys_per_query([64], [1], 40, causal=causal) == (20.5 if causal else 40)
+    with pytest.raises(ValueError, match="seq_len"):
+        dilated_keys_per_query([4], [1], 0)
+    with pytest.raises(ValueError, match="dilation_rates"):
+        dilated_keys_per_query([4], [2], 8)
+
+
+def test_layout_and_adaptive_keys_per_query_count_the_attended_keys(rng):
+    from hf_dilated.ops.block_sparse.budget import (adaptive_blocks_per_query_block, adaptive_keys_per_query,
+                                                     layout_keys_per_query)
+
+    N, b = 75, 16
+    n = math.ceil(N / b)
+    for causal in (True, False):
+        mask = torch.rand(2, 3, n, n, generator=rng) < 0.5
+        el = mask[..., torch.arange(N) // b, :][..., torch.arange(N) // b]  # [2, 3, N, N] tokens
+        if causal:
+            el = el & torch.ones(N, N, dtype=torch.bool).tril()
+        assert layout_keys_per_query(from_mask(mask, b), N, causal=causal) == pytest.approx(
+            el.sum().item() / (N * 6), rel=1e-12)
+    # adaptive: the block counts do not depend on the content, and the budget is exact (causal, local >= 1)
+    B, H, Hk, D = 2, 4, 2, 8
+    q = torch.randn(B, H, N, D, generator=rng)
+    k = torch.randn(B, Hk, N, D, generator=rng)
+    for top_k, local, sink in [(1, 1, 1), (2, 2, 1), (3, 1, 0), (2, 3, 2)]:
+        lay = adaptive_blocks(q, k, b, top_k, local_blocks=local, global_blocks=sink)
+        want = adaptive_blocks_per_query_block(n, top_k, local, sink)
+        assert torch.equal(lay.kv_count.long(), want.expand_as(lay.kv_count))
+        assert adaptive_keys_per_query(N, b, top_k, local, sink) == pytest.approx(layout_keys_per_query(lay, N))
+        lay = adaptive_blocks(q, k, b, top_k, local_blocks=local, global_blocks=sink, causal=False)
+        assert torch.equal(lay.kv_count.long(), adaptive_blocks_per_query_block(n, top_k, local, sink, causal=False)
+                           .expand_as(lay.kv_count))
+
+
+def test_matching_budget_attends_to_as_many_keys_as_dilated():
+    from hf_dilated import DilatedAttentionConfig
+    from hf_dilated.ops.block_sparse.budget import dilated_keys_per_query
+
+    smollm2 = DilatedAttentionConfig(segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4], layers=[1, 3],
+                                     backend="torch")
+    for n, causal in [(8192, True), (2048, True), (16384, True), (4096, False)]:
+        target = dilated_keys_per_query(smollm2.segment_lengths, smollm2.dilation_rates, n, causal=causal)
+        cfg = BlockSparseConfig.matching_budget(smollm2, n, causal=causal)
+        assert (cfg.pattern, cfg.block_size, cfg.local_blocks, cfg.global_blocks) == ("adaptive", 64, 16, 1)
+        assert cfg.layers == [1, 3] and cfg.backend == "torch"  # the dilated config's
+        got = cfg.keys_per_query(n, causal=causal)
+        for other in (cfg.top_k - 1, cfg.top_k + 1):  # no top_k comes closer
+            if other >= 1:
+                alt = BlockSparseConfig(pattern="adaptive", block_size=64, local_blocks=16, top_k=other)
+                assert abs(got - target) <= abs(alt.keys_per_query(n, causal=causal) - target)
+        assert abs(got - target) <= 64  # within one block of keys
+    assert BlockSparseConfig.matching_budget(smollm2, 8192).top_k == 8  # the docstring's example
+    # at 2048 tokens dilated attention is dense (every branch covers the sequence): so is the match
+    assert BlockSparseConfig.matching_budget(smollm2, 2048).keys_per_query(2048) == 1024.5
+    tiny = BlockSparseConfig.matching_budget({"segment_lengths": [64], "dilation_rates": [1]}, 4096, block_size=16,
+                                             local_blocks=4, global_blocks=0)
+    assert tiny.top_k == 1  # the window alone is above the budget: the least top_k
+    with pytest.raises(ValueError, match="dilated must be a DilatedAttentionConfig"):
+        BlockSparseConfig.matching_budget([2048], 8192)
+    with pytest.raises(ValueError, match="seq_len"):
+        BlockSparseConfig.matching_budget(smollm2, 0)
+    with pytest.raises(ValueError, match="block_size"):
+        BlockSparseConfig.matching_budget(smollm2, 8192, block_size=48)
+    # fixed patterns count from their layout
+    assert BlockSparseConfig(pattern="dense", block_size=16).keys_per_query(40) == 20.5
+    assert BlockSparseConfig(pattern="local", block_size=16, local_blocks=1, global_blocks=0).keys_per_query(32) == 8.5
+
+
 # ---- config, inputs, Transformers -------------------------------------------------------------------------------------
 
 

@@ -85,6 +85,16 @@ def _umask() -> int:
         (["--layers", "all", "1"], "--layers takes 'all' alone"),
         (["--context-length", "100"], "--context-length 100 is below the 256 tokens"),
         (["--context-length", "-5"], "expected a positive integer"),
+        (["--attention", "sparse"], "argument --attention: invalid choice: 'sparse' (choose from 'dilated', 'block_sparse')"),
+        (["--top-k", "3"], "--top-k needs --attention block_sparse (--attention is one of dilated, block_sparse"),
+        (["--pattern", "local", "--block-size", "32"], "--pattern / --block-size need --attention block_sparse"),
+        (["--attention", "block_sparse", "--segment-lengths", "64", "--dilation-rates", "1"],
+         "--segment-lengths / --dilation-rates are dilated-attention options; with --attention block_sparse give --pattern"),
+        (["--attention", "block_sparse", "--pattern", "stripes"], "invalid choice: 'stripes' (choose from 'local', 'dilated'"),
+        (["--attention", "block_sparse", "--block-size", "48"], "--block-size must be a power of two >= 16"),
+        (["--attention", "block_sparse", "--top-k", "0"], "argument --top-k: expected a positive integer, got '0'"),
+        (["--attention", "block_sparse", "--pattern", "local", "--local-blocks", "0"],
+         "--local-blocks must be >= 1 for --pattern='local'"),
     ],
 )
 def test_patch_bad_options_write_nothing(checkpoint, tmp_path, capsys, options, message):
@@ -92,8 +102,38 @@ def test_patch_bad_options_write_nothing(checkpoint, tmp_path, capsys, options, 
     with pytest.raises(SystemExit) as exit_info:
         main(["patch", str(checkpoint), str(dst), *options])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_patch_block_sparse_end_to_end(checkpoint, tmp_path, capsys):
+    """`hf-dilated patch SRC DST --attention block_sparse ...`: config.json, model card, and a reload that gives the
+    logits of the same patch made in memory."""
+    from hf_dilated import BlockSparseConfig, patch
+
+    dst = tmp_path / "bs"
+    assert main(["patch", str(checkpoint), str(dst), "--attention", "block_sparse", "--block-size", "16", "--top-k", "2",
+                 "--layers", "0", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "attention: sdpa -> block_sparse" in printed and "converted layers (2/3): [0, 2]" in printed
+    assert "block-sparse: pattern=adaptive block_size=16 local_blocks=2 global_blocks=1 top_k=2" in printed
+    assert "keys per query at 256 tokens" in printed and "bitwise identical" in printed
+    config = json.loads((dst / "config.json").read_text())
+    assert config["attn_implementation"] == "block_sparse" and "dilated_attention" not in config
+    assert config["block_sparse_attention"]["layers"] == [0, 2] and config["block_sparse_attention"]["top_k"] == 2
+    assert config["dilated_attention_patch"]["attention"] == "block_sparse"
+    card = (dst / "README.md").read_text()
+    assert "with block-sparse attention" in card and "| Block size | 16 |" in card and "| `top_k` | 2 |" in card
+
+    ids = torch.randint(0, 128, (1, 200))
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    patch(base, {"block_size": 16, "top_k": 2}, attention="block_sparse", layers=[0, 2])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert reloaded.config._attn_implementation == "block_sparse"
+    assert BlockSparseConfig.from_model_config(reloaded.config) == BlockSparseConfig.from_model_config(base.config)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, base(ids).logits)
 
 
 def test_patch_refuses_existing_dst_and_missing_src(checkpoint, tmp_path, capsys):
@@ -158,11 +198,41 @@ def test_eval_bad_options(tmp_path, capsys):
         (["eval", "--text", str(tmp_path / "missing.txt")], "--text must be 'shakespeare' or a .txt file"),
         (["eval", "--contexts", "0"], "expected a positive integer"),
         (["eval", "--variants", "sparse"], "invalid choice: 'sparse'"),
+        (["eval", "--top-k", "2"], "--top-k sets the block_sparse variants; add block_sparse or block_sparse+rope"),
+        (["eval", "--variants", "block_sparse", "--block-size", "24"], "--block-size must be a power of two >= 16"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             main(argv + ["--output-dir", str(tmp_path / "out")])
-        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_block_sparse_variants(lm_with_tokenizer, shakespeare, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(shakespeare[:8000], encoding="utf-8")
+    out = tmp_path / "results"
+    argv = ["eval", "--model", str(lm_with_tokenizer), "--text", str(text), "--contexts", "64", "128", "--device", "cpu",
+            "--variants", "dense", "block_sparse", "block_sparse+rope", "--block-size", "16", "--target-context", "256",
+            "--segment-lengths", "16", "32", "--dilation-rates", "1", "2", "--output-dir", str(out), "--name", "bs"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "context |        dense | block_sparse | block_sparse+rope" in printed
+    result = json.loads((out / "bs.json").read_text())
+    rows = {(r["variant"], r["context"]): r["perplexity"] for r in result["results"]}
+    assert len(rows) == 6 and all(torch.isfinite(torch.tensor(v)) for v in rows.values())
+    summary = result["patches"]["block_sparse"]
+    assert summary["attention"] == "block_sparse" and summary["block_sparse"]["block_size"] == 16
+    assert summary["rope_parameters_after"] == summary["base"]["rope_parameters"]  # the model's own RoPE
+    assert result["patches"]["block_sparse+rope"]["rope_parameters_after"]["rope_type"] == "yarn"
+    # adaptive with the budget of the dilated branches given (w = 16, 32): local 16 / 2 tokens -> 1 block
+    from hf_dilated import BlockSparseConfig, DilatedAttentionConfig
+
+    want = BlockSparseConfig.matching_budget(DilatedAttentionConfig(segment_lengths=[16, 32], dilation_rates=[1, 2]),
+                                             256, block_size=16, global_blocks=1)
+    assert summary["block_sparse"]["top_k"] == want.top_k and summary["block_sparse"]["local_blocks"] == 1
+    assert f"block_sparse: pattern=adaptive block_size=16 local_blocks=1 global_blocks=1 top_k={want.top_k}" in printed
+    assert rows[("dense", 128)] != rows[("block_sparse", 128)]  # 8 blocks, a few attended: not dense
 
 
 def test_finetune_delegates(monkeypatch):
@@ -179,6 +249,7 @@ def test_recipes_command(capsys):
     printed = capsys.readouterr().out
     for name in ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gpt_neox", "bert"):
         assert f"\n{name} " in "\n" + printed
+    assert printed.count("block_sparse=pattern=adaptive,block_size=64,global_blocks=1") == len(printed.splitlines())
 
 
 # ---- output paths: atomic, never deleting what the command did not write ----------------------------------------
@@ -320,8 +391,13 @@ def test_cli_constants_match_the_library():
     from hf_dilated import cli, config, patching
     from hf_dilated.scripts.eval_long_context import VARIANTS
 
+    from hf_dilated.ops.block_sparse import PATTERNS
+    from hf_dilated.scripts.eval_long_context import DEFAULT_VARIANTS
+
     assert cli.BACKENDS == config.BACKENDS and cli.ROPE_CHOICES == patching.ROPE_CHOICES
     assert cli.EVAL_VARIANTS == VARIANTS and cli.PATCH_MARKER == patching.PATCH_KEY
+    assert cli.DEFAULT_EVAL_VARIANTS == DEFAULT_VARIANTS and cli.ATTENTIONS == patching.ATTENTIONS
+    assert cli.PATTERNS == PATTERNS
 
 
 def test_help_is_quick_and_imports_no_model_code():
@@ -352,24 +428,27 @@ BAD = {
         ["--segment-lengths", "100", "--dilation-rates", "3"], ["--segment-lengths", "64", "32", "--dilation-rates", "1", "2"],
         ["--layers", "x"], ["--layers", "all", "2"], ["--layers", "-1"], ["--rope", "ntk"], ["--backend", "cuda"],
         ["--recipe", "nope"], ["--context-length", "-1"], ["--context-length", "1e3"], ["--dtype", "int8"],
-        ["--eval-results", "missing.json"], ["--frobnicate"], ["--overwrite=yes"],
+        ["--eval-results", "missing.json"], ["--frobnicate"], ["--overwrite=yes"], ["--attention", "sparse"],
+        ["--pattern", "stripes"], ["--top-k", "0"], ["--block-size", "48"], ["--local-blocks", "-1"],
     ],
     "eval": [
         ["--device", "tpu"], ["--contexts", "0"], ["--contexts"], ["--variants", "x"], ["--text", "missing.txt"],
         ["--model", "missing-dir"], ["--windows", "0"], ["--layers", "0"], ["--name", "a/b"], ["--logits-chunk", "-1"],
-        ["--dtype", "int8"], ["--segment-lengths", "64"], ["--recipe", "nope"], ["--frobnicate"],
+        ["--dtype", "int8"], ["--segment-lengths", "64"], ["--recipe", "nope"], ["--frobnicate"], ["--top-k", "0"],
+        ["--pattern", "stripes"], ["--block-size", "24"],
     ],
     "recipes": [["--frobnicate"], ["extra"]],
     "finetune": [
         ["--seq-len", "0"], ["--attn", "flash"], ["--frobnicate"], ["--layers", "x"], ["--rope", "ntk"],
         ["--segment-lengths", "64"], ["--data", "missing-dir"], ["--model", "missing-dir"], ["--max-steps", "x"],
+        ["--attn", "block_sparse", "--segment-lengths", "64", "--dilation-rates", "1"], ["--attention", "flash"],
     ],
 }
 GOOD = {
     "patch": [["--backend", "torch"], ["--rope", "none"], ["--dtype", "float32"], ["--overwrite"], ["--layers", "0"]],
     "eval": [["--windows", "2"], ["--device", "cpu"], ["--overwrite"], ["--contexts", "64", "128"]],
     "recipes": [[]],
-    "finetune": [["--attn", "sdpa"], ["--overwrite"], ["--max-steps", "2"]],
+    "finetune": [["--attn", "sdpa"], ["--attn", "block_sparse"], ["--overwrite"], ["--max-steps", "2"]],
 }
 
 
@@ -430,3 +509,40 @@ def test_patch_of_a_patched_checkpoint_is_refused_in_cli_words(checkpoint, tmp_p
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "already patched" in err and "hf_dilated.unpatch" not in err
     assert err.count("\n") == 1 and not (tmp_path / "second").exists()
+
+
+def test_finetune_accepts_block_sparse(tmp_path, capsys):
+    """`hf-dilated finetune --attention block_sparse` (alias of --attn) parses and validates; the library switch it
+    runs (training.prepare_attention) patches the recipe's block-sparse attention at --seq-len."""
+    import hf_dilated
+    from hf_dilated import BlockSparseConfig
+    from hf_dilated.scripts import finetune as ft
+    from hf_dilated.training import prepare_attention
+
+    script, _ = ft.parse_args(["--model", "tiny", "--attention", "block_sparse", "--layers", "0", "--backend", "torch",
+                               "--output-dir", str(tmp_path / "run")])
+    assert script.attn == "block_sparse" and ft._layers(script.layers) == [0]
+    for argv, message in [
+        (["--attn", "block_sparse", "--segment-lengths", "64", "--dilation-rates", "1"],
+         "--segment-lengths / --dilation-rates are dilated-attention options; --attn block_sparse"),
+        (["--attn", "sdpa", "--backend", "torch"], "need --attn dilated or block_sparse, got --attn sdpa"),
+        (["--attention", "sparse"], "invalid choice: 'sparse' (choose from 'dilated', 'block_sparse', 'sdpa')"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            ft.main([*argv, "--output-dir", str(tmp_path / "bad")])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "bad").exists()
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=4096))
+    cfg = prepare_attention(model, "block_sparse", seq_len=8192, layers=[1], backend="torch", rope="none")
+    assert isinstance(cfg, BlockSparseConfig) and cfg.pattern == "adaptive" and cfg.layers == [1]
+    assert model.config._attn_implementation == "block_sparse" and model.config.use_cache is False
+    assert prepare_attention(model, "block_sparse", seq_len=8192) == cfg  # already patched so: kept
+    assert isinstance(prepare_attention(model, "dilated", seq_len=8192), hf_dilated.DilatedAttentionConfig)
+    assert model.config._attn_implementation == "dilated"  # switched, not stacked
+    with pytest.raises(ValueError, match="attn must be one of \\('dilated', 'block_sparse', 'sdpa'\\)"):
+        prepare_attention(model, "flash")

@@ -333,3 +333,175 @@ def test_degenerate_config_gives_dense_logits_on_smollm2(smollm2, shakespeare):
     nll = lambda logits: torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
     assert (sparse - dense).abs().max() > 1e-2
     assert nll(sparse) < nll(dense) + 1.0, (nll(sparse), nll(dense))
+
+
+# ---- block-sparse attention through the same patch ----------------------------------------------------------------
+BS_SPARSE = {"block_size": 16, "top_k": 1, "local_blocks": 1, "global_blocks": 1}  # 3 of 10 blocks at 160 tokens
+
+
+def test_block_sparse_patch_save_reload_equal_logits_and_unpatch(tmp_path, rng):
+    from hf_dilated import BlockSparseConfig
+    from hf_dilated.ops.block_sparse.config import CONFIG_KEY as BS_KEY
+
+    model = tiny("llama")
+    ids = torch.randint(0, 128, (2, 160), generator=rng)
+    dense, before = run(model, ids), config_state(model)
+
+    patch(model, {"pattern": "dense", "block_size": 16}, attention="block_sparse")  # an all-dense layout: exact
+    assert model.config._attn_implementation == "block_sparse" and is_patched(model)
+    torch.testing.assert_close(run(model, ids), dense, atol=1e-5, rtol=1e-5)
+    unpatch(model)
+    assert config_state(model) == before
+
+    patch(model, BS_SPARSE, attention="block_sparse", layers=[1], context_length=512)
+    patched = run(model, ids)
+    assert (patched - dense).abs().max() > 1e-3, "a sparse layout must change the outputs"
+    record = patch_summary(model)
+    assert record["attention"] == "block_sparse" and record["segment_lengths"] is None
+    assert record["block_sparse"]["top_k"] == 1 and record["converted_layers"] == [1]
+    save_patched(model, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["attn_implementation"] == "block_sparse" and CONFIG_KEY not in saved
+    assert saved[BS_KEY]["layers"] == [1] and saved[BS_KEY]["block_size"] == 16
+    card = (tmp_path / "README.md").read_text()
+    assert "block-sparse attention" in card and "| Pattern | `adaptive` |" in card and "| `top_k` | 1 |" in card
+    assert 'attn_implementation="block_sparse"' in card and "Segment lengths" not in card
+
+    for kwargs in ({}, {"attn_implementation": "block_sparse"}):  # config.json says it; saying it again is the same
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs).eval()
+        assert reloaded.config._attn_implementation == "block_sparse"
+        assert BlockSparseConfig.from_model_config(reloaded.config) == BlockSparseConfig.from_model_config(model.config)
+        assert torch.equal(run(reloaded, ids), patched)
+    save_patched(reloaded, tmp_path / "again")  # a reloaded checkpoint saves as block-sparse again
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["attn_implementation"] == "block_sparse"
+
+    unpatch(reloaded)  # from the record on disk
+    assert reloaded.config._attn_implementation == "sdpa" and not hasattr(reloaded.config, BS_KEY)
+    assert reloaded.config.rope_parameters["rope_type"] == "default" and reloaded.config.max_position_embeddings == 256
+    unpatch(model)  # in process: exact (save_pretrained itself adds config.architectures)
+    assert torch.equal(run(model, ids), dense) and not is_patched(model) and not hasattr(model.config, BS_KEY)
+    torch.testing.assert_close(run(reloaded, ids), dense, atol=1e-6, rtol=1e-6)
+
+
+def test_block_sparse_recipe_defaults_match_the_dilated_budget():
+    from hf_dilated import BlockSparseConfig
+    from hf_dilated.ops.block_sparse.budget import dilated_keys_per_query
+
+    model = tiny("llama")
+    model.config.max_position_embeddings = 4096  # as if trained on 4K: dilated default w = 1024 .. 8192 at 8192
+    patch(model, attention="block_sparse", context_length=8192)
+    record = patch_summary(model)
+    cfg = BlockSparseConfig.from_model_config(model.config)
+    ws, rs = load_recipe("llama").branches(4096, 8192)
+    want = BlockSparseConfig.matching_budget(DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs), 8192)
+    assert cfg == want and cfg.pattern == "adaptive" and cfg.local_blocks == 8 and cfg.global_blocks == 1
+    assert record["keys_per_query"] == pytest.approx(cfg.keys_per_query(8192), abs=0.01)
+    assert abs(record["keys_per_query"] - dilated_keys_per_query(ws, rs, 8192)) <= cfg.block_size
+    assert model.config.rope_parameters["rope_type"] == "yarn"  # the recipe's RoPE, as for dilated
+    unpatch(model)
+
+    patch(model, "dilated", context_length=8192)  # a pattern name: block-sparse; the rest from the recipe
+    cfg = BlockSparseConfig.from_model_config(model.config)
+    assert patch_summary(model)["attention"] == "block_sparse"
+    assert cfg.segment_blocks == [16, 32, 64, 128] and cfg.dilation_rates == rs == [1, 2, 4, 8]  # w / 64 blocks
+    unpatch(model)
+    patch(model, BlockSparseConfig(pattern="local", block_size=16, local_blocks=2), backend="torch")  # as given
+    assert BlockSparseConfig.from_model_config(model.config).local_blocks == 2
+    assert BlockSparseConfig.from_model_config(model.config).backend == "torch"
+    unpatch(model)
+
+    gemma = tiny("gemma3")  # the sliding-window layer stays exact
+    patch(gemma, attention="block_sparse")
+    assert BlockSparseConfig.from_model_config(gemma.config).layers == [1]
+    bert = tiny("bert")  # bidirectional: matched without causality
+    patch(bert, attention="block_sparse")
+    assert patch_summary(bert)["keys_per_query"] == pytest.approx(
+        BlockSparseConfig.from_model_config(bert.config).keys_per_query(256, causal=False), abs=0.01)
+
+
+def test_block_sparse_bad_arguments_name_the_argument_and_change_nothing():
+    from hf_dilated import BlockSparseConfig
+
+    model = tiny("llama")
+    before = config_state(model)
+    cases = [
+        (dict(attention="sparse"), "attention must be one of \\('dilated', 'block_sparse'\\)"),
+        (dict(config=BlockSparseConfig(), attention="dilated"), "does not fit attention='dilated'"),
+        (dict(config="stripes"), "pattern must be one of \\('local', 'dilated'"),  # a name: block-sparse
+        (dict(config="stripes", attention="block_sparse"), "pattern must be one of \\('local', 'dilated'"),
+        (dict(config=DilatedAttentionConfig(), attention="block_sparse"), "does not fit attention='block_sparse'"),
+        (dict(config={"patern": "local"}, attention="block_sparse"), "unknown block-sparse config keys \\['patern'\\]"),
+        (dict(config={"block_size": 48}, attention="block_sparse"), "block_size must be a power of two"),
+        (dict(config=3, attention="block_sparse"), "config must be a BlockSparseConfig, a pattern name"),
+        (dict(config={"layers": [0]}, attention="block_sparse", layers=[1]), "contradicts config.layers"),
+        (dict(attention="block_sparse", layers=[0, 5]), "layers must be 'all' or a list of layer indices"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            patch(model, **kwargs)
+        assert config_state(model) == before, kwargs
+    patch(model, attention="block_sparse")
+    with pytest.raises(ValueError, match="already patched with block_sparse attention"):
+        patch(model)
+    with pytest.raises(ValueError, match="unknown block_sparse keys \\['window'\\]"):
+        Recipe.from_dict({"name": "x", "model_types": ["x"], "block_sparse": {"window": 3}})
+    with pytest.raises(ValueError, match="recipe 'x': block_sparse: top_k must be"):
+        Recipe.from_dict({"name": "x", "model_types": ["x"], "block_sparse": {"top_k": 0}})
+    assert all(load_recipe(name).block_sparse.get("pattern") == "adaptive" for name in list_recipes())
+
+    # A malformed stored config fails at the first forward (the mask function), naming the field.
+    broken = tiny("llama")
+    broken.set_attn_implementation("block_sparse")
+    ids = torch.randint(0, 128, (1, 20))
+    for stored, message in [({"pattern": "star"}, "pattern must be one of"), ({"layers": [5]}, "layers names layer 5"),
+                            ("adaptive", "must be a dict")]:
+        broken.config.block_sparse_attention = stored
+        with pytest.raises(ValueError, match=message):
+            run(broken, ids)
+
+
+@pytest.mark.slow
+def test_block_sparse_on_smollm2_reads_real_text(smollm2, shakespeare):
+    """The real checkpoint (its fixture is shared with the dilated test above), two forwards: the recipe's adaptive
+    pattern at small blocks changes the logits but keeps the model reading Shakespeare. (Exactness of an all-dense
+    layout is checked on the tiny models; the command line's `patch smollm2 DST --attention block_sparse` takes over
+    a minute on 2 cores, GGUF dequantization and saving, and tests/test_cli.py covers it on a tiny checkpoint.)"""
+    model, tok = smollm2
+    ids = tok(shakespeare[:4000], return_tensors="pt", add_special_tokens=False).input_ids[:, :128]
+    dense = run(model, ids)
+    patch(model, {"block_size": 16, "local_blocks": 2, "top_k": 2}, attention="block_sparse")  # <= 5 of 8 blocks
+    try:
+        assert patch_summary(model)["recipe"] == "llama" and patch_summary(model)["converted_layers"] == list(range(30))
+        sparse = run(model, ids)
+    finally:
+        unpatch(model)
+    assert model.config._attn_implementation != "block_sparse" and not is_patched(model)
+    nll = lambda logits: torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
+    assert (sparse - dense).abs().max() > 1e-2
+    assert nll(sparse) < nll(dense) + 1.0, (nll(sparse), nll(dense))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_block_sparse_patch_triton_matches_reference(tmp_path):
+    """A patched model on the GPU (bf16, block 64, the recipe's adaptive default at 2K tokens): the Triton kernels give
+    the reference's logits, and the saved checkpoint reloads to the same."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (2, 2048), device="cuda")
+    patch(model, attention="block_sparse", backend="triton")
+    from hf_dilated import BlockSparseConfig
+
+    cfg = BlockSparseConfig.from_model_config(model.config)
+    assert cfg.pattern == "adaptive" and cfg.block_size == 64 and cfg.local_blocks == 4  # w0 = 512 -> 256 tokens
+    fast = run(model, ids).float()
+    model.config.block_sparse_attention = dict(model.config.block_sparse_attention, backend="torch")
+    ref = run(model, ids).float()
+    assert ((fast - ref).norm() / ref.norm()).item() < 2e-2
+    model.config.block_sparse_attention = dict(model.config.block_sparse_attention, backend="triton")
+    save_patched(model, tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to("cuda").eval()
+    again, want = run(reloaded, ids).float(), run(model, ids).float()
+    assert ((again - want).norm() / want.norm()).item() < 1e-3  # the same computation (GPU matmuls may reorder)

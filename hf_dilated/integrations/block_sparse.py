@@ -23,9 +23,13 @@ ATTENTION_NAME = "block_sparse"
 
 
 def block_sparse_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """Mask function registered with ``AttentionMaskInterface``: the ``[B, Nk]`` key mask of ``"dilated"``."""
+    """Mask function registered with ``AttentionMaskInterface``: the ``[B, Nk]`` key mask of ``"dilated"``. A
+    malformed stored config fails here, at the first forward, before any layer runs (as for ``"dilated"``)."""
     from .transformers import dilated_mask
 
+    config = kwargs.pop("config", None)
+    if config is not None and not torch.compiler.is_compiling():
+        BlockSparseConfig.from_model_config(config)
     return dilated_mask(*args, **kwargs)
 
 

@@ -1,8 +1,10 @@
 """Content-chosen ("adaptive") block selection, as in MInference / MoBA / NSA's selection branch.
 
 Per kv head (the query heads of a GQA group pool together, so the group shares its key blocks), each query block's
-mean-pooled query is scored against every key block's mean-pooled key; the ``top_k`` best key blocks are kept
-together with the local window and the global (sink) blocks. Selection runs without gradient: the layout is a
+mean-pooled query is scored against every key block's mean-pooled key; the ``top_k`` best key blocks that are not
+already in the local window or the global (sink) blocks are kept together with those, so every query block reads
+``local + global + top_k`` distinct blocks (fewer only where causality leaves fewer): the budget is exact, which
+:meth:`BlockSparseConfig.keys_per_query` and :meth:`BlockSparseConfig.matching_budget` rely on. Selection runs without gradient: the layout is a
 constant of the attention call, and gradients flow through the attention over the selected blocks.
 
 Cost: pooling O(B * H * N * D); scores O(B * Hk * (N / b)^2 * D) multiply-adds and a top-k over ``(N / b)^2`` entries
@@ -65,16 +67,17 @@ def adaptive_blocks(query: torch.Tensor, key: torch.Tensor, block_size: int, top
     for i0 in range(first, n, CHUNK):
         i1 = min(n, i0 + CHUNK)
         s = qbar[:, :, i0:i1] @ kbar.transpose(-1, -2)  # [B, Hk, C, n]
-        bad = empty_k[:, None, None, :]
+        rows = torch.arange(i0, i1, device=dev)[:, None]
+        bad = empty_k[:, None, None, :] | _forced(rows, j[None, :], local, n_global, causal)
         if causal:
-            bad = bad | (j[None, None, None, :] > torch.arange(i0, i1, device=dev)[None, None, :, None])
+            bad = bad | (j[None, None, None, :] > rows)
         s = s.masked_fill(bad, float("-inf"))
         val, idx = torch.topk(s, kk, dim=-1)
         chosen.append(torch.where(torch.isfinite(val), idx, -1))
     top = torch.cat(chosen, 2)  # [B, Hk, n, kk]
 
     i = j[:, None]
-    parts = [top]
+    parts = [top]  # disjoint from the local and global blocks added below
     if local:
         offsets = torch.arange(-(local - 1), 1 if causal else local, device=dev)
         parts.append((i + offsets).expand(B, Hk, n, -1))
@@ -85,3 +88,9 @@ def adaptive_blocks(query: torch.Tensor, key: torch.Tensor, block_size: int, top
         cand = torch.where(cand <= i, cand, -1)
     cand = torch.where(has_q[:, None, :, None], cand, -1)
     return compact(cand, b, n)
+
+
+def _forced(i: torch.Tensor, j: torch.Tensor, local: int, n_global: int, causal: bool) -> torch.Tensor:
+    """Whether key block ``j`` is in query block ``i``'s local window or among the global blocks (broadcast)."""
+    near = (i - j >= 0) & (i - j < local) if causal else (i - j).abs() < local
+    return near | (j < n_global)

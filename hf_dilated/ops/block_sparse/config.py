@@ -117,6 +117,71 @@ class BlockSparseConfig:
         return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in asdict(self).items()
                      if k not in ("layers", "backend"))
 
+    # ---- cost ------------------------------------------------------------------------------------------------------
+    def keys_per_query(self, seq_len: int, *, causal: bool = True, num_heads: int | None = None) -> float:
+        """Mean keys scored per query on one sequence of ``seq_len`` tokens (see ``budget.py``): for ``"adaptive"``
+        from the block counts (content picks which blocks, not how many), for fixed patterns from their layout
+        (``num_heads``: heads of a per-head pattern, default the largest dilation rate, which covers every offset)."""
+        from .budget import adaptive_keys_per_query, layout_keys_per_query
+
+        if self.pattern == "adaptive":
+            return adaptive_keys_per_query(seq_len, self.block_size, self.top_k, self.local_blocks,
+                                           self.global_blocks, causal=causal)
+        n = math.ceil(_int("seq_len", seq_len, 1) / self.block_size)
+        heads = _int("num_heads", num_heads, 1) if num_heads is not None else max(self.dilation_rates)
+        return layout_keys_per_query(_fixed_layout(self._key(), n, heads, bool(causal), "cpu"), seq_len, causal=causal)
+
+    @classmethod
+    def matching_budget(cls, dilated: Any, seq_len: int, *, causal: bool = True, block_size: int = 64,
+                        local_blocks: int | None = None, global_blocks: int = 1, **settings: Any) -> "BlockSparseConfig":
+        """The adaptive config that scores as many keys per query as dilated attention ``dilated`` (a
+        ``DilatedAttentionConfig`` or its dict) at ``seq_len`` tokens: the same budget, chosen by content.
+
+        The local window defaults to half the first (dense) segment, ``segment_lengths[0] / 2`` tokens (what a causal
+        query of that branch sees on average), at least one block; one sink block; ``top_k`` is then the number of
+        content-chosen blocks whose keys per query (:meth:`keys_per_query`) come closest to the dilated count
+        (:func:`~hf_dilated.ops.block_sparse.budget.dilated_keys_per_query`, global tokens included), at least 1, so
+        a window and sink already above the budget give ``top_k = 1``. ``layers`` and ``backend`` default to
+        ``dilated``'s; other ``settings`` are passed to the config.
+
+        Example: SmolLM2's default (``w = 2048, 4096, 8192``, ``r = 1, 2, 4``) attends to 1,408.5 keys per query at
+        8192 tokens; ``matching_budget(dilated, 8192)`` gives ``block_size=64, local_blocks=16, global_blocks=1,
+        top_k=8`` (1,418.5).
+        """
+        from ...config import DilatedAttentionConfig
+        from .budget import dilated_keys_per_query
+
+        if isinstance(dilated, dict):
+            dilated = DilatedAttentionConfig.from_dict(dilated)
+        if not isinstance(dilated, DilatedAttentionConfig):
+            raise ValueError(f"dilated must be a DilatedAttentionConfig or its dict, got {type(dilated).__name__}")
+        seq_len = _int("seq_len", seq_len, 1)
+        b = check_block_size(block_size)
+        if local_blocks is None:
+            local_blocks = max(1, dilated.segment_lengths[0] // (2 * b))
+        settings.setdefault("layers", dilated.layers)
+        settings.setdefault("backend", dilated.backend)
+        target = dilated_keys_per_query(dilated.segment_lengths, dilated.dilation_rates, seq_len, causal=causal,
+                                        global_tokens=dilated.global_tokens)
+
+        def make(k: int) -> "BlockSparseConfig":
+            return cls(pattern="adaptive", block_size=b, local_blocks=local_blocks, global_blocks=global_blocks,
+                       top_k=k, **settings)
+
+        lo, hi = 1, max(1, math.ceil(seq_len / b))  # keys grow with top_k: the first top_k reaching the target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if make(mid).keys_per_query(seq_len, causal=causal) >= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        best = make(lo)
+        if lo > 1:
+            below = make(lo - 1)
+            if target - below.keys_per_query(seq_len, causal=causal) < best.keys_per_query(seq_len, causal=causal) - target:
+                best = below
+        return best
+
     # ---- serialization ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,13 +197,29 @@ class BlockSparseConfig:
 
     @classmethod
     def from_model_config(cls, model_config: Any) -> "BlockSparseConfig":
-        """The config under ``model_config.block_sparse_attention``, or the defaults."""
+        """The config under ``model_config.block_sparse_attention`` (checked against the model: ``layers`` within
+        ``num_hidden_layers``), or the defaults."""
         stored = getattr(model_config, CONFIG_KEY, None)
         if isinstance(stored, cls):
-            return stored
-        return cls() if stored is None else cls.from_dict(dict(stored))
+            return stored.check_model(model_config)
+        if stored is None:
+            return cls()
+        if not isinstance(stored, dict):
+            raise ValueError(f"{CONFIG_KEY} must be a dict of BlockSparseConfig fields, got {type(stored).__name__}")
+        return cls.from_dict(dict(stored)).check_model(model_config)
+
+    def check_model(self, model_config: Any) -> "BlockSparseConfig":
+        """Raise a ``ValueError`` naming ``layers`` when it names a layer the model does not have."""
+        n_layers = getattr(model_config, "num_hidden_layers", None)
+        if self.layers and isinstance(n_layers, int) and self.layers[-1] >= n_layers:
+            raise ValueError(f"{CONFIG_KEY}.layers names layer {self.layers[-1]}, but the model has {n_layers} layers "
+                             f"(indices 0..{n_layers - 1}); got layers={self.layers}")
+        return self
 
     def save_to(self, model_config: Any) -> None:
+        """Store this config in ``model_config`` (a JSON-friendly dict under ``block_sparse_attention``), after
+        checking it against the model."""
+        self.validate().check_model(model_config)
         setattr(model_config, CONFIG_KEY, self.to_dict())
 
 
