@@ -28,6 +28,7 @@ a rank that dies makes the others fail when the process group's ``timeout`` expi
 """
 
 from .dilated_ring import dilated_ring_attention
+from .trainer import enable_sequence_parallel, init_sequence_parallel
 from .group import (
     get_head_parallel_group,
     get_sequence_parallel_group,
@@ -38,6 +39,8 @@ from .group import (
 
 __all__ = [
     "dilated_ring_attention",
+    "enable_sequence_parallel",
+    "init_sequence_parallel",
     "get_head_parallel_group",
     "get_sequence_parallel_group",
     "head_offset",
