@@ -367,6 +367,79 @@ class Bench:
                                 peak_gib=best[2], gpu_gib=total if cuda else None)
             dist.barrier()
 
+    def trainer(self):
+        """A Trainer step of a random Llama under sequence parallelism (``hf_dilated.distributed.trainer``): groups of
+        2 ranks (data parallel over the rest), one ``--trainer-tokens`` row per rank, bf16 autocast on CUDA. Checks the
+        step's loss and gradients against rank 0 running the same rows on one device (``"dilated"``), then times
+        ``--reps`` more steps. Needs no datasets (random tokens)."""
+        import copy
+        import tempfile
+
+        from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+        from hf_dilated.distributed import enable_sequence_parallel
+        from hf_dilated.distributed.trainer import SequenceParallelTrainer, loss_sum
+        from hf_dilated.distributed.sharding import shard_batch
+
+        if self.world < 2 or self.world % 2:
+            return
+        cuda = self.device.type == "cuda"
+        n = self.args.trainer_tokens
+        tiny = self.args.tiny
+        cfg = LlamaConfig(vocab_size=512 if tiny else 32000, hidden_size=64 if tiny else 1024,
+                          intermediate_size=128 if tiny else 2816, num_hidden_layers=2 if tiny else 4,
+                          num_attention_heads=4 if tiny else self.H, num_key_value_heads=2 if tiny else self.Hk,
+                          head_dim=16 if tiny else self.D, max_position_embeddings=max(n, 4096), use_cache=False)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        model.config.dilated_attention = {"segment_lengths": [w for w, _ in self.branches],
+                                          "dilation_rates": [r for _, r in self.branches],
+                                          "backend": self.backend}
+        model.set_attn_implementation("dilated")
+        reference = copy.deepcopy(model).to(self.device) if self.rank == 0 else None
+        gen = torch.Generator().manual_seed(7)
+        rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, cfg.vocab_size, (self.world, n), generator=gen)]
+        grads = {}
+
+        class Grads(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+                if not grads:
+                    grads.update({k: p.grad.detach().float().clone() for k, p in model.named_parameters()})
+
+        enable_sequence_parallel(model, 2)
+        with tempfile.TemporaryDirectory() as scratch:
+            args = TrainingArguments(output_dir=scratch, per_device_train_batch_size=1, max_steps=1 + self.args.reps,
+                                     learning_rate=0.0, max_grad_norm=0.0, bf16=cuda, use_cpu=not cuda,
+                                     report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+                                     dataloader_num_workers=0, seed=0)
+            trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=_InOrder(rows * (1 + self.args.reps)),
+                                              callbacks=[Grads()])
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            t = time.perf_counter()
+            trainer.train()
+            sync(self.device)
+            seconds = time.perf_counter() - t
+            first = trainer.state.log_history[0]["loss"]
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None
+        if self.rank == 0:  # the same rows (all of step 1: one per rank), one at a time, on one device
+            total = sum(int((r["labels"][1:] != -100).sum()) for r in rows)
+            ref_loss = 0.0
+            for r in rows:
+                batch = shard_batch({k: v[None].to(self.device) for k, v in r.items()}, rank=0, world_size=1)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+                    loss = loss_sum(reference, batch) / total
+                loss.backward()
+                ref_loss += float(loss)
+            errs = {k: rel_err(grads[k], p.grad.float()) for k, p in reference.named_parameters()}
+            worst = max(errs, key=errs.get)
+            self.record(phase="trainer", gpus=self.world, sequence_parallel=2, N=n, shard=n // 2,
+                        loss=first, loss_single_device=ref_loss, loss_rel_err=abs(first - ref_loss) / abs(ref_loss),
+                        grad_rel_err_max=errs[worst], grad_worst=worst, ok=errs[worst] < 5e-2,
+                        step_s=seconds / (1 + self.args.reps), peak_gib=peak, params=sum(p.numel() for p in model.parameters()))
+            del reference
+        dist.barrier()
+
     # ---- output --------------------------------------------------------------------------------------------------
     def save(self, plot=True):
         os.makedirs(self.out, exist_ok=True)
@@ -427,6 +500,16 @@ class Bench:
         plt.close(fig)
 
 
+class _InOrder(torch.utils.data.IterableDataset):
+    """Rows in order (no shuffling): Trainer's step 1 then gives rank i row i, all rows of the reference."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
 def _version(name):
     try:
         import importlib.metadata as md
@@ -448,6 +531,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=300, help="skip later phases past this many seconds")
     ap.add_argument("--phases", default="check,weak,compare,largest")
+    ap.add_argument("--trainer-tokens", type=int, default=131072, help="trainer phase: tokens per row (sequence)")
     ap.add_argument("--largest-start", type=int, default=262144, help="largest-N probe: first tokens per GPU")
     ap.add_argument("--largest-max", type=int, default=2**24, help="largest-N probe: stop doubling past this")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU self-check)")
@@ -459,7 +543,8 @@ def main(argv=None):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=180))
     bench = Bench(args)
-    phases = {"check": bench.check, "weak": bench.weak_scaling, "compare": bench.compare, "largest": bench.largest}
+    phases = {"check": bench.check, "weak": bench.weak_scaling, "compare": bench.compare, "largest": bench.largest,
+              "trainer": bench.trainer}
     for name in args.phases.split(","):
         phases[name]()
         if bench.rank == 0:
