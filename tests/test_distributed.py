@@ -289,7 +289,8 @@ def test_shard_batch_shifts_labels_before_splitting():
 # ---- a training step of a tiny Llama -------------------------------------------------------------------------------
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-LLAMA_BRANCHES = {"segment_lengths": [4, 8, 16], "dilation_rates": [1, 2, 4], "layers": [0]}  # layer 1 dense
+LLAMA_BRANCHES = {"segment_lengths": [4, 8, 16], "dilation_rates": [1, 2, 4], "layers": [0],  # layer 1 dense
+                  "global_tokens": 2}
 
 
 def _tiny_llama(attn):
