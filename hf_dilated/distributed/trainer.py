@@ -64,21 +64,18 @@ def enable_sequence_parallel(model: Any, size: int) -> Any:
     :func:`hf_dilated.training.prepare_attention` or :func:`hf_dilated.patch`). ``size == 1`` changes nothing.
     Train it with :class:`SequenceParallelTrainer` (or shard batches and reduce yourself, see ``hf_dilated.distributed``).
     """
-    from ..config import DilatedAttentionConfig
+    from ..config import CONFIG_KEY, DilatedAttentionConfig
     from ..integrations import dilated_ring
 
     size = _check_size(size)
     if size == 1:
         return model
-    try:
-        config = DilatedAttentionConfig.from_model_config(model.config)
-    except ValueError:
-        config = None
-    if config is None:
+    if getattr(model.config, CONFIG_KEY, None) is None:
         raise ValueError(
             "sequence_parallel > 1 needs a dilated model (config.dilated_attention): switch it with "
             "hf_dilated.training.prepare_attention(model, 'dilated') first (--attn dilated)"
         )
+    DilatedAttentionConfig.from_model_config(model.config)  # a malformed stored config fails here, on every rank
     dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         raise ValueError(
