@@ -31,8 +31,8 @@ def causal_lm_nll(model: Any, inputs: dict[str, Any], chunk_size: int = 4096) ->
 
     ``inputs`` are the model's keyword arguments with ``labels`` (``-100`` = not a target), as a causal-LM forward
     takes them: the target of token ``t`` is ``labels[t + 1]``, or ``shift_labels[t]`` when given (labels shifted
-    before a sequence was sharded, as Transformers' causal-LM loss takes them). ``sum / count`` is the model's own loss; Trainer's
-    ``sum / num_items_in_batch`` its loss under gradient accumulation.
+    before a sequence was sharded, as Transformers' causal-LM loss takes them). ``sum / count`` is the model's own
+    loss; Trainer's ``sum / num_items_in_batch`` its loss under gradient accumulation.
     """
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")

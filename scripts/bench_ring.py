@@ -375,7 +375,7 @@ class Bench:
         import copy
         import tempfile
 
-        from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+        from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
         from hf_dilated.distributed import enable_sequence_parallel
         from hf_dilated.distributed.trainer import SequenceParallelTrainer, loss_sum
@@ -398,7 +398,8 @@ class Bench:
         model.set_attn_implementation("dilated")
         reference = copy.deepcopy(model).to(self.device) if self.rank == 0 else None
         gen = torch.Generator().manual_seed(7)
-        rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, cfg.vocab_size, (self.world, n), generator=gen)]
+        ids = torch.randint(0, cfg.vocab_size, (self.world, n), generator=gen)
+        rows = [{"input_ids": row, "labels": row} for row in ids]
         grads = {}
 
         class Grads(TrainerCallback):
@@ -412,8 +413,8 @@ class Bench:
                                      learning_rate=0.0, max_grad_norm=0.0, bf16=cuda, use_cpu=not cuda,
                                      report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
                                      dataloader_num_workers=0, seed=0)
-            trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=_InOrder(rows * (1 + self.args.reps)),
-                                              callbacks=[Grads()])
+            data = _InOrder(rows * (1 + self.args.reps))
+            trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=data, callbacks=[Grads()])
             if cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
             t = time.perf_counter()
@@ -436,7 +437,8 @@ class Bench:
             self.record(phase="trainer", gpus=self.world, sequence_parallel=2, N=n, shard=n // 2,
                         loss=first, loss_single_device=ref_loss, loss_rel_err=abs(first - ref_loss) / abs(ref_loss),
                         grad_rel_err_max=errs[worst], grad_worst=worst, ok=errs[worst] < 5e-2,
-                        step_s=seconds / (1 + self.args.reps), peak_gib=peak, params=sum(p.numel() for p in model.parameters()))
+                        step_s=seconds / (1 + self.args.reps), peak_gib=peak,
+                        params=sum(p.numel() for p in model.parameters()))
             del reference
         dist.barrier()
 
@@ -492,7 +494,8 @@ class Bench:
             ax.set_title(f"{comp[0]['shard'] // 1024}K tokens per GPU")
             ax.legend()
         big = [r for r in self.rows if r["phase"] == "largest"]
-        largest = "; largest N (fwd+bwd): " + ", ".join(f"{r['gpus']} GPU {r['N'] / 2**20:g}M" for r in big) if big else ""
+        largest = ("; largest N (fwd+bwd): " + ", ".join(f"{r['gpus']} GPU {r['N'] / 2**20:g}M" for r in big)
+                   if big else "")
         fig.suptitle(f"{self.meta['gpu']}, {self.meta['dtype']}, H={self.H}, D={self.D}, LongNet branches, causal"
                      + largest)
         fig.tight_layout()

@@ -11,7 +11,8 @@ import torch
 from naive import rel_err
 from test_distributed import LLAMA, _packed_positions, launch
 
-BRANCHES = {"segment_lengths": [4, 8, 16], "dilation_rates": [1, 2, 4], "layers": [0], "global_tokens": 2}  # layer 1 dense
+# Layer 0 dilated with global tokens, layer 1 dense.
+BRANCHES = {"segment_lengths": [4, 8, 16], "dilation_rates": [1, 2, 4], "layers": [0], "global_tokens": 2}
 
 
 def _rows(gen) -> list[dict]:

@@ -15,7 +15,6 @@ average, and the chunked loss of ``scripts/finetune.py`` calls the model's body 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -62,7 +61,7 @@ def enable_sequence_parallel(model: Any, size: int) -> Any:
     """Shard every sequence of ``model`` over groups of ``size`` ranks: create the groups and switch its attention to
     ``"dilated_ring"``, keeping its dilated configuration (``config.dilated_attention``, set by
     :func:`hf_dilated.training.prepare_attention` or :func:`hf_dilated.patch`). ``size == 1`` changes nothing.
-    Train it with :class:`SequenceParallelTrainer` (or shard batches and reduce yourself, see ``hf_dilated.distributed``).
+    Train it with :class:`SequenceParallelTrainer` (or shard batches and reduce yourself: ``hf_dilated.distributed``).
     """
     from ..config import CONFIG_KEY, DilatedAttentionConfig
     from ..integrations import dilated_ring
@@ -80,7 +79,7 @@ def enable_sequence_parallel(model: Any, size: int) -> Any:
     if dropout > 0:
         raise ValueError(
             f"'{RING_ATTENTION}' has no attention dropout yet, but the model config sets attention_dropout={dropout}: "
-            "set model.config.attention_dropout = 0 for sequence-parallel training (single-device 'dilated' supports it)"
+            "set model.config.attention_dropout = 0 for sequence-parallel training ('dilated' on one device has it)"
         )
     init_sequence_parallel(size)
     dilated_ring.register()
