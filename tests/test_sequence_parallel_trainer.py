@@ -4,9 +4,15 @@ of two ranks, each sequence sharded over both, equals the single-process step on
 
 from __future__ import annotations
 
+import datetime
 import os
+import socket
+import sys
+from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from naive import rel_err
 from test_distributed import LLAMA, _packed_positions, launch
@@ -101,3 +107,28 @@ def test_trainer_step_with_sequence_parallelism_matches_single_process(rng, tmp_
         assert abs(loss - want_loss) < 1e-5 * abs(want_loss), (loss, want_loss)
         for name, g in want.items():
             assert rel_err(grads[name], g) < 1e-5, (name, rel_err(grads[name], g))
+
+
+def test_sequence_parallel_refuses_what_it_cannot_run(tmp_path):
+    """Without a launcher, with a size that does not divide the processes, and --attn sdpa: a ValueError naming it."""
+    from hf_dilated.distributed import enable_sequence_parallel, set_sequence_parallel_group
+
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
+        enable_sequence_parallel(_model(), 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=10))
+    try:
+        with pytest.raises(ValueError, match="must divide the number of processes"):
+            enable_sequence_parallel(_model(), 2)
+    finally:
+        dist.destroy_process_group()
+        set_sequence_parallel_group(None)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import finetune
+
+    with pytest.raises(ValueError, match="--sequence-parallel 2 needs --attn dilated"):
+        finetune.parse_args(["--model", "tiny", "--attn", "sdpa", "--sequence-parallel", "2",
+                             "--output-dir", str(tmp_path / "out")])
