@@ -386,7 +386,7 @@ class Bench:
         cuda = self.device.type == "cuda"
         n = self.args.trainer_tokens
         tiny = self.args.tiny
-        cfg = LlamaConfig(vocab_size=512 if tiny else 32000, hidden_size=64 if tiny else 1024,
+        cfg = LlamaConfig(vocab_size=512 if tiny else 16384, hidden_size=64 if tiny else 1024,
                           intermediate_size=128 if tiny else 2816, num_hidden_layers=2 if tiny else 4,
                           num_attention_heads=4 if tiny else self.H, num_key_value_heads=2 if tiny else self.Hk,
                           head_dim=16 if tiny else self.D, max_position_embeddings=max(n, 4096), use_cache=False)
