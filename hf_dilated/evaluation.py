@@ -30,8 +30,9 @@ def causal_lm_nll(model: Any, inputs: dict[str, Any], chunk_size: int = 4096) ->
     gradients on, float64 without).
 
     ``inputs`` are the model's keyword arguments with ``labels`` (``-100`` = not a target), as a causal-LM forward
-    takes them: the target of token ``t`` is ``labels[t + 1]``. ``sum / count`` is the model's own loss; Trainer's
-    ``sum / num_items_in_batch`` its loss under gradient accumulation.
+    takes them: the target of token ``t`` is ``labels[t + 1]``, or ``shift_labels[t]`` when given (labels shifted
+    before a sequence was sharded, as Transformers' causal-LM loss takes them). ``sum / count`` is the model's own
+    loss; Trainer's ``sum / num_items_in_batch`` its loss under gradient accumulation.
     """
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -43,10 +44,11 @@ def causal_lm_nll(model: Any, inputs: dict[str, Any], chunk_size: int = 4096) ->
         if getattr(causal.config, attr, None) not in (None, 1, 1.0):
             raise ValueError(f"the chunked NLL does not implement {attr} of {type(causal).__name__}")
     softcap = getattr(causal.config, "final_logit_softcapping", None)
-    labels = inputs["labels"]
-    body_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch", "use_cache")}
+    labels, shifted = inputs.get("labels"), inputs.get("shift_labels")
+    body_inputs = {k: v for k, v in inputs.items()
+                   if k not in ("labels", "shift_labels", "num_items_in_batch", "use_cache")}
     hidden = causal.base_model(**body_inputs, use_cache=False).last_hidden_state
-    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].to(hidden.device)
+    targets = (shifted if shifted is not None else F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]).to(hidden.device)
 
     def chunk_nll(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = head(h).float()

@@ -47,12 +47,6 @@ def prepare_attention(
             unpatch(model)
         model.set_attn_implementation("sdpa")
         return None
-    dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
-    if dropout > 0:
-        raise ValueError(
-            f"{attn} attention has no attention dropout, but the model config sets attention_dropout={dropout}; "
-            "set model.config.attention_dropout = 0 (or train with attn='sdpa')"
-        )
     overrides = config is not None or layers != "all" or backend is not None or rope is not None
     kind = DilatedAttentionConfig if attn == "dilated" else BlockSparseConfig
     if is_patched(model):
@@ -67,16 +61,9 @@ def prepare_attention(
 
 
 def enable_sequence_parallel(model: Any, size: int) -> Any:
-    """Shard every sequence over ``size`` ranks (ring attention from ``hf_dilated.distributed``); 1 is a no-op."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"sequence_parallel must be a positive integer, got {size!r}")
-    if size == 1:
-        return model
-    try:
-        from .distributed import enable_sequence_parallel as enable
-    except ImportError as err:
-        raise ValueError(
-            f"sequence_parallel={size} needs hf_dilated.distributed.enable_sequence_parallel (ring attention), "
-            f"which this installation does not have ({err})"
-        ) from err
+    """Shard every sequence over groups of ``size`` ranks (``"dilated_ring"`` attention, see
+    :func:`hf_dilated.distributed.enable_sequence_parallel`); 1 is a no-op. Train with
+    ``hf_dilated.distributed.trainer.SequenceParallelTrainer``."""
+    from .distributed import enable_sequence_parallel as enable
+
     return enable(model, size)

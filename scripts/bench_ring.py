@@ -9,7 +9,8 @@ causal, one long document whose shards cut every segment (positions start at 163
 - bytes: the rows each rank received (the plan's) against the cost model (hf_dilated.distributed.cost_model);
 - against Ulysses (all-to-all to a slice of heads, "dilated" with the global head offset) and a dense SDPA
   context-parallel baseline (all-gather of K/V, flash attention on the local queries), at a smaller shard;
-- the largest N that runs forward+backward: peak memory fitted linearly in the shard length, then verified by a run.
+- the largest N that runs forward+backward on 1, 2, 4, ... GPUs: the shard doubles from --largest-start until a
+  step runs out of memory (caught, memory released) or the linear fit of peak memory predicts > 95% of the GPU.
 Writes ``<out>/ring-<gpu>-<date>.json`` (rows, GPU, versions, command) and a PNG beside it after every phase.
 ``--device cpu`` (gloo, the reference backend, tiny sizes) checks the script itself.
 """
@@ -302,48 +303,144 @@ class Bench:
                     self.record(phase="compare", method=method, gpus=p, N=n, shard=S, ms=ms, peak_gib=peak)
                 dist.barrier()
 
+    def _probe_step(self, p, S):
+        """One ring forward+backward at ``S`` tokens per GPU: ``(ran, ms, peak GiB)``, the same verdict on every rank
+        of the group (a rank out of memory makes all report it). Memory is released either way."""
+        n = S * p
+        cuda = self.device.type == "cuda"
+        _PLANS.entries.clear()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        ran, ms = 1, float("nan")
+        shard = step = None
+        try:
+            shard = self.local(p, n, seed=5)
+            step = self.ring_step(p, n, shard)
+            t = time.perf_counter()
+            step()
+            sync(self.device)
+            ms = (time.perf_counter() - t) * 1e3
+        except torch.cuda.OutOfMemoryError:
+            ran = 0
+        del shard, step
+        _PLANS.entries.clear()
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None
+        if cuda:
+            torch.cuda.empty_cache()
+        flag = torch.tensor([ran], device=self.device, dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.groups[p])
+        return bool(flag.item()), ms, peak
+
     def largest(self):
-        """Peak memory of the ring step is linear in the shard: fit it from two shards, run the largest that should
-        fit in 90% of the GPU, and record it if it runs."""
-        if self.device.type != "cuda":
-            return
-        total = torch.cuda.get_device_properties(self.device).total_memory
+        """The largest N whose ring forward+backward runs on 1, 2, 4, ... GPUs: from ``--largest-start`` tokens per
+        GPU, double until a step runs out of memory (``torch.cuda.OutOfMemoryError``, caught, memory released), or
+        until the peak memory fitted linearly on the last two runs predicts more than 95% of the GPU (a run that
+        would certainly fail is not tried: an out-of-memory error inside a collective can leave peers waiting), or
+        ``--largest-max``."""
+        cuda = self.device.type == "cuda"
+        total = torch.cuda.get_device_properties(self.device).total_memory / 2**30 if cuda else float("inf")
         for p in self.sizes:
             if self.over_budget():
                 return
             if self.rank < p:
-                peaks = []
-                for S in (self.args.shard // 2, self.args.shard):
-                    n = S * p
-                    shard = self.local(p, n, seed=4)
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                    self.ring_step(p, n, shard)()
-                    sync(self.device)
-                    del shard
-                    peaks.append(torch.cuda.max_memory_allocated(self.device))
-                slope = max((peaks[1] - peaks[0]) / (self.args.shard // 2), 1.0)
-                fixed = peaks[1] - slope * self.args.shard
-                s_max = int((0.9 * total - fixed) / slope) // 65536 * 65536
-                s_max_t = torch.tensor([s_max], device=self.device)
-                dist.all_reduce(s_max_t, op=dist.ReduceOp.MIN, group=self.groups[p])
-                s_max = int(s_max_t)
-                n = s_max * p
-                _PLANS.entries.clear()
-                torch.cuda.empty_cache()
-                shard = self.local(p, n, seed=5)
-                torch.cuda.reset_peak_memory_stats(self.device)
-                t = time.perf_counter()
-                self.ring_step(p, n, shard)()
-                sync(self.device)
-                ms = (time.perf_counter() - t) * 1e3
-                del shard
-                _PLANS.entries.clear()
-                torch.cuda.empty_cache()
-                self.record(phase="largest", gpus=p, N=n, shard=s_max, first_step_ms=ms,
-                            peak_gib=torch.cuda.max_memory_allocated(self.device) / 2**30,
-                            bytes_per_token_fit=slope, gpu_gib=total / 2**30)
+                S, best, runs = self.args.largest_start, None, []
+                while S <= self.args.largest_max:
+                    if len(runs) >= 2 and cuda:  # linear in S: predict before trying
+                        (s0, m0), (s1, m1) = runs[-2:]
+                        guess = torch.tensor([m1 + (m1 - m0) / (s1 - s0) * (S - s1)], device=self.device)
+                        dist.all_reduce(guess, op=dist.ReduceOp.MAX, group=self.groups[p])
+                        if float(guess) > 0.95 * total:
+                            self.record(phase="largest_probe", gpus=p, N=S * p, shard=S, ran=False,
+                                        skipped=f"predicted peak {float(guess):.1f} GiB > 95% of {total:.1f} GiB")
+                            break
+                    ran, ms, peak = self._probe_step(p, S)
+                    self.record(phase="largest_probe", gpus=p, N=S * p, shard=S, ran=ran, first_step_ms=ms,
+                                peak_gib=peak)
+                    if not ran:
+                        break
+                    best = (S, ms, peak)
+                    runs.append((S, peak or 0.0))
+                    S *= 2
+                if best is not None:
+                    self.record(phase="largest", gpus=p, N=best[0] * p, shard=best[0], first_step_ms=best[1],
+                                peak_gib=best[2], gpu_gib=total if cuda else None)
             dist.barrier()
+
+    def trainer(self):
+        """A Trainer step of a random Llama under sequence parallelism (``hf_dilated.distributed.trainer``): groups of
+        2 ranks (data parallel over the rest), one ``--trainer-tokens`` row per rank, bf16 autocast on CUDA. Checks the
+        step's loss and gradients against rank 0 running the same rows on one device (``"dilated"``), then times
+        ``--reps`` more steps. Needs no datasets (random tokens)."""
+        import copy
+        import tempfile
+
+        from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
+
+        from hf_dilated.distributed import enable_sequence_parallel
+        from hf_dilated.distributed.trainer import SequenceParallelTrainer, loss_sum
+        from hf_dilated.distributed.sharding import shard_batch
+
+        if self.world < 2 or self.world % 2:
+            return
+        cuda = self.device.type == "cuda"
+        n = self.args.trainer_tokens
+        tiny = self.args.tiny
+        cfg = LlamaConfig(vocab_size=512 if tiny else 16384, hidden_size=64 if tiny else 1024,
+                          intermediate_size=128 if tiny else 2816, num_hidden_layers=2 if tiny else 4,
+                          num_attention_heads=4 if tiny else self.H, num_key_value_heads=2 if tiny else self.Hk,
+                          head_dim=16 if tiny else self.D, max_position_embeddings=max(n, 4096), use_cache=False)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        model.config.dilated_attention = {"segment_lengths": [w for w, _ in self.branches],
+                                          "dilation_rates": [r for _, r in self.branches],
+                                          "backend": self.backend}
+        model.set_attn_implementation("dilated")
+        reference = copy.deepcopy(model).to(self.device) if self.rank == 0 else None
+        gen = torch.Generator().manual_seed(7)
+        ids = torch.randint(0, cfg.vocab_size, (self.world, n), generator=gen)
+        rows = [{"input_ids": row, "labels": row} for row in ids]
+        grads = {}
+
+        class Grads(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+                if not grads:
+                    grads.update({k: p.grad.detach().float().clone() for k, p in model.named_parameters()})
+
+        enable_sequence_parallel(model, 2)
+        with tempfile.TemporaryDirectory() as scratch:
+            args = TrainingArguments(output_dir=scratch, per_device_train_batch_size=1, max_steps=1 + self.args.reps,
+                                     learning_rate=0.0, max_grad_norm=0.0, bf16=cuda, use_cpu=not cuda,
+                                     report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+                                     dataloader_num_workers=0, seed=0)
+            data = _InOrder(rows * (1 + self.args.reps))
+            trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=data, callbacks=[Grads()])
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            t = time.perf_counter()
+            trainer.train()
+            sync(self.device)
+            seconds = time.perf_counter() - t
+            first = trainer.state.log_history[0]["loss"]
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None
+        if self.rank == 0:  # the same rows (all of step 1: one per rank), one at a time, on one device
+            total = sum(int((r["labels"][1:] != -100).sum()) for r in rows)
+            ref_loss = 0.0
+            for r in rows:
+                batch = shard_batch({k: v[None].to(self.device) for k, v in r.items()}, rank=0, world_size=1)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+                    loss = loss_sum(reference, batch) / total
+                loss.backward()
+                ref_loss += float(loss)
+            errs = {k: rel_err(grads[k], p.grad.float()) for k, p in reference.named_parameters()}
+            worst = max(errs, key=errs.get)
+            self.record(phase="trainer", gpus=self.world, sequence_parallel=2, N=n, shard=n // 2,
+                        loss=first, loss_single_device=ref_loss, loss_rel_err=abs(first - ref_loss) / abs(ref_loss),
+                        grad_rel_err_max=errs[worst], grad_worst=worst, ok=errs[worst] < 5e-2,
+                        step_s=seconds / (1 + self.args.reps), peak_gib=peak,
+                        params=sum(p.numel() for p in model.parameters()))
+            del reference
+        dist.barrier()
 
     # ---- output --------------------------------------------------------------------------------------------------
     def save(self, plot=True):
@@ -396,10 +493,24 @@ class Bench:
             ax.set_xscale("log", base=2)
             ax.set_title(f"{comp[0]['shard'] // 1024}K tokens per GPU")
             ax.legend()
-        fig.suptitle(f"{self.meta['gpu']}, {self.meta['dtype']}, H={self.H}, D={self.D}, LongNet branches, causal")
+        big = [r for r in self.rows if r["phase"] == "largest"]
+        largest = ("; largest N (fwd+bwd): " + ", ".join(f"{r['gpus']} GPU {r['N'] / 2**20:g}M" for r in big)
+                   if big else "")
+        fig.suptitle(f"{self.meta['gpu']}, {self.meta['dtype']}, H={self.H}, D={self.D}, LongNet branches, causal"
+                     + largest)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+class _InOrder(torch.utils.data.IterableDataset):
+    """Rows in order (no shuffling): Trainer's step 1 then gives rank i row i, all rows of the reference."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
 
 
 def _version(name):
@@ -423,6 +534,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=300, help="skip later phases past this many seconds")
     ap.add_argument("--phases", default="check,weak,compare,largest")
+    ap.add_argument("--trainer-tokens", type=int, default=131072, help="trainer phase: tokens per row (sequence)")
+    ap.add_argument("--largest-start", type=int, default=262144, help="largest-N probe: first tokens per GPU")
+    ap.add_argument("--largest-max", type=int, default=2**24, help="largest-N probe: stop doubling past this")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU self-check)")
     ap.add_argument("--out", default=None, help="directory for JSON + PNG (default $OUT, else benchmarks/results)")
     args = ap.parse_args(argv)
@@ -432,7 +546,8 @@ def main(argv=None):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=180))
     bench = Bench(args)
-    phases = {"check": bench.check, "weak": bench.weak_scaling, "compare": bench.compare, "largest": bench.largest}
+    phases = {"check": bench.check, "weak": bench.weak_scaling, "compare": bench.compare, "largest": bench.largest,
+              "trainer": bench.trainer}
     for name in args.phases.split(","):
         phases[name]()
         if bench.rank == 0:

@@ -82,7 +82,7 @@ class ScriptArguments:
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], metadata={"help": "modules LoRA adapts"})
     max_train_seconds: Optional[float] = field(default=None, metadata={"help": "stop training cleanly after N seconds"})
     timing_warmup_steps: int = field(default=2, metadata={"help": "steps left out of tokens/s (compilation, autotuning)"})
-    sequence_parallel: int = field(default=1, metadata={"help": "shard each sequence over N ranks (needs hf_dilated.distributed)"})
+    sequence_parallel: int = field(default=1, metadata={"help": "shard each sequence over N ranks ('dilated_ring' attention; launch W ranks, W divisible by N, with torchrun or accelerate launch)"})
     overwrite: bool = field(default=False, metadata={"help": "write into an existing non-empty --output-dir"})
     save_model: bool = field(default=True, metadata={"help": "save the final model (LoRA merged) to OUTPUT/model"})
     verify_reload: bool = field(default=True, metadata={"help": "reload the saved model and check its eval loss"})
@@ -158,6 +158,8 @@ def validate(script: ScriptArguments, training) -> None:
         raise ValueError("--lora-alpha / --lora-dropout need --lora-r > 0")
     if script.sequence_parallel < 1:
         raise ValueError(f"--sequence-parallel must be a positive integer, got {script.sequence_parallel}")
+    if script.sequence_parallel > 1 and script.attn != "dilated":
+        raise ValueError(f"--sequence-parallel {script.sequence_parallel} needs --attn dilated, got --attn {script.attn}")
     if script.data != "shakespeare" and not Path(script.data).is_dir():
         raise ValueError(f"--data must be 'shakespeare' or a directory of .txt files, got {script.data!r}")
     if script.model not in ("smollm2", "tiny") and not (Path(script.model).is_dir() or script.model.endswith(".gguf")):
@@ -312,21 +314,35 @@ def build_datasets(script: ScriptArguments, tokenizer):
 # Trainer: the chunked loss, and a callback measuring tokens/s under a time budget
 # ---------------------------------------------------------------------------------------------------------------------
 def make_trainer(model, training, train_dataset=None, eval_dataset=None, *, loss_chunk_size: int = 4096,
-                 tokens_per_step: int = 0, warmup_steps: int = 0, max_seconds: float | None = None, callbacks=()):
+                 tokens_per_step: int = 0, warmup_steps: int = 0, max_seconds: float | None = None, callbacks=(),
+                 sequence_parallel: int = 1):
     """``(trainer, measure)``: a ``Trainer`` whose loss is :func:`hf_dilated.evaluation.causal_lm_nll`, and the
-    callback that measures step times."""
+    callback that measures step times. ``sequence_parallel > 1``: the ``SequenceParallelTrainer`` of
+    ``hf_dilated.distributed.trainer`` (the model already switched by ``enable_sequence_parallel``)."""
     import torch
     from transformers import Trainer, TrainerCallback
 
     from hf_dilated.evaluation import causal_lm_nll
 
-    class ChunkedLossTrainer(Trainer):
+    base = Trainer
+    if sequence_parallel > 1:
+        from hf_dilated.distributed.trainer import SequenceParallelTrainer as base
+
+    class ChunkedLossTrainer(base):
+        def shard_loss_sum(self, model, inputs):  # sequence parallel: one shard's summed loss, the same chunked NLL
+            if not loss_chunk_size or self.args.use_liger_kernel:
+                return super().shard_loss_sum(model, inputs)
+            with self.accelerator.autocast():
+                return causal_lm_nll(model, inputs, loss_chunk_size)[0]
+
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             if not loss_chunk_size or self.args.use_liger_kernel:
                 return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
             with self.accelerator.autocast():  # it wraps the top-level forward; the NLL calls the decoder body
                 total, count = causal_lm_nll(model, inputs, loss_chunk_size)
             loss = total / (count.clamp_min(1) if num_items_in_batch is None else num_items_in_batch.to(total.device))
+            if num_items_in_batch is not None and self.args.average_tokens_across_devices:
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size())  # as Trainer: the count is global
             return (loss, {"loss": loss}) if return_outputs else loss
 
     class Measure(TrainerCallback):
@@ -441,14 +457,16 @@ def run(script: ScriptArguments, training) -> dict[str, Any]:
         config = DilatedAttentionConfig(segment_lengths=script.segment_lengths, dilation_rates=script.dilation_rates)
     dcfg = hf_training.prepare_attention(model, script.attn, config, seq_len=script.seq_len, layers=_layers(script.layers),
                                          backend=script.backend, rope=script.rope)
-    hf_training.enable_sequence_parallel(model, script.sequence_parallel)
+    if script.sequence_parallel > 1:
+        _ = training.device  # Trainer's process group (torchrun / accelerate launch), before the groups are made
+        hf_training.enable_sequence_parallel(model, script.sequence_parallel)
     if script.lora_r:
         model = attach_lora(model, script)
     train, evaluation, names = build_datasets(script, tokenizer)
     tokens_per_step = training.per_device_train_batch_size * training.gradient_accumulation_steps * script.seq_len
     trainer, measure = make_trainer(model, training, train, evaluation, loss_chunk_size=script.loss_chunk_size,
                                     tokens_per_step=tokens_per_step, warmup_steps=script.timing_warmup_steps,
-                                    max_seconds=script.max_train_seconds)
+                                    max_seconds=script.max_train_seconds, sequence_parallel=script.sequence_parallel)
     results: dict[str, Any] = {
         "status": "running",
         "model_name": script.model if script.model in ("smollm2", "tiny") else Path(script.model).name,
@@ -463,6 +481,8 @@ def run(script: ScriptArguments, training) -> dict[str, Any]:
         "bf16_autocast": training.bf16,
         "gradient_checkpointing": training.gradient_checkpointing,
         "lora_r": script.lora_r,
+        "sequence_parallel": script.sequence_parallel,
+        "processes": training.world_size,
         "loss": "liger" if training.use_liger_kernel else (f"chunked ({script.loss_chunk_size})" if script.loss_chunk_size else "model"),
         "parameters": sum(p.numel() for p in model.parameters()),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -481,7 +501,8 @@ def run(script: ScriptArguments, training) -> dict[str, Any]:
         train_out = trainer.train(resume_from_checkpoint=resume)
     except torch.cuda.OutOfMemoryError as exc:
         results.update(status="oom", error=str(exc).splitlines()[0], **peak_memory())
-        reporting.write_json(out / RESULTS_FILE, results)
+        if training.process_index == 0:
+            reporting.write_json(out / RESULTS_FILE, results)
         raise
     results.update(peak_memory())
     results.update(measure.summary())
@@ -494,11 +515,17 @@ def run(script: ScriptArguments, training) -> dict[str, Any]:
     if evaluation is not None:
         results["eval_after"] = _eval(trainer)
     if script.save_model:
-        results["model_dir"] = str(save_model(trainer.model, tokenizer, script, out / MODEL_SUBDIR))
+        if script.sequence_parallel > 1:
+            trainer.model.set_attn_implementation("dilated")  # saved and reloaded single-device
+        if training.process_index == 0:
+            save_model(trainer.model, tokenizer, script, out / MODEL_SUBDIR)
+        trainer.accelerator.wait_for_everyone()
+        results["model_dir"] = str(out / MODEL_SUBDIR)
         if script.verify_reload and evaluation is not None:
             results["reload"] = verify_reload(out / MODEL_SUBDIR, script, training, evaluation)
     results["status"] = "ok"
-    reporting.write_json(out / RESULTS_FILE, results)
+    if training.process_index == 0:
+        reporting.write_json(out / RESULTS_FILE, results)
     return results
 
 
@@ -557,6 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = run(script, training)
     except ValueError as err:  # bad data or model for these options, found while loading
         parser.exit(2, f"{parser.prog}: error: {err}\n")
+    if training.process_index != 0:  # one process reports (torchrun / accelerate launch)
+        return 0
     print(reporting.format_table(TABLE_COLUMNS, [table_row(results)]))
     out = Path(training.output_dir)
     loss_plot(results, out / PLOT_FILE)

@@ -92,7 +92,15 @@ CASES = {
     "padded_rows": (2, 4, 2, 30, ((4, 1), (8, 2)), True, None, 0, [5, 0]),
     "dense_layer": (1, 4, 2, 29, ((DENSE_SEGMENT, 1),), True, None, 0, None),
 }
-WORLD_CASES = {2: list(CASES), 4: ["spanning_ragged", "spanning_bidirectional_gqa", "packed_head_offset", "dense_layer"]}
+# Global tokens (SPEC.md): every query also reads its sequence's first g positions, wherever their owner rank is.
+GLOBAL = {"global_spanning": 3, "global_packed_bidirectional": 2, "global_padded": 4}
+CASES.update({
+    "global_spanning": (1, 4, 2, 35, ((4, 1), (12, 2), (24, 4)), True, None, 0, None),
+    "global_packed_bidirectional": (1, 4, 2, 37, ((4, 1), (16, 4)), False, [0, 9, 20], 1, None),
+    "global_padded": (2, 4, 2, 30, ((4, 1), (8, 2)), True, None, 0, [5, 0]),
+})
+WORLD_CASES = {2: list(CASES), 4: ["spanning_ragged", "spanning_bidirectional_gqa", "packed_head_offset", "dense_layer",
+                                   "global_spanning", "global_packed_bidirectional"]}
 
 
 def _inputs(name, gen, dtype=torch.float64, head_dim=8):
@@ -107,14 +115,16 @@ def _inputs(name, gen, dtype=torch.float64, head_dim=8):
         mask = torch.ones(B, N, dtype=torch.bool)
         for b, p in enumerate(pad):
             mask[b, :p] = False
-    return dict(q=q, k=k, v=v, g=g, pos=pos, mask=mask, branches=branches, causal=causal, head_offset=off)
+    return dict(q=q, k=k, v=v, g=g, pos=pos, mask=mask, branches=branches, causal=causal, head_offset=off,
+                global_tokens=GLOBAL.get(name, 0))
 
 
 def _single(case, backend="torch"):
     q, k, v = (case[n].clone().requires_grad_() for n in "qkv")
     ws, rs = zip(*case["branches"])
     out = hf_dilated.dilated_attention(q, k, v, ws, rs, is_causal=case["causal"], position_ids=case["pos"],
-                                       attention_mask=case["mask"], head_offset=case["head_offset"], backend=backend)
+                                       attention_mask=case["mask"], head_offset=case["head_offset"], backend=backend,
+                                       global_tokens=case["global_tokens"])
     (out * case["g"]).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -130,6 +140,7 @@ def _ring_worker(rank, world, cases, backend="torch"):
         mask = None if mask is not None and bool(mask.all()) else mask  # as the mask function: None when all real
         out = dilated_ring_attention(
             q, k, v, ws, rs, is_causal=case["causal"], head_offset=case["head_offset"], backend=backend,
+            global_tokens=case["global_tokens"],
             position_ids=None if case["pos"] is None else case["pos"][:, s:e], attention_mask=mask,
         )
         (out * case["g"][:, :, s:e]).sum().backward()
@@ -278,7 +289,8 @@ def test_shard_batch_shifts_labels_before_splitting():
 # ---- a training step of a tiny Llama -------------------------------------------------------------------------------
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-LLAMA_BRANCHES = {"segment_lengths": [4, 8, 16], "dilation_rates": [1, 2, 4], "layers": [0]}  # layer 1 dense
+LLAMA_BRANCHES = {"segment_lengths": [4, 8, 16], "dilation_rates": [1, 2, 4], "layers": [0],  # layer 1 dense
+                  "global_tokens": 2}
 
 
 def _tiny_llama(attn):

@@ -136,8 +136,6 @@ def test_existing_output_dir_is_refused_without_overwrite(tmp_path, capsys):
 def test_training_attention_refusals():
     model = _small()
     model.config.attention_dropout = 0.1
-    with pytest.raises(ValueError, match="attention_dropout"):
-        prepare_attention(model, "dilated")
     with pytest.raises(ValueError, match="attn must be one of"):
         prepare_attention(model, "flash")
     with pytest.raises(ValueError, match="attn='sdpa' takes none"):
@@ -145,9 +143,13 @@ def test_training_attention_refusals():
     with pytest.raises(ValueError, match="lora-targets"):
         ft.attach_lora(model, ft.ScriptArguments(lora_r=2, lora_targets=["q_proj", "nope"]))
     assert enable_sequence_parallel(model, 1) is model
-    if importlib.util.find_spec("hf_dilated.distributed") is None:
-        with pytest.raises(ValueError, match="hf_dilated.distributed"):
-            enable_sequence_parallel(model, 2)
+    with pytest.raises(ValueError, match="needs a dilated model"):
+        enable_sequence_parallel(model, 2)
+    with pytest.raises(ValueError, match="sequence_parallel must be a positive integer"):
+        enable_sequence_parallel(model, 0)
+    prepare_attention(model, "dilated")  # attention dropout: supported by "dilated", not yet by "dilated_ring"
+    with pytest.raises(ValueError, match="attention_dropout"):
+        enable_sequence_parallel(model, 2)
 
 
 def test_prepare_attention_extends_branches_to_the_sequence_and_keeps_a_stored_patch():

@@ -4,6 +4,9 @@
 - ``sharding.py``: :func:`~sharding.shard_batch` (input_ids, labels as ``shift_labels``, global ``position_ids``),
   :func:`~sharding.global_num_items`, :func:`~sharding.reduce_loss`, :func:`~sharding.all_reduce_gradients`.
 - ``hf_dilated/integrations/dilated_ring.py`` registers the ``"dilated_ring"`` attention implementation.
+- ``trainer.py``: under ``Trainer``: :func:`enable_sequence_parallel` (groups of ``P`` ranks, the model switched to
+  ``"dilated_ring"``) and ``trainer.SequenceParallelTrainer`` (each step gathers the group's batches, shards them,
+  reduces loss and gradients exactly); ``scripts/finetune.py --sequence-parallel P`` uses them.
 - ``group.py``: which process group splits the sequence (and which splits heads, for Ulysses).
 - ``collectives.py``: the differentiable all-to-all and the signature check; ``cost_model.py``: bytes, FLOPs, time.
 
@@ -28,6 +31,7 @@ a rank that dies makes the others fail when the process group's ``timeout`` expi
 """
 
 from .dilated_ring import dilated_ring_attention
+from .trainer import enable_sequence_parallel, init_sequence_parallel
 from .group import (
     get_head_parallel_group,
     get_sequence_parallel_group,
@@ -38,6 +42,8 @@ from .group import (
 
 __all__ = [
     "dilated_ring_attention",
+    "enable_sequence_parallel",
+    "init_sequence_parallel",
     "get_head_parallel_group",
     "get_sequence_parallel_group",
     "head_offset",

@@ -41,10 +41,12 @@ from ..ops.dilated import check_tensors
 class RingPlan:
     """What one rank sends, receives and attends to, for one layout (shared by all layers of a forward).
 
-    ``layout`` describes the local queries against the key window ``[window_start, window_end)`` (global columns),
-    which is ``left`` received columns, the local shard, then ``right`` received columns. ``send_index`` lists the
-    rows of the local ``[B * Hk * n]`` keys to send (grouped by destination rank, ``send_splits`` of them each);
-    ``recv_index`` places the received rows into the ``[B * Hk * (left + right)]`` halo.
+    ``layout`` describes the local queries against ``prefix`` global-token slots (the first ``global_tokens``
+    positions of the sequence a row's first query belongs to, where they lie before the window; empty slots are
+    invalid keys), then the key window ``[window_start, window_end)`` (global columns), which is ``left`` received
+    columns, the local shard, then ``right`` received columns. ``send_index`` lists the rows of the local
+    ``[B * Hk * n]`` keys to send (grouped by destination rank, ``send_splits`` of them each); ``recv_index`` places
+    the received rows into the ``[B * Hk * (prefix + left + right)]`` halo.
     """
 
     layout: TokenLayout
@@ -59,6 +61,7 @@ class RingPlan:
     recv_index: torch.Tensor
     recv_splits: list[int]
     exchange: bool  # False when no rank needs any key it does not hold (the same on every rank)
+    prefix: int = 0
 
 
 def shard_lengths_and_starts(lengths: list[int]) -> list[int]:
@@ -131,48 +134,103 @@ def _needed(layout, lo, hi, classes, branches, rank: int, a: int, b: int) -> tor
     return need & layout.k_valid[:, None, a:b]
 
 
+def _global_keys(layout: TokenLayout, starts: list[int], win, global_tokens: int) -> list[torch.Tensor | None]:
+    """Per rank, ``[B, N]`` bool: the global-token keys (positions ``< global_tokens``) its queries read that other
+    ranks hold: before its shard, so of the sequence its first valid query belongs to (sequences are runs of
+    columns). Every kv head's row of them is sent; those inside the window go to their window columns, those before
+    it to the prefix slots."""
+    if not global_tokens:
+        return [None] * (len(starts) - 1)
+    B, N = layout.k_pos.shape
+    col = torch.arange(N, device=layout.k_pos.device)
+    base = layout.k_valid & (layout.k_pos < global_tokens)
+    out = []
+    for j in range(len(starts) - 1):
+        s, e = starts[j], starts[j + 1]
+        valid = layout.q_valid[:, s:e]
+        first = torch.where(valid, col[s:e], N).amin(1)  # [B]
+        seq = layout.q_seq.gather(1, first.clamp(max=N - 1)[:, None])  # [B, 1]
+        need = base & (col[None] < s) & (layout.k_seq == seq) & (first < N)[:, None]
+        out.append(need)
+    return out
+
+
 def build_plan(layout: TokenLayout, starts: list[int], rank: int, branches, is_causal: bool, hq: int, hk: int,
-               head_offset: int) -> RingPlan:
+               head_offset: int, global_tokens: int = 0) -> RingPlan:
     """The plan of rank ``rank`` from the global layout (every rank derives every other rank's needs alike)."""
     P = len(starts) - 1
     lo, hi = _windows(layout, starts, branches, is_causal)
     lo_c, hi_c = lo.amin((0, 1)).cpu().tolist(), hi.amax((0, 1)).cpu().tolist()
     win = [(min(lo_c[i], starts[i]), max(hi_c[i], starts[i + 1])) for i in range(P)]
+    glob = _global_keys(layout, starts, win, global_tokens)
+    col = torch.arange(layout.k_pos.shape[1], device=layout.k_pos.device)
+    mine = None if glob[rank] is None else glob[rank] & (col[None] < win[rank][0])  # the prefix: before the window
+    g = global_tokens if mine is not None and bool(mine.any()) else 0
     classes = _head_classes(branches, hq, hk, head_offset, layout.k_pos.device)
     s, e = starts[rank], starts[rank + 1]
     n = e - s
     ws, we = win[rank]
     left, right = s - ws, we - e
     B = layout.k_pos.shape[0]
+    dev = layout.k_pos.device
+    halo = g + left + right
+    if g:  # the slot of each of my prefix columns: its order among them in its row
+        prefix_slot = mine.long().cumsum(1) - 1
     send_idx, send_splits, recv_idx, recv_splits = [], [], [], []
-    empty = torch.zeros(0, dtype=torch.long, device=layout.k_pos.device)
+    empty = torch.zeros(0, dtype=torch.long, device=dev)
+
+    def rows(dst: int, a: int, b: int) -> torch.Tensor:
+        """``[B, Hk, b - a]``: rows of columns ``[a, b)`` rank ``dst`` reads (window rows, and global-token rows:
+        every kv head, disjoint from the window since they lie before it)."""
+        lo_w, hi_w = max(a, win[dst][0]), min(b, win[dst][1])
+        need = torch.zeros(B, hk, b - a, dtype=torch.bool, device=dev)
+        if lo_w < hi_w:
+            need[:, :, lo_w - a : hi_w - a] = _needed(layout, lo, hi, classes, branches, dst, lo_w, hi_w)
+        if glob[dst] is not None:
+            need |= glob[dst][:, None, a:b]
+        return need
+
     for j in range(P):
-        # rows I send to rank j: my columns inside j's window
-        a, b = max(s, win[j][0]), min(e, win[j][1])
+        # rows I send to rank j: my columns inside j's window, and j's global-token columns I own
+        reach = glob[j] is not None and bool(glob[j][:, s:e].any())
+        a, b = (s, e) if reach else (max(s, win[j][0]), min(e, win[j][1]))
         if j != rank and a < b:
-            bb, hh, cc = _needed(layout, lo, hi, classes, branches, j, a, b).nonzero(as_tuple=True)
+            bb, hh, cc = rows(j, a, b).nonzero(as_tuple=True)
             send_idx.append((bb * hk + hh) * n + (cc + a - s))
         else:
             send_idx.append(empty)
         send_splits.append(send_idx[-1].numel())
-        # rows I receive from rank j: j's columns inside my window
-        a, b = max(starts[j], ws), min(starts[j + 1], we)
+        # rows I receive from rank j: j's columns inside my window, and my global-token columns j owns
+        reach = glob[rank] is not None and bool(glob[rank][:, starts[j] : starts[j + 1]].any())
+        a, b = (starts[j], starts[j + 1]) if reach else (max(starts[j], ws), min(starts[j + 1], we))
         if j != rank and a < b:
-            bb, hh, cc = _needed(layout, lo, hi, classes, branches, rank, a, b).nonzero(as_tuple=True)
+            bb, hh, cc = rows(rank, a, b).nonzero(as_tuple=True)
             c = cc + a
-            slot = torch.where(c < s, c - ws, left + c - e)
-            recv_idx.append((bb * hk + hh) * (left + right) + slot)
+            slot = torch.where(c < s, g + c - ws, g + left + c - e)
+            if g:
+                slot = torch.where(c < ws, prefix_slot[bb, c.clamp(max=layout.k_pos.shape[1] - 1)], slot)
+            recv_idx.append((bb * hk + hh) * halo + slot)
         else:
             recv_idx.append(empty)
         recv_splits.append(recv_idx[-1].numel())
-    exchange = any(win[i] != (starts[i], starts[i + 1]) for i in range(P))
+    exchange = any(win[i] != (starts[i], starts[i + 1]) for i in range(P)) or any(
+        x is not None and bool(x.any()) for x in glob)
+    k_pos, k_seq, k_valid = layout.k_pos[:, ws:we], layout.k_seq[:, ws:we], layout.k_valid[:, ws:we]
+    if g:  # prefix slots: the global-token keys before the window, then invalid keys
+        bb, cc = mine.nonzero(as_tuple=True)
+        slot = prefix_slot[bb, cc]
+        p_pos = torch.zeros(B, g, dtype=k_pos.dtype, device=dev)
+        p_seq = k_seq[:, :1].expand(B, g).clone()
+        p_valid = torch.zeros(B, g, dtype=torch.bool, device=dev)
+        p_pos[bb, slot], p_seq[bb, slot], p_valid[bb, slot] = layout.k_pos[bb, cc], layout.k_seq[bb, cc], True
+        k_pos, k_seq, k_valid = (torch.cat([x, y], 1) for x, y in ((p_pos, k_pos), (p_seq, k_seq), (p_valid, k_valid)))
     local = TokenLayout(
         q_pos=layout.q_pos[:, s:e].clone(), q_seq=layout.q_seq[:, s:e].clone(),
-        k_pos=layout.k_pos[:, ws:we].clone(), k_seq=layout.k_seq[:, ws:we].clone(),
-        k_valid=layout.k_valid[:, ws:we].clone(), q_valid=layout.q_valid[:, s:e].clone(), contiguous=False,
+        k_pos=k_pos.clone(), k_seq=k_seq.clone(), k_valid=k_valid.clone(), q_valid=layout.q_valid[:, s:e].clone(),
+        contiguous=False,
     )
     return RingPlan(local, s, e, ws, we, left, right, torch.cat(send_idx), send_splits, torch.cat(recv_idx),
-                    recv_splits, exchange)
+                    recv_splits, exchange, g)
 
 
 class _PlanCache:
@@ -254,6 +312,7 @@ def dilated_ring_attention(
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     head_offset: int = 0,
+    global_tokens: int = 0,
     group=None,
     backend: str = "auto",
     return_lse: bool = False,
@@ -282,6 +341,8 @@ def dilated_ring_attention(
         raise ValueError(f"scale must be a positive number, got {scale!r}")
     if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
         raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
+    if isinstance(global_tokens, bool) or not isinstance(global_tokens, int) or global_tokens < 0:
+        raise ValueError(f"global_tokens must be a non-negative int, got {global_tokens!r}")
     group = get_sequence_parallel_group() if group is None else group
     world, rank = world_and_rank(group)
     B, hq, n, _ = query.shape
@@ -289,16 +350,18 @@ def dilated_ring_attention(
     if world == 1:
         layout = resolve_layout(B, n, n, query.device, attention_mask, position_ids)
         out, lse = _attend_op(query, key, value, layout, branches, is_causal=bool(is_causal), scale=float(scale),
-                              head_offset=head_offset, backend=backend)
+                              head_offset=head_offset, global_tokens=global_tokens, backend=backend)
         return (out, lse) if return_lse else out
 
-    extra = (B, n, hq, hk, branches, bool(is_causal), head_offset, str(query.device), id(group), world, rank)
+    extra = (B, n, hq, hk, branches, bool(is_causal), head_offset, global_tokens, str(query.device), id(group), world,
+             rank)
     plan = _PLANS.get((position_ids, attention_mask), extra)
     fields = {
         "batch size": B, "query heads": hq, "key/value heads": hk, "head dim": query.shape[-1],
         "value head dim": value.shape[-1], "dtype": _dtype_code(query.dtype), "is_causal": int(bool(is_causal)),
         "scale": struct.unpack("<q", struct.pack("<d", float(scale)))[0], "head_offset": head_offset,
         "branches (segment_lengths, dilation_rates)": zlib.crc32(repr(branches).encode()),
+        "global_tokens": global_tokens,
         "whether position_ids are given": int(position_ids is not None),
     }
     ranks = agree(fields, {"n": n, "mask": int(attention_mask is not None), "hit": int(plan is not None)}, group, query)
@@ -308,7 +371,7 @@ def dilated_ring_attention(
         lengths = [r["n"] for r in ranks]
         layout = _global_layout(query, position_ids, attention_mask, lengths, any(r["mask"] for r in ranks), group)
         plan = build_plan(layout, shard_lengths_and_starts(lengths), rank, branches, bool(is_causal), hq, hk,
-                          head_offset)
+                          head_offset, global_tokens)
         _PLANS.put((position_ids, attention_mask), extra, plan)
 
     k_all, v_all = key, value
@@ -317,11 +380,12 @@ def dilated_ring_attention(
         kv = torch.cat([key, value], -1)
         rows = kv.reshape(-1, kv.shape[-1]).index_select(0, plan.send_index)
         received = all_to_all(rows, plan.recv_splits, plan.send_splits, group)
-        halo = kv.new_zeros(B * hk * (plan.left + plan.right), kv.shape[-1]).index_copy(0, plan.recv_index, received)
-        halo = halo.view(B, hk, plan.left + plan.right, kv.shape[-1])
-        left, right = halo[:, :, : plan.left], halo[:, :, plan.left :]
-        k_all = torch.cat([left[..., :dk], key, right[..., :dk]], 2)
-        v_all = torch.cat([left[..., dk:], value, right[..., dk:]], 2)
+        g, width = plan.prefix, plan.prefix + plan.left + plan.right
+        halo = kv.new_zeros(B * hk * width, kv.shape[-1]).index_copy(0, plan.recv_index, received)
+        halo = halo.view(B, hk, width, kv.shape[-1])
+        before, after = halo[:, :, : g + plan.left], halo[:, :, g + plan.left :]  # [prefix, left], [right]
+        k_all = torch.cat([before[..., :dk], key, after[..., :dk]], 2)
+        v_all = torch.cat([before[..., dk:], value, after[..., dk:]], 2)
     out, lse = _attend_op(query, k_all, v_all, plan.layout, branches, is_causal=bool(is_causal), scale=float(scale),
-                          head_offset=head_offset, backend=backend)
+                          head_offset=head_offset, global_tokens=global_tokens, backend=backend)
     return (out, lse) if return_lse else out

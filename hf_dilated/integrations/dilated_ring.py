@@ -34,12 +34,12 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, is_caus
     layer = getattr(module, "layer_idx", None)
     if kwargs.get("sliding_window", getattr(module, "sliding_window", None)):
         raise ValueError(f"{name} (layer {layer}) is a sliding-window layer; '{ATTENTION_NAME}' does not shard those")
-    if getattr(config, "global_tokens", 0):
-        raise ValueError(f"'{ATTENTION_NAME}' does not support global_tokens yet (config.dilated_attention); use 'dilated'")
-    branches = config.branches if config.applies_to(layer) else ((DENSE_SEGMENT, 1),)
+    dilated = config.applies_to(layer)
+    branches = config.branches if dilated else ((DENSE_SEGMENT, 1),)
     return dilated_ring_attention(
         query, key, value, [w for w, _ in branches], [r for _, r in branches], is_causal=is_causal,
         scale=scaling, position_ids=kwargs.get("position_ids"), attention_mask=attention_mask,
+        global_tokens=config.global_tokens if dilated else 0,
         group=get_sequence_parallel_group(), backend=config.backend,
     )
 
