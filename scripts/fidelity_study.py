@@ -173,14 +173,6 @@ def block_sparse_config(v: Variant, n: int, trained: int, num_heads: int, num_la
 # ---------------------------------------------------------------------------------------------------------------------
 # Applying a variant to the model
 # ---------------------------------------------------------------------------------------------------------------------
-def _patch_supports_attention() -> bool:
-    import inspect
-
-    from hf_dilated import patch
-
-    return "attention" in inspect.signature(patch).parameters
-
-
 @contextlib.contextmanager
 def applied(model, v: Variant, n: int, trained: int):
     """The model switched to variant ``v`` for length ``n``, restored on exit. Yields the attention config used."""
@@ -199,18 +191,15 @@ def applied(model, v: Variant, n: int, trained: int):
             patch(model, cfg, context_length=target, rope=v.rope)
         elif v.kind == "block_sparse":
             cfg = block_sparse_config(v, n, trained, mc.num_attention_heads, mc.num_hidden_layers)
-            if _patch_supports_attention():
-                patch(model, cfg, attention="block_sparse", context_length=target)
-            else:  # main today: the recipe's RoPE through a dense patch, then the block-sparse implementation
-                if target is not None:
-                    patch(model, layers=[], context_length=target)
-                cfg.save_to(mc)
-                model.set_attn_implementation("block_sparse")
+            if target is not None:  # the recipe's RoPE through a dense patch, then the block-sparse implementation
+                patch(model, layers=[], context_length=target)
+            cfg.save_to(mc)
+            model.set_attn_implementation("block_sparse")
         elif v.kind != "dense":
             raise ValueError(f"unknown variant kind {v.kind!r}")
         yield cfg
     finally:
-        if getattr(mc, BS_KEY, None) is not None and not _patch_supports_attention():
+        if getattr(mc, BS_KEY, None) is not None:
             delattr(mc, BS_KEY)
             model.set_attn_implementation(previous)
         if is_patched(model):
@@ -414,9 +403,11 @@ def run(args, model=None, tokenizer=None, name: str | None = None) -> dict[str, 
                "attended_keys": keys, "attended_keys_counted": how, "dense_keys": (n + 1) / 2,
                "config": config_used, "seconds": round(time.perf_counter() - t0, 3)}
         if v.kind == "dense":
-            dense[n] = row["perplexity"]
-        if n in dense:
-            row["vs_dense"] = row["perplexity"] / dense[n]
+            dense[n] = row
+        if n in dense:  # paired by window: the text's spread cancels
+            ratios = [a / b for a, b in zip(row["window_perplexities"], dense[n]["window_perplexities"])]
+            row.update(vs_dense=row["perplexity"] / dense[n]["perplexity"], vs_dense_windows=ratios,
+                       vs_dense_min=min(ratios), vs_dense_max=max(ratios))
         if device.type == "cuda":
             row["max_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
             torch.cuda.reset_peak_memory_stats(device)
@@ -440,10 +431,10 @@ def table(result: dict) -> str:
         line = [name]
         for n in lengths:
             r = cell.get((name, n))
-            line.append("" if r is None else f"{r['perplexity']:.2f}" + (f" ({r['vs_dense']:.2f}x)" if "vs_dense" in r else "")
-                        + f" [{r['attended_keys']:.0f}]")
+            ratio = f" ({r['vs_dense']:.2f}x, {r['vs_dense_min']:.2f}-{r['vs_dense_max']:.2f})" if r and "vs_dense" in r else ""
+            line.append("" if r is None else f"{r['perplexity']:.2f}{ratio} [{r['attended_keys']:.0f}]")
         rows.append(line)
-    return reporting.format_table(["variant", *(f"{n}: ppl (x dense) [keys]" for n in lengths)], rows, width=8)
+    return reporting.format_table(["variant", *(f"{n}: ppl (x dense, windows) [keys]" for n in lengths)], rows, width=8)
 
 
 def plot(result: dict, path: Path) -> Path | None:
