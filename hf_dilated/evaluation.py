@@ -79,6 +79,22 @@ def _count_congruent(lo: torch.Tensor, hi: torch.Tensor, residue: int, modulus: 
     return torch.where(hi >= lo, count, torch.zeros_like(count))
 
 
+def dense_attended_keys(seq_len: int, window: int | None = None, causal: bool = True) -> float:
+    """Mean keys per query of exact attention over ``seq_len`` tokens: ``(N + 1) / 2`` causal, ``N`` not; with a
+    sliding ``window`` (Transformers' rule, the query counted: ``0 <= p - p' < W``, or ``|p - p'| < W``) fewer."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"window must be None or a positive int, got {window!r}")
+    p = torch.arange(seq_len, dtype=torch.int64)
+    if causal:
+        keys = p + 1 if window is None else torch.clamp(p + 1, max=window)
+    else:
+        keys = torch.full_like(p, seq_len) if window is None else (
+            torch.clamp(p + window - 1, max=seq_len - 1) - torch.clamp(p - window + 1, min=0) + 1)
+    return float(keys.sum()) / seq_len
+
+
 def dilated_attended_keys(config: Any, seq_len: int, num_heads: int, num_layers: int | None = None,
                           causal: bool = True) -> float:
     """Mean number of distinct keys a query attends in one sequence of ``seq_len`` tokens, over every query, query head

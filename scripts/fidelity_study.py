@@ -101,14 +101,29 @@ def branches(w0: int, schedule: str, cover: int) -> tuple[list[int], list[int]]:
     return ws, rs
 
 
-def layer_list(which: str, num_layers: int) -> list[int] | None:
+def layer_list(which: str, convertible: Sequence[int]) -> list[int] | None:
+    """The layers a variant converts, among those the recipe may convert (Gemma3: its global layers only):
+    ``all`` (``None``: the recipe's choice), ``odd`` (every other one, from the second) or ``upper`` (the later half)."""
+    convertible = list(convertible)
     if which == "all":
         return None
     if which == "odd":
-        return list(range(1, num_layers, 2))
+        return convertible[1::2]
     if which == "upper":
-        return list(range(num_layers // 2, num_layers))
+        return convertible[len(convertible) // 2:]
     raise ValueError(f"layers must be one of {LAYER_SETS}, got {which!r}")
+
+
+def convertible_layers(model) -> list[int]:
+    """The layers the model's recipe converts (every layer but sliding-window ones where it keeps them)."""
+    from hf_dilated.patching import recipe_for, sliding_window_layers
+
+    n = model.config.num_hidden_layers
+    recipe = recipe_for(model)
+    if recipe.convert == "full_attention" or recipe.sliding_window == "keep":
+        sliding = set(sliding_window_layers(model.config))
+        return [i for i in range(n) if i not in sliding]
+    return list(range(n))
 
 
 def grid(first_segments: Sequence[int], global_tokens: Sequence[int]) -> list[Variant]:
@@ -136,23 +151,23 @@ def grid(first_segments: Sequence[int], global_tokens: Sequence[int]) -> list[Va
     return out
 
 
-def dilated_config(v: Variant, n: int, trained: int, num_layers: int):
+def dilated_config(v: Variant, n: int, trained: int, convertible: Sequence[int]):
     from hf_dilated import DilatedAttentionConfig
 
     cover = trained if v.cap == "trained" else max(n, trained)
     ws, rs = branches(v.w0, v.schedule, cover)
     return DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs, global_tokens=v.global_tokens,
-                                  layers=layer_list(v.layers, num_layers))
+                                  layers=layer_list(v.layers, convertible))
 
 
-def block_sparse_config(v: Variant, n: int, trained: int, num_heads: int, num_layers: int):
+def block_sparse_config(v: Variant, n: int, trained: int, num_heads: int, convertible: Sequence[int]):
     """A block-sparse config of the variant's pattern with about the attended keys of ``dilated w0=<w0> g=1`` at
     length ``n`` (the adaptive one by its upper bound, every chosen block distinct)."""
     from hf_dilated import BlockSparseConfig
     from hf_dilated.evaluation import dilated_attended_keys
 
     b = BLOCK_SIZE
-    reference = dilated_config(Variant("ref", "dilated", "", w0=v.w0, global_tokens=1), n, trained, num_layers)
+    reference = dilated_config(Variant("ref", "dilated", "", w0=v.w0, global_tokens=1), n, trained, convertible)
     target = dilated_attended_keys(reference, n, num_heads)
     n_blocks = math.ceil(n / b)
     if v.pattern == "adaptive":
@@ -174,8 +189,10 @@ def block_sparse_config(v: Variant, n: int, trained: int, num_heads: int, num_la
 # Applying a variant to the model
 # ---------------------------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def applied(model, v: Variant, n: int, trained: int):
-    """The model switched to variant ``v`` for length ``n``, restored on exit. Yields the attention config used."""
+def applied(model, v: Variant, n: int, trained: int, dense_impl: str = "sdpa"):
+    """The model switched to variant ``v`` for length ``n``, restored on exit. Yields the attention config used.
+    ``dense_impl="kernels"``: ``dense`` runs through this package's kernels (a patch converting no layer) instead of
+    sdpa, whose sliding-window masks are ``N x N`` (Gemma3 past 64K)."""
     from hf_dilated.ops.block_sparse.config import CONFIG_KEY as BS_KEY
     from hf_dilated.patching import is_patched, patch, unpatch
 
@@ -184,13 +201,18 @@ def applied(model, v: Variant, n: int, trained: int):
     previous = mc._attn_implementation
     cfg = None
     try:
-        if v.kind == "dense+rope":
+        if v.kind == "dense" and dense_impl == "kernels":
+            patch(model, layers=[], rope="none")
+        elif v.kind == "dense+rope":
             patch(model, layers=[], context_length=target)
         elif v.kind == "dilated":
-            cfg = dilated_config(v, n, trained, mc.num_hidden_layers)
+            cfg = dilated_config(v, n, trained, convertible_layers(model))
             patch(model, cfg, context_length=target, rope=v.rope)
         elif v.kind == "block_sparse":
-            cfg = block_sparse_config(v, n, trained, mc.num_attention_heads, mc.num_hidden_layers)
+            cfg = block_sparse_config(v, n, trained, mc.num_attention_heads, convertible_layers(model))
+            layers = convertible_layers(model)
+            if layers != list(range(mc.num_hidden_layers)):  # the recipe's layers only (Gemma3: the global ones)
+                cfg.layers = layers
             if target is not None:  # the recipe's RoPE through a dense patch, then the block-sparse implementation
                 patch(model, layers=[], context_length=target)
             cfg.save_to(mc)
@@ -227,16 +249,28 @@ def recorded_layouts(n: int, sink: list[float]):
         BlockSparseConfig.build = original
 
 
-def attended_keys(v: Variant, cfg, n: int, model_config) -> tuple[float, str]:
-    """``(keys per query, how it was counted)`` from the configuration."""
-    from hf_dilated.evaluation import block_sparse_attended_keys, dilated_attended_keys
+def attended_keys(v: Variant, cfg, n: int, model, converted_keys: float | None = None) -> tuple[float, str]:
+    """``(keys per query, how it was counted)``: the mean over layers of each layer's mean (converted layers by the
+    configuration, sliding-window layers by their window, the others dense)."""
+    from hf_dilated.evaluation import block_sparse_attended_keys, dense_attended_keys, dilated_attended_keys
+    from hf_dilated.patching import sliding_window_layers
 
-    heads, layers = model_config.num_attention_heads, model_config.num_hidden_layers
+    mc = model.config
+    heads, n_layers = mc.num_attention_heads, mc.num_hidden_layers
+    sliding = set(sliding_window_layers(mc))
+    dense, windowed = dense_attended_keys(n), dense_attended_keys(n, getattr(mc, "sliding_window", None) or None)
+    how = "exact"
     if cfg is None:
-        return (n + 1) / 2, "exact"
-    if v.kind == "dilated":
-        return dilated_attended_keys(cfg, n, heads, layers), "exact"
-    return block_sparse_attended_keys(cfg, n, heads, layers), ("upper bound" if cfg.pattern == "adaptive" else "exact")
+        converted_keys, converted = dense, set()
+    elif v.kind == "dilated":
+        converted_keys = dilated_attended_keys(cfg, n, heads) if converted_keys is None else converted_keys
+        converted = set(range(n_layers) if cfg.layers is None else cfg.layers)
+    else:
+        converted_keys = block_sparse_attended_keys(cfg, n, heads) if converted_keys is None else converted_keys
+        converted = set(range(n_layers) if cfg.layers is None else cfg.layers)
+        how = "upper bound" if cfg.pattern == "adaptive" else how
+    per_layer = [windowed if i in sliding else converted_keys if i in converted else dense for i in range(n_layers)]
+    return sum(per_layer) / n_layers, how
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -358,7 +392,7 @@ def run(args, model=None, tokenizer=None, name: str | None = None) -> dict[str, 
     result: dict[str, Any] = {
         "model": name or getattr(model.config, "_name_or_path", "") or type(model).__name__, "model_class": type(model).__name__, "trained_context": trained, "lengths": lengths,
         "windows": args.windows, "window_start_chars": starts, "text": Path(args.text).name if args.text else "shakespeare (bundled)", "text_chars": len(text),
-        "score_from": args.score_from, "block_size": BLOCK_SIZE,
+        "score_from": args.score_from, "block_size": BLOCK_SIZE, "dense_impl": args.dense_impl,
         "num_layers": model.config.num_hidden_layers, "num_heads": model.config.num_attention_heads,
         "num_kv_heads": getattr(model.config, "num_key_value_heads", None),
         "environment": run_environment(device, next(model.parameters()).dtype),
@@ -381,8 +415,8 @@ def run(args, model=None, tokenizer=None, name: str | None = None) -> dict[str, 
             continue
         t0 = time.perf_counter()
         try:
-            with applied(model, v, n, trained) as cfg:
-                keys, how = attended_keys(v, cfg, n, model.config)
+            with applied(model, v, n, trained, args.dense_impl) as cfg:
+                keys, how = attended_keys(v, cfg, n, model)
                 measured: list[float] = []
                 per_window = []
                 record = recorded_layouts(n, measured) if v.pattern == "adaptive" else contextlib.nullcontext()
@@ -390,8 +424,9 @@ def run(args, model=None, tokenizer=None, name: str | None = None) -> dict[str, 
                     for tokens in windows:
                         ids = tokens[:n].unsqueeze(0).to(device)
                         per_window.append(window_nll(model, ids, int(args.score_from * n), args.logits_chunk))
-                if measured:  # the layouts the forward built: the exact count (converted layers only)
-                    keys, how = statistics.fmean(measured), "exact (measured layouts)"
+                if measured:  # the layouts the forward built: the exact count of the converted layers
+                    keys, how = attended_keys(v, cfg, n, model, converted_keys=statistics.fmean(measured))
+                    how = "exact (measured layouts)"
                 config_used = None if cfg is None else cfg.to_dict()
         except torch.cuda.OutOfMemoryError as err:
             result["skipped"].append({"variant": v.name, "length": n, "reason": f"out of memory: {str(err)[:200]}"})
@@ -400,7 +435,7 @@ def run(args, model=None, tokenizer=None, name: str | None = None) -> dict[str, 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         row = {"variant": v.name, "group": v.group, "kind": v.kind, "length": n, **summarize(per_window),
-               "attended_keys": keys, "attended_keys_counted": how, "dense_keys": (n + 1) / 2,
+               "attended_keys": keys, "attended_keys_counted": how,
                "config": config_used, "seconds": round(time.perf_counter() - t0, 3)}
         if v.kind == "dense":
             dense[n] = row
@@ -485,6 +520,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--list", action="store_true", help="print the variant names and exit")
     p.add_argument("--device", default="cuda", help="cuda or cpu")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--dense-impl", default="sdpa", choices=("sdpa", "kernels"),
+                   help="exact attention of the dense variant: sdpa, or this package's kernels (no N x N sliding mask)")
     p.add_argument("--logits-chunk", type=int, default=4096, help="tokens per LM-head chunk")
     p.add_argument("--budget-s", type=float, default=330.0, help="skip what starts after this many seconds")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")

@@ -20,6 +20,7 @@ from hf_dilated.evaluation import (
     IGNORE_INDEX,
     block_sparse_attended_keys,
     causal_lm_nll,
+    dense_attended_keys,
     dilated_attended_keys,
     layout_attended_keys,
 )
@@ -72,6 +73,19 @@ def test_dilated_attended_keys_equal_the_union_of_the_key_sets(rng):
     got = dilated_attended_keys(config, 40, 3, num_layers=4)
     assert got == pytest.approx(naive_keys(config.branches, 2, 40, 3, layers=[1, 3], num_layers=4))
     assert dilated_attended_keys(DilatedAttentionConfig(segment_lengths=[64], dilation_rates=[1]), 50, 2) == 25.5
+
+
+def test_dense_attended_keys_with_and_without_a_window():
+    for n, window in ((1, None), (37, None), (37, 5), (37, 100), (64, 1)):
+        for causal in (True, False):
+            p = torch.arange(n)
+            d = p[:, None] - p[None, :]
+            mask = (d >= 0) if causal else torch.ones(n, n, dtype=torch.bool)
+            if window is not None:
+                mask &= (d < window) if causal else (d.abs() < window)
+            assert dense_attended_keys(n, window, causal) == pytest.approx(mask.sum().item() / n)
+    with pytest.raises(ValueError, match="window"):
+        dense_attended_keys(8, 0)
 
 
 def test_attended_keys_refuse_bad_sizes():
@@ -127,6 +141,8 @@ def test_grid_branches_and_windows():
     names = [v.name for v in fs.grid([2048, 4096, 8192], [0, 1, 4, 16, 64])]
     assert len(names) == len(set(names)) and names[:2] == ["dense", "dense+rope"]
     assert {"dilated w0=2048 g=64", "dilated w0=8192 g=4", "dilated w0=2048 g=4 layers=odd", "bs adaptive"} <= set(names)
+    assert fs.layer_list("all", range(30)) is None and fs.layer_list("odd", range(6)) == [1, 3, 5]
+    assert fs.layer_list("upper", [5, 11, 17]) == [11, 17] and fs.layer_list("odd", [5, 11, 17]) == [11]
 
     class Chars:  # one token per character
         def __call__(self, text, add_special_tokens=False, return_attention_mask=False):
@@ -173,7 +189,7 @@ def test_study_on_smollm2(smollm2, shakespeare, tmp_path, one_thread):
     dil = rows[("dilated w0=2048 g=4", 64)]
     cfg = DilatedAttentionConfig(**dil["config"])
     assert cfg.segment_lengths == [2048, 4096, 8192] and cfg.global_tokens == 4
-    assert dil["attended_keys"] == dilated_attended_keys(cfg, 64, model.config.num_attention_heads, 30)
+    assert dil["attended_keys"] == dilated_attended_keys(cfg, 64, model.config.num_attention_heads)
     assert math.isfinite(dil["perplexity"]) and dil["perplexity"] != rows[("dense", 64)]["perplexity"]
     assert dil["vs_dense"] == pytest.approx(dil["perplexity"] / rows[("dense", 64)]["perplexity"])
     saved = json.loads((tmp_path / "out" / "fidelity.json").read_text())
