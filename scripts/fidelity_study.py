@@ -160,7 +160,7 @@ def dilated_config(v: Variant, n: int, trained: int, convertible: Sequence[int])
                                   layers=layer_list(v.layers, convertible))
 
 
-def block_sparse_config(v: Variant, n: int, trained: int, num_heads: int, convertible: Sequence[int]):
+def block_sparse_config(v: Variant, n: int, trained: int, num_heads: int, convertible: Sequence[int], device=None):
     """A block-sparse config of the variant's pattern with about the attended keys of ``dilated w0=<w0> g=1`` at
     length ``n`` (the adaptive one by its upper bound, every chosen block distinct)."""
     from hf_dilated import BlockSparseConfig
@@ -168,7 +168,7 @@ def block_sparse_config(v: Variant, n: int, trained: int, num_heads: int, conver
 
     b = BLOCK_SIZE
     reference = dilated_config(Variant("ref", "dilated", "", w0=v.w0, global_tokens=1), n, trained, convertible)
-    target = dilated_attended_keys(reference, n, num_heads)
+    target = dilated_attended_keys(reference, n, num_heads, device=device)
     n_blocks = math.ceil(n / b)
     if v.pattern == "adaptive":
         # causal tiles of a budget of B blocks ending at the diagonal: about (B - 1/2) b keys once past B blocks
@@ -209,7 +209,8 @@ def applied(model, v: Variant, n: int, trained: int, dense_impl: str = "sdpa"):
             cfg = dilated_config(v, n, trained, convertible_layers(model))
             patch(model, cfg, context_length=target, rope=v.rope)
         elif v.kind == "block_sparse":
-            cfg = block_sparse_config(v, n, trained, mc.num_attention_heads, convertible_layers(model))
+            cfg = block_sparse_config(v, n, trained, mc.num_attention_heads, convertible_layers(model),
+                                      next(model.parameters()).device)
             layers = convertible_layers(model)
             if layers != list(range(mc.num_hidden_layers)):  # the recipe's layers only (Gemma3: the global ones)
                 cfg.layers = layers
@@ -263,7 +264,8 @@ def attended_keys(v: Variant, cfg, n: int, model, converted_keys: float | None =
     if cfg is None:
         converted_keys, converted = dense, set()
     elif v.kind == "dilated":
-        converted_keys = dilated_attended_keys(cfg, n, heads) if converted_keys is None else converted_keys
+        device = next(model.parameters()).device  # thousands of small vector operations: faster on the GPU
+        converted_keys = dilated_attended_keys(cfg, n, heads, device=device) if converted_keys is None else converted_keys
         converted = set(range(n_layers) if cfg.layers is None else cfg.layers)
     else:
         converted_keys = block_sparse_attended_keys(cfg, n, heads) if converted_keys is None else converted_keys
