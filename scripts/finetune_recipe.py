@@ -8,11 +8,13 @@ Runs, in this order (each on fresh weights, the same rows in the same order, bf1
 activation checkpointing, batch 1, AdamW at a constant learning rate after 10 warm-up steps, the chunked LM-head loss
 of :func:`hf_dilated.evaluation.causal_lm_nll`), each stopped at ``--steps`` or its share of ``--budget-s``:
 
-1. at the trained context ``T`` (SmolLM2: 8K): ``dense`` (sdpa) and ``dilated`` (``--segment-lengths``,
+1. at the trained context ``T`` (SmolLM2: 8K): ``dense`` (sdpa) then ``dilated`` (``--segment-lengths``,
    ``--dilation-rates``, ``--global-tokens``, ``--layers``; default: the recipe's branches from first segment
    ``--first-segment`` with ``--global-tokens`` sinks), with LoRA and with full fine-tuning;
 2. at ``--long-factor`` x ``T`` (32K): ``dense+rope`` (sdpa with the recipe's RoPE scaling) and ``dilated+rope``
    (dilated branches extended to the length, the same RoPE scaling), LoRA then full, as time allows.
+
+A dilated run makes exactly the steps its dense partner made (a dense run cut short by the budget shortens it).
 
 The text is split once: the last ``--eval-fraction`` of its characters is held out. Training rows are consecutive
 ``N``-token pieces of the rest (one stream, positions ``0..N-1``: sdpa's fastest path). Every run evaluates the same
@@ -329,7 +331,10 @@ def run(args) -> dict[str, Any]:
         }
         deadline = start + args.budget_s
         weights = {c: (c / trained) ** 0.5 for c, *_ in jobs}  # a longer row takes longer per step
+        achieved: dict[tuple[int, str], int] = {}  # (context, method) -> steps the dense run made
         for i, (ctx, attn, method, steps) in enumerate(jobs):
+            if attn.startswith("dilated") and (ctx, method) in achieved:
+                steps = min(steps, achieved[(ctx, method)])  # the same steps as the dense run it is compared with
             left = jobs[i:]
             remaining = deadline - time.time() - args.overhead_s * len(left)
             share = remaining * weights[ctx] / sum(weights[c] for c, *_ in left)
@@ -347,6 +352,8 @@ def run(args) -> dict[str, Any]:
                 gc.collect()
                 torch.cuda.empty_cache()
                 continue
+            if attn.startswith("dense"):
+                achieved[(ctx, method)] = r["steps"]
             log(f"  -> {r['steps']} steps, ppl {r['eval_before']['perplexity']:.3f} -> {r['eval_after']['perplexity']:.3f}")
             result["runs"].append(r)
             result["comparison"] = comparison(result["runs"])
@@ -369,9 +376,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text", help="a plain-text file (default: the bundled Shakespeare)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--steps", type=int, default=120, help="optimizer steps at the trained context")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps at the trained context")
     p.add_argument("--long-factor", type=int, default=4, help="the long context is this many times the trained (1: none)")
-    p.add_argument("--long-steps", type=int, default=60, help="optimizer steps at the long context")
+    p.add_argument("--long-steps", type=int, default=50, help="optimizer steps at the long context")
     p.add_argument("--trained-context", type=int, help="override the model's trained context (tests)")
     p.add_argument("--first-segment", type=int, default=4096, help="w0 of the dilated branches (r doubles with w)")
     p.add_argument("--segment-lengths", type=int, nargs="+", help="explicit branches instead of --first-segment")
@@ -382,7 +389,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-full", type=float, default=1e-4)
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"])
-    p.add_argument("--eval-tokens", type=int, default=131072, help="held-out tokens evaluated at every context")
+    p.add_argument("--eval-tokens", type=int, default=65536, help="held-out tokens evaluated at every context")
     p.add_argument("--eval-fraction", type=float, default=0.05, help="share of the text held out (its end)")
     p.add_argument("--budget-s", type=float, default=400.0, help="wall-clock budget of the whole command")
     p.add_argument("--overhead-s", type=float, default=12.0, help="time reserved per run for loading and evaluation")

@@ -211,3 +211,41 @@ def test_named_models_skip_with_a_reason(monkeypatch, tmp_path):
     (tmp_path / "g.gguf").write_bytes(b"")
     monkeypatch.setenv("HF_DILATED_GEMMA3_GGUF", str(tmp_path / "g.gguf"))
     assert assets.gemma3_gguf() == tmp_path / "g.gguf"
+
+
+def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
+    """The recipe comparison end to end on a small random Llama with SmolLM2's tokenizer (tiny lengths, 2 steps):
+    every (context, attention, method) run, dilated runs matched to their dense partner's steps, the same zero-shot
+    evaluation for the same weights, LoRA training only its adapters, the JSON and the plot."""
+    from hf_dilated import assets
+
+    tok = assets.load_smollm2_tokenizer()
+    if tok is None:
+        pytest.skip(assets.SMOLLM2_MISSING)
+    recipe = importlib.import_module("finetune_recipe")
+    model_dir = tmp_path / "small"
+    assets.tiny_llama(0, vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    text = tmp_path / "text.txt"
+    text.write_text(shakespeare[:60000], encoding="utf-8")
+    args = recipe.parse_args(["--checkpoint", str(model_dir), "--text", str(text), "--out", str(tmp_path / "out"),
+                              "--device", "cpu", "--trained-context", "32", "--steps", "2", "--long-factor", "2",
+                              "--long-steps", "2", "--first-segment", "8", "--global-tokens", "2", "--eval-tokens", "128",
+                              "--lora-r", "2", "--no-progress"])
+    result = recipe.run(args)
+    runs = {(r["context"], r["attn"], r["method"]): r for r in result["runs"]}
+    assert set(runs) == {(c, a, m) for c, pair in ((32, ("dense", "dilated")), (64, ("dense+rope", "dilated+rope")))
+                         for a in pair for m in ("lora", "full")}, result["skipped"]
+    for (ctx, attn, method), r in runs.items():
+        assert r["steps"] == 2 and len(r["loss_curve"]) == 2 and math.isfinite(r["eval_after"]["perplexity"])
+        other = runs[(ctx, attn, "full" if method == "lora" else "lora")]
+        assert r["eval_before"] == other["eval_before"]  # same weights, same held-out rows
+    assert runs[(32, "dilated", "full")]["dilated_attention"]["segment_lengths"] == [8, 16, 32]
+    assert runs[(32, "dilated", "full")]["dilated_attention"]["global_tokens"] == 2
+    assert runs[(32, "dilated", "lora")]["trainable_parameters"] < runs[(32, "dilated", "full")]["trainable_parameters"] / 10
+    assert runs[(32, "dense", "full")]["eval_before"] != runs[(32, "dilated", "full")]["eval_before"]
+    assert len(result["comparison"]) == 4 and all(c["ratio_after"] > 0 for c in result["comparison"])
+    saved = json.loads((tmp_path / "out" / "finetune_recipe.json").read_text())
+    assert len(saved["runs"]) == 8 and saved["environment"]["command"]
+    assert (tmp_path / "out" / "finetune_recipe.png").stat().st_size > 0
