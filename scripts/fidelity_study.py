@@ -430,9 +430,12 @@ def run(args, model=None, tokenizer=None, name: str | None = None) -> dict[str, 
                     keys, how = attended_keys(v, cfg, n, model, converted_keys=statistics.fmean(measured))
                     how = "exact (measured layouts)"
                 config_used = None if cfg is None else cfg.to_dict()
-        except torch.cuda.OutOfMemoryError as err:
-            result["skipped"].append({"variant": v.name, "length": n, "reason": f"out of memory: {str(err)[:200]}"})
-            torch.cuda.empty_cache()
+        except Exception as err:  # noqa: BLE001  (one variant failing, e.g. out of memory, must not end the study)
+            kind = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else type(err).__name__
+            result["skipped"].append({"variant": v.name, "length": n, "reason": f"{kind}: {str(err)[:300]}"})
+            bar.write(f"{v.name} @ {n}: {kind}: {str(err)[:200]}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             continue
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -347,10 +347,13 @@ def run(args) -> dict[str, Any]:
             try:
                 r = one_run(model_dir, attn, method, ctx, trained, train_rows, rows(eval_ids, ctx), min(steps, len(train_rows)),
                             share, args, out)
-            except torch.cuda.OutOfMemoryError as err:
-                result["skipped"].append({"context": ctx, "attn": attn, "method": method, "reason": f"OOM: {str(err)[:200]}"})
+            except Exception as err:  # noqa: BLE001  (one run failing, e.g. out of memory, must not end the comparison)
+                kind = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else type(err).__name__
+                result["skipped"].append({"context": ctx, "attn": attn, "method": method, "reason": f"{kind}: {str(err)[:300]}"})
+                log(f"  -> failed: {kind}: {str(err)[:200]}")
                 gc.collect()
-                torch.cuda.empty_cache()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
                 continue
             if attn.startswith("dense"):
                 achieved[(ctx, method)] = r["steps"]
