@@ -5,6 +5,9 @@ under activation checkpointing when gradients are on), so at 64K tokens SmolLM2 
 logits. One implementation serves evaluation (perplexity of a long text, patched against dense) and fine-tuning
 (the training loss): it applies ``final_logit_softcapping`` as the model does and refuses the logit scalings it does
 not implement, so it always equals the model's own loss.
+
+Beside it, the cost axis of the fidelity study (``scripts/fidelity_study.py``): the mean number of keys a query attends
+under a dilated configuration, a block-sparse layout or dense / sliding-window attention, counted exactly.
 """
 
 from __future__ import annotations

@@ -178,6 +178,11 @@ def one_run(model_dir: str, attn: str, method: str, seq_len: int, trained: int, 
     before = evaluate(model, eval_rows, device, bf16)
     trainer, measure = finetune.make_trainer(model, training, train_rows[:steps], loss_chunk_size=4096,
                                              tokens_per_step=seq_len, warmup_steps=3, max_seconds=seconds)
+    if args.no_progress:  # no per-step log lines either (the loss curve is in the JSON)
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
     t0 = time.time()
     trainer.train()
     train_s = time.time() - t0
