@@ -25,8 +25,8 @@ so past ``T`` the recipe's RoPE scaling applies unless the name says ``rope=none
 - ``bs ...``: block-sparse (``"block_sparse"``, block 64): ``adaptive`` (top-k by pooled scores + local + the sink
   block), ``local+sink`` and ``dilated`` block patterns, each given about the keys of ``dilated w0=<first> g=1``.
 
-Writes ``--out/NAME.json`` (every row, the configurations, the GPU, versions and command) and ``NAME.png`` (one
-panel per length: perplexity against attended keys), rewritten after every variant so a cut-off run keeps what
+Writes ``--out/NAME.json`` (every row, the configurations, the GPU, versions and command), ``NAME.png`` (one
+panel per length: perplexity against attended keys) and ``NAME_ratio.png`` (the ratio to dense), rewritten after every variant so a cut-off run keeps what
 finished; ``--budget-s`` skips what would not finish. ``--list`` prints the variant names.
 """
 
@@ -477,24 +477,26 @@ def table(result: dict) -> str:
     return reporting.format_table(["variant", *(f"{n}: ppl (x dense, windows) [keys]" for n in lengths)], rows, width=8)
 
 
-def plot(result: dict, path: Path) -> Path | None:
-    """One panel per length: perplexity (pooled; bars: min..max over windows) against attended keys per query."""
+def plot(result: dict, path: Path, ratio: bool = False) -> Path | None:
+    """One panel per length against attended keys per query: the pooled perplexity (bars: min..max over windows),
+    or with ``ratio`` its ratio to dense paired by window (bars: min..max of the per-window ratios)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return None
     panels = []
+    y, lo, hi = ("vs_dense", "vs_dense_min", "vs_dense_max") if ratio else ("perplexity", "min", "max")
     for n in result["lengths"]:
-        rows = [r for r in result["rows"] if r["length"] == n]
+        rows = [r for r in result["rows"] if r["length"] == n and y in r]
         series = []
         for group in dict.fromkeys(r["group"] for r in rows):
             g = [r for r in rows if r["group"] == group]
-            series.append({"label": group, "x": [r["attended_keys"] for r in g], "y": [r["perplexity"] for r in g],
-                           "points": True, "marker": "o",
-                           "yerr": [[r["perplexity"] - r["min"] for r in g], [r["max"] - r["perplexity"] for r in g]],
+            series.append({"label": group, "x": [r["attended_keys"] for r in g], "y": [r[y] for r in g],
+                           "points": True, "marker": "o", "yerr": [[r[y] - r[lo] for r in g], [r[hi] - r[y] for r in g]],
                            "annotate": [r["variant"].replace("dilated ", "").replace("bs ", "") for r in g]})
         panels.append({"title": f"{n} tokens (trained {result['trained_context']})", "xlabel": "attended keys per query",
-                       "ylabel": "perplexity", "series": series, "logx": True, "logy": True})
+                       "ylabel": "perplexity / dense (paired by window)" if ratio else "perplexity",
+                       "series": series, "logx": True, "logy": not ratio})
     env = result["environment"]
     return reporting.plot(path, panels, title=f"{result['model']} on {result['text']}: zero-shot fidelity "
                                                f"({env.get('device')}, {env.get('dtype')}, {result['windows']} windows)")
@@ -504,6 +506,7 @@ def save(result: dict, out: Path, name: str, final: bool = False) -> None:
     reporting.write_json(out / f"{name}.json", result)
     if final or len(result["rows"]) % 5 == 0:
         plot(result, out / f"{name}.png")
+        plot(result, out / f"{name}_ratio.png", ratio=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

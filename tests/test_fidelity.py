@@ -194,7 +194,7 @@ def test_study_on_smollm2(smollm2, shakespeare, tmp_path, one_thread):
     assert dil["vs_dense"] == pytest.approx(dil["perplexity"] / rows[("dense", 64)]["perplexity"])
     saved = json.loads((tmp_path / "out" / "fidelity.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"])) and saved["environment"]["command"]
-    assert (tmp_path / "out" / "fidelity.png").stat().st_size > 0
+    assert (tmp_path / "out" / "fidelity.png").stat().st_size > 0 and (tmp_path / "out" / "fidelity_ratio.png").is_file()
     assert "dilated w0=2048 g=4" in fs.table(result)
 
 
