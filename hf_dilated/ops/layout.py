@@ -216,6 +216,27 @@ def cache_layout(batch: int, q_len: int, kv_len: int, device, lengths: torch.Ten
     return TokenLayout(q_pos, q_seq, None, None, None, q_valid, contiguous, keys=keys, n_keys=kv_len)
 
 
+def _masked_cache_layout(real: torch.Tensor, position_ids: torch.Tensor, q_len: int, batch: int) -> TokenLayout | None:
+    """A cache layout for queries decoding against a 2-D masked cache (``generate()`` passes one), or ``None`` when
+    some row's real keys are not one block of columns (holes in the middle: positions then do not step with the
+    columns). Costs a few reductions over the mask and one scalar read on the host (memoized with the layout, so once
+    per forward), instead of copying the per-key layout to the host."""
+    q_pos = _normalize_position_ids(position_ids.to(real.device), batch)
+    if q_pos.shape[1] != q_len:
+        return None
+    n_keys = real.shape[1]
+    cols = torch.arange(n_keys, device=real.device)
+    count = real.sum(-1)
+    last = torch.where(real, cols, -1).amax(-1)
+    first = torch.where(real, cols, n_keys).amin(-1)
+    if not bool(((last - first + 1 == count) & (count > 0)).all()):
+        return None
+    base = last - q_pos[:, -1]  # the last real key is at the last query's position
+    keys = torch.stack([base, (first - base).clamp_min(0), q_pos[:, -1] + 1], 1)
+    return TokenLayout(q_pos, torch.zeros_like(q_pos), None, None, None, torch.ones_like(q_pos, dtype=torch.bool),
+                       None, keys=keys, n_keys=n_keys)
+
+
 def resolve_layout(
     batch: int,
     q_len: int,
@@ -258,6 +279,10 @@ def _resolve_layout(batch, q_len, kv_len, device, attention_mask, position_ids, 
     if lengths is not None:
         attention_mask = key_mask_from_lengths(lengths, kv_len)
     masked = attention_mask is not None
+    if masked and q_len < kv_len and no_packing and position_ids is not None and not tracing:
+        layout = _masked_cache_layout(_key_mask(attention_mask, batch, kv_len, device), position_ids, q_len, batch)
+        if layout is not None:
+            return layout
     if masked:
         k_valid = _key_mask(attention_mask, batch, kv_len, device)
     else:
