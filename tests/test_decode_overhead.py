@@ -96,3 +96,30 @@ def test_dynamic_cache_step_grows_no_more_than_sdpa():
     sdpa = step_ops("sdpa", "dynamic", 16384)
     scaled = lambda ops: [op for op in ops if any(d >= 8192 for s in op[1] for d in s)]  # noqa: E731
     assert len(scaled(ours)) <= len(scaled(sdpa)) == 0, scaled(ours)[:5]
+
+
+@pytest.mark.parametrize("form", ["lengths", "left_padded_mask"])
+def test_cache_decoding_op_equals_the_float64_statement(rng, form):
+    """The decode op on a cache layout (a static cache's filled lengths, or a left-padded 2-D mask with unfilled
+    slots) against tests/naive.py, with positions counted as SPEC.md says; the decode kernel is the one launch."""
+    from naive import naive_dilated_attention, rel_err
+
+    B, Hq, Hk, D, Nk, Nq = 2, 4, 2, 16, 96, 2
+    branches = ((8, 1), (16, 2), (32, 4))
+    filled = torch.tensor([70, 81])
+    pad = torch.tensor([5, 0]) if form == "left_padded_mask" else torch.zeros(2, dtype=torch.long)
+    cols = torch.arange(Nk)
+    real = (cols >= pad[:, None]) & (cols < filled[:, None])
+    k_pos = (cols - pad[:, None]).clamp_min(0)
+    q_pos = torch.stack([k_pos[b, filled[b] - Nq : filled[b]] for b in range(B)])
+    q = torch.randn(B, Hq, Nq, D, generator=rng)
+    k, v = (torch.randn(B, Hk, Nk, D, generator=rng) for _ in range(2))
+    mask = filled if form == "lengths" else real
+    launch.LAUNCHES.clear()
+    out = hf_dilated.dilated_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), [w for w, _ in branches],
+                                       [r for _, r in branches], position_ids=q_pos.to(DEVICE),
+                                       attention_mask=mask.to(DEVICE), backend="triton")
+    assert launch.LAUNCHES == {"decode": 1}
+    want = naive_dilated_attention(q.double(), k.double(), v.double(), branches, q_pos=q_pos, k_pos=k_pos,
+                                   k_valid=real, q_valid=torch.ones(B, Nq, dtype=torch.bool))
+    assert rel_err(out.cpu().double(), want) < (1e-3 if DEVICE == "cuda" else 1e-5)
