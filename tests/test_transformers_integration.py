@@ -413,3 +413,16 @@ def test_decoding_step_mask_and_layout_read_nothing_on_the_host(cache_len):
         layout = resolve_layout(2, 64, 64, "cpu")
         resolve_layout(2, 1, cache_len, "cpu")
     assert reads.count == 0 and layout.contiguous
+
+
+def test_block_sparse_reads_the_static_cache_lengths_of_the_shared_mask_function(rng):
+    """``"block_sparse"`` shares ``dilated_mask``: a static cache's ``[B]`` filled lengths decode like the full forward."""
+    model = tiny_llama()
+    model.set_attn_implementation("block_sparse")
+    ids = torch.randint(0, 128, (1, 40), generator=rng)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        outs = [model(ids[:, :30], past_key_values=cache, use_cache=True).logits]
+        outs += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(30, 33)]
+    torch.testing.assert_close(torch.cat(outs, 1), full[:, :33], rtol=1e-4, atol=1e-4)
