@@ -2,7 +2,8 @@
 
 Every aten op of one decoding step of a tiny patched Llama is recorded with the shapes of its tensors, at two cache
 lengths. Apart from the attention op itself and the cache's own update, the two recordings must be the same op for op,
-shape for shape: no mask, layout, check or work list with the cache's length, and the same number of ops.
+shape for shape: no mask, layout, check or work list with the cache's length, and the same number of ops; and no op
+reads a value on the host (a device sync per token).
 """
 
 import pytest
@@ -25,6 +26,7 @@ ATTENTION_OPS = {"hf_dilated::dilated_attention_decode", "aten::_scaled_dot_prod
                  "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_cudnn_attention"}
 CACHE_OPS = {"static": {"aten::index_copy_"}, "dynamic": {"aten::cat"}}
+HOST_READS = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}  # .item(), bool(), torch.equal: syncs
 
 
 class Recorder(TorchDispatchMode):
@@ -78,6 +80,7 @@ def step_ops(attn: str, kind: str, cache_len: int) -> list[tuple[str, tuple]]:
     assert torch.isfinite(logits).all()
     if attn == ATTENTION_NAME:
         assert launch.LAUNCHES == {"decode": model.config.num_hidden_layers}  # the kernel ran, nothing else
+        assert not [op for op in rec.ops if op[0] in HOST_READS]  # no value read on the host (no device sync)
     skip = ATTENTION_OPS | CACHE_OPS[kind]
     return [op for op in rec.ops if op[0] not in skip]
 
