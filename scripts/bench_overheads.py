@@ -3,10 +3,17 @@ the cache length, for ``"dilated"`` and ``"sdpa"`` on an 8-layer SmolLM2-shaped 
 
 Issue 9 items 7 and 8: ``torch.compile(fullgraph=True)`` must not be slower than eager, and per-token decoding work
 outside the kernel must not grow with the cache (static cache: flat within 1.2x; dynamic cache: no more growth
-than sdpa). Each row is checked (the compiled step's loss equals eager's; decoding emits finite logits).
+than sdpa). Decoding is timed without a mask and, as ``generate()`` calls the model, with a 2-D mask of the whole
+sequence so far. Each row is checked (the compiled step's loss equals eager's; decoding emits finite logits, and for
+``dilated`` the Triton decode kernel is the one launch per layer).
+
+Training rows: one step (forward, loss, backward; ``use_cache=False``) eager, the whole model compiled with
+``fullgraph=True``, and each decoder layer compiled on its own (the usual per-block compile, which leaves the
+embedding, LM head and loss eager). Decoding rows: static cache at 16K, 128K and 1M (sdpa where its prefill mask
+fits, up to ``--sdpa-max-cache``), dynamic cache at 16K and 128K (``--dynamic-lengths``).
 
   python scripts/bench_overheads.py --small                  # CPU, seconds: tiny model, short lengths
-  python scripts/bench_overheads.py                          # GPU: 16K training, 16K..1M cache (SmolLM2 shape)
+  python scripts/bench_overheads.py --out DIR                # GPU (about 5 min on an H100): SmolLM2 shape, bf16
 
 Writes ``benchmarks/results/overheads-<device>-<date>.json`` with the environment (versions, device, command).
 """
@@ -25,6 +32,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 import hf_dilated
 from hf_dilated import ATTENTION_NAME, DilatedAttentionConfig, default_branches
 from hf_dilated.environment import run_environment
+from hf_dilated.ops.triton import launch
 
 
 def model_for(args, attn: str, context: int) -> LlamaForCausalLM:
@@ -36,7 +44,7 @@ def model_for(args, attn: str, context: int) -> LlamaForCausalLM:
                       rope_theta=100000.0, **shape)
     model = LlamaForCausalLM(cfg).to(args.device, args.dtype)
     if attn == ATTENTION_NAME:
-        ws, rs = default_branches(context, min_segment=args.min_segment)
+        ws, rs = default_branches(context, max_first_segment=args.min_segment)
         DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs, backend=args.backend).save_to(model.config)
     model.set_attn_implementation(attn)
     return model
@@ -66,7 +74,7 @@ def training_rows(args) -> list[dict]:
 
         def step(m):
             model.zero_grad(set_to_none=True)
-            loss = m(input_ids=ids, labels=ids).loss
+            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
             return loss.detach()
 
@@ -74,30 +82,44 @@ def training_rows(args) -> list[dict]:
         eager = timed(lambda: step(model), args.device, args.reps)
         row = dict(kind="train_step", attn=attn, tokens=args.train_len, eager_ms=1e3 * statistics.median(eager),
                    loss_eager=float(eager_loss))
-        torch._dynamo.reset()
-        compiled_model = torch.compile(model, fullgraph=True)
-        try:
-            t0 = time.perf_counter()
-            compiled_loss = step(compiled_model)
-            sync(args.device)
-            row["compile_s"] = time.perf_counter() - t0
-            row["compiled_ms"] = 1e3 * statistics.median(timed(lambda: step(compiled_model), args.device, args.reps))
-            row["loss_compiled"] = float(compiled_loss)
-            row["losses_agree"] = abs(float(compiled_loss) - float(eager_loss)) <= 1e-2 * abs(float(eager_loss))
-            row["compiled_over_eager"] = row["compiled_ms"] / row["eager_ms"]
-        except Exception as error:  # e.g. the PyTorch reference on CPU is not fullgraph-traceable: say so, go on
-            row["compile_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        for how in ("model", "layers"):
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            if how == "model":
+                fn = torch.compile(model, fullgraph=True)
+            else:  # per-block compile: every decoder layer, one shared graph
+                for layer in model.model.layers:
+                    layer.compile(fullgraph=True)
+                fn = model
+            try:
+                t0 = time.perf_counter()
+                compiled_loss = step(fn)
+                sync(args.device)
+                row[f"compile_{how}_s"] = time.perf_counter() - t0
+                row[f"compiled_{how}_ms"] = 1e3 * statistics.median(timed(lambda: step(fn), args.device, args.reps))
+                row[f"loss_compiled_{how}"] = float(compiled_loss)
+                row[f"losses_agree_{how}"] = abs(float(compiled_loss) - float(eager_loss)) <= 1e-2 * abs(float(eager_loss))
+                row[f"compiled_{how}_over_eager"] = row[f"compiled_{how}_ms"] / row["eager_ms"]
+                stats = torch._dynamo.utils.counters
+                row[f"graphs_{how}"] = int(stats["stats"]["unique_graphs"])
+                row[f"graph_breaks_{how}"] = int(sum(stats["graph_break"].values()))
+            except Exception as error:  # e.g. the PyTorch reference on CPU is not fullgraph-traceable: say so, go on
+                row[f"compile_{how}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            finally:
+                for layer in model.model.layers:
+                    layer._compiled_call_impl = None  # back to eager for the next variant
         rows.append(row)
         print(rows[-1], flush=True)
+        del model
     return rows
 
 
 @torch.no_grad()
 def decode_rows(args) -> list[dict]:
     rows = []
-    for cache_kind in ("static", "dynamic"):
+    for cache_kind, lengths in (("static", args.cache_lengths), ("dynamic", args.dynamic_lengths)):
         for attn in (ATTENTION_NAME, "sdpa"):
-            for length in args.cache_lengths:
+            for length in lengths:
                 if attn == "sdpa" and length > args.sdpa_max_cache:
                     # sdpa's mask for a chunk of prefill against a long static cache is [chunk, cache] (16 GiB at 1M)
                     rows.append(dict(kind="decode", cache=cache_kind, attn=attn, cache_len=length,
@@ -105,34 +127,52 @@ def decode_rows(args) -> list[dict]:
                     continue
                 model = model_for(args, attn, length).eval()
                 ids = torch.randint(0, model.config.vocab_size, (1, length), device=args.device)
-                total = length + args.decode_steps + 1
+                total = length + 2 * args.decode_steps + 1  # room for the steps without and with a 2-D mask
                 cache = StaticCache(config=model.config, max_cache_len=total) if cache_kind == "static" \
                     else DynamicCache(config=model.config)
+                t0 = time.perf_counter()
                 for start in range(0, length, args.prefill_chunk):  # chunked prefill keeps activations small
                     model(input_ids=ids[:, start : start + args.prefill_chunk], past_key_values=cache, use_cache=True)
+                sync(args.device)
+                prefill_s = time.perf_counter() - t0
                 token = ids[:, -1:]
                 position = length
 
-                def one():
+                mask = torch.ones(1, length + 2 * args.decode_steps + 1, dtype=torch.long, device=args.device)
+
+                def one(with_mask=False):
                     nonlocal token, position
                     pos = torch.tensor([[position]], device=args.device)
+                    extra = dict(attention_mask=mask[:, : position + 1]) if with_mask else {}
                     out = model(input_ids=token, past_key_values=cache, use_cache=True, position_ids=pos,
-                                cache_position=pos[0])
+                                cache_position=pos[0], **extra)
                     token = out.logits[:, -1:].argmax(-1)
                     position += 1
                     return out.logits
 
                 finite = bool(torch.isfinite(one()).all())
+                launch.LAUNCHES.clear()
                 times = timed(one, args.device, args.decode_steps - 1)
-                rows.append(dict(kind="decode", cache=cache_kind, attn=attn, cache_len=length,
-                                 ms_per_token=1e3 * statistics.median(times), finite=finite))
+                row = dict(kind="decode", cache=cache_kind, attn=attn, cache_len=length,
+                           ms_per_token=1e3 * statistics.median(times), ms_min=1e3 * min(times), finite=finite,
+                           prefill_s=prefill_s)
+                if attn == ATTENTION_NAME:
+                    row["launches_per_token"] = {k: v / len(times) for k, v in launch.LAUNCHES.items()}
+                # As generate() calls it: a 2-D mask of the whole sequence so far (all ones, no padding) every step.
+                times = timed(lambda: one(with_mask=True), args.device, args.decode_steps - 1)
+                row["ms_per_token_with_2d_mask"] = 1e3 * statistics.median(times)
+                rows.append(row)
                 print(rows[-1], flush=True)
                 del model, cache
     for cache_kind in ("static", "dynamic"):
         for attn in (ATTENTION_NAME, "sdpa"):
             series = [r for r in rows if r.get("cache") == cache_kind and r["attn"] == attn and "ms_per_token" in r]
-            rows.append(dict(kind="decode_growth", cache=cache_kind, attn=attn, lengths=[series[0]["cache_len"],
-                             series[-1]["cache_len"]], longest_over_shortest=series[-1]["ms_per_token"] / series[0]["ms_per_token"]))
+            if len(series) > 1:
+                rows.append(dict(kind="decode_growth", cache=cache_kind, attn=attn, lengths=[series[0]["cache_len"],
+                                 series[-1]["cache_len"]],
+                                 longest_over_shortest=series[-1]["ms_per_token"] / series[0]["ms_per_token"],
+                                 longest_over_shortest_with_2d_mask=series[-1]["ms_per_token_with_2d_mask"]
+                                 / series[0]["ms_per_token_with_2d_mask"]))
     return rows
 
 
@@ -143,7 +183,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--train-len", type=int, default=None)
-    parser.add_argument("--cache-lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--cache-lengths", type=int, nargs="+", default=None, help="static-cache lengths")
+    parser.add_argument("--dynamic-lengths", type=int, nargs="+", default=None, help="dynamic-cache lengths")
     parser.add_argument("--decode-steps", type=int, default=20)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--skip-train", action="store_true")
@@ -154,6 +195,7 @@ def main(argv=None) -> None:
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
     args.train_len = args.train_len or (256 if args.small else 16384)
     args.cache_lengths = args.cache_lengths or ([128, 512, 2048] if args.small else [16384, 131072, 1048576])
+    args.dynamic_lengths = args.dynamic_lengths or ([128, 2048] if args.small else [16384, 131072])
     args.min_segment = 64 if args.small else 2048
     args.prefill_chunk = 1024 if args.small else 16384
     rows = ([] if args.skip_train else training_rows(args)) + decode_rows(args)

@@ -49,13 +49,21 @@ def test_mask_stays_compact():
     assert create_causal_mask(model.config, emb, ones, None) is ones
 
 
-def test_static_cache_mask_marks_unfilled_slots_without_reading_values():
+def test_static_cache_mask_is_the_filled_length_without_reading_values():
     model = switch(tiny_llama(), LONGNET)
     cache = StaticCache(config=model.config, max_cache_len=64)
     emb = torch.randn(2, 1, 64)
     cache.update(torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16), 0)
     built = create_causal_mask(model.config, emb, None, cache)
-    assert built.shape == (2, 64) and built[:, :31].all() and not built[:, 31:].any()
+    assert built.shape == (2,) and built.tolist() == [31, 31]  # [B] key lengths, not a [B, 64] mask
+    layout = hf_dilated.resolve_layout(2, 1, 64, "cpu", attention_mask=built, position_ids=torch.full((2, 1), 30))
+    assert layout.k_valid[:, :31].all() and not layout.k_valid[:, 31:].any()
+    assert layout.k_pos[0, :31].tolist() == list(range(31))
+    # With a 2-D mask the unfilled slots are masked too.
+    mask = torch.ones(2, 31, dtype=torch.long)
+    mask[0, :4] = 0
+    built = create_causal_mask(model.config, emb, mask, cache)
+    assert built.shape == (2, 64) and built[1, :31].all() and not built[:, 31:].any() and not built[0, :4].any()
 
 
 def test_mask_holes_hide_those_keys_only_like_sdpa_and_eager(rng):
@@ -126,17 +134,32 @@ def test_flattened_packing_equals_each_document_alone(rng):
                 start += len(d)
 
 
+def triton_or_skip():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and not hf_dilated.ops.dilated.triton_available(torch.device("cpu")):
+        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
-def test_decoding_with_cache_equals_full_forward(rng, cache_kind):
-    model = switch(tiny_llama(), LONGNET)
+def test_decoding_with_cache_equals_full_forward(rng, cache_kind, backend):
+    from hf_dilated.ops.triton import launch
+
+    if backend == "triton":
+        triton_or_skip()
+    model = switch(tiny_llama(), LONGNET)  # the full forward and the prefill on the reference (fast on CPU)
     ids = torch.randint(0, 128, (2, 44), generator=rng)
     with torch.no_grad():
         full = model(ids).logits
         cache = DynamicCache(config=model.config) if cache_kind == "dynamic" else StaticCache(config=model.config, max_cache_len=64)
         outs = [model(ids[:, :30], past_key_values=cache, use_cache=True).logits]
-        for t in range(30, 44, 2):  # two tokens per step: short query blocks too
-            outs.append(model(ids[:, t : t + 2], past_key_values=cache, use_cache=True).logits)
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-4, atol=1e-4)
+        switch(model, DilatedAttentionConfig(segment_lengths=[8, 16, 32], dilation_rates=[1, 2, 4], backend=backend))
+        launch.LAUNCHES.clear()
+        for t in range(30, 35, 2):  # two tokens per step (short query blocks too), then one
+            outs.append(model(ids[:, t : min(t + 2, 35)], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(outs, 1), full[:, :35], rtol=1e-4, atol=1e-4)
+    if backend == "triton":  # every step ran the decode kernel (2 layers x 3 steps), nothing else
+        assert launch.LAUNCHES == {"decode": 6}
 
 
 def test_generate_with_left_padding_matches_unpadded(rng):
@@ -371,9 +394,9 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("cache_len", [64, 4096])
-def test_decoding_step_mask_and_layout_need_at_most_one_scalar_read(cache_len):
-    """Per decoding step the mask function and the layout read at most one scalar on the host, whatever the cache
-    length (static cache: none in the mask function), and a forward without mask or positions reads nothing."""
+def test_decoding_step_mask_and_layout_read_nothing_on_the_host(cache_len):
+    """Per decoding step the mask function and the layout read no value on the host, whatever the cache length,
+    and build nothing of the cache's length (the layout keeps (base, lo, hi) per row)."""
     from hf_dilated.integrations.transformers import dilated_mask
     from hf_dilated.ops.layout import resolve_layout
 
@@ -381,11 +404,25 @@ def test_decoding_step_mask_and_layout_need_at_most_one_scalar_read(cache_len):
     for q_offset in (filled, torch.tensor(filled)):  # DynamicCache passes an int, StaticCache a tensor
         with HostReads() as reads:
             mask = dilated_mask(2, 1, cache_len, q_offset=q_offset, kv_offset=0, attention_mask=None)
-        assert reads.count == 0 and mask.shape == (2, cache_len)
+        assert reads.count == 0 and mask.tolist() == [filled + 1] * 2
         with HostReads() as reads:
-            resolve_layout(2, 1, cache_len, "cpu", attention_mask=mask, position_ids=torch.full((2, 1), filled))
-        assert reads.count <= 1
+            layout = resolve_layout(2, 1, cache_len, "cpu", attention_mask=mask,
+                                    position_ids=torch.full((2, 1), filled))
+        assert reads.count == 0 and layout.keys.tolist() == [[0, 0, filled + 1]] * 2
     with HostReads() as reads:
         layout = resolve_layout(2, 64, 64, "cpu")
         resolve_layout(2, 1, cache_len, "cpu")
     assert reads.count == 0 and layout.contiguous
+
+
+def test_block_sparse_reads_the_static_cache_lengths_of_the_shared_mask_function(rng):
+    """``"block_sparse"`` shares ``dilated_mask``: a static cache's ``[B]`` filled lengths decode like the full forward."""
+    model = tiny_llama()
+    model.set_attn_implementation("block_sparse")
+    ids = torch.randint(0, 128, (1, 40), generator=rng)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        outs = [model(ids[:, :30], past_key_values=cache, use_cache=True).logits]
+        outs += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(30, 33)]
+    torch.testing.assert_close(torch.cat(outs, 1), full[:, :33], rtol=1e-4, atol=1e-4)

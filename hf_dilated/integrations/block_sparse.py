@@ -16,7 +16,7 @@ from ..ops.block_sparse.config import BlockSparseConfig
 from ..ops.block_sparse.op import block_sparse_op, check_tensors, choose_backend, resolve_blocks
 from ..ops.block_sparse.reference import block_sparse_reference
 from ..ops.dilated import DENSE, attend
-from ..ops.layout import resolve_layout
+from ..ops.layout import key_mask_from_lengths, resolve_layout
 from .transformers import attention_function
 
 ATTENTION_NAME = "block_sparse"
@@ -39,6 +39,8 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, is_caus
     check_tensors(query, key, value)
     config = BlockSparseConfig.from_model_config(module.config)
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if attention_mask is not None and attention_mask.ndim == 1:  # a static cache's filled lengths (dilated_mask)
+        attention_mask = key_mask_from_lengths(attention_mask.to(query.device), key.shape[2])
     if query.shape[2] < key.shape[2] and attention_mask is not None and not torch.compiler.is_compiling():
         # A static cache holds unfilled slots after the last written key: drop them, so that the new queries are
         # the last key columns (blocks are tiles of key columns, see ops/block_sparse/layout.py).

@@ -3,8 +3,8 @@
 Like Transformers' own backends (``sdpa_attention.py``), the attention function is small and stateless: it reads the
 model's :class:`~hf_dilated.config.DilatedAttentionConfig` (parsed once per model config), resolves token positions
 and calls the one op, :func:`~hf_dilated.ops.dilated.attend`. The mask function keeps padding compact: it hands the
-attention function a ``[B, Nk]`` boolean key mask (or ``None`` when no 2-D mask was given and every key is filled),
-never an ``N x N`` tensor. Packed sequences travel as ``position_ids`` (restarting at 0, without a 2-D mask) or the
+attention function a ``[B, Nk]`` boolean key mask, a static cache's ``[B]`` filled lengths, or ``None``, never an
+``N x N`` tensor; a decoding step without a 2-D mask costs the same at every cache length. Packed sequences travel as ``position_ids`` (restarting at 0, without a 2-D mask) or the
 flash-style ``cu_seq_lens_q/k`` kwargs of ``DataCollatorWithFlattening``.
 """
 
@@ -37,12 +37,18 @@ def dilated_mask(
 ) -> torch.Tensor | None:
     """Mask function registered with ``AttentionMaskInterface``; called once per forward per mask type.
 
-    Returns a ``[B, kv_length]`` bool tensor, True for keys that hold a real token: not hidden by the 2-D
-    ``attention_mask`` and, with a static cache, already written (absolute index ``< q_offset + q_length``).
-    Returns ``None`` when no 2-D mask was given and every key is filled. A given 2-D mask is always passed on
-    (it says "one sequence per row": packing is then not inferred from ``position_ids``, as in Transformers).
-    Never reads values on the host (no sync, O(1) host work per decoding step). Causality, dilation and packing
-    are applied by the attention function from positions, so ``mask_function`` (the dense pattern) is unused.
+    Returns, never an ``N x N`` tensor and never reading a value on the host:
+
+    - ``None`` when no 2-D mask was given and every key is filled (training, prefill, a dynamic cache);
+    - a ``[B]`` int64 tensor of *key lengths* when no 2-D mask was given but a static cache has unfilled slots: the
+      first ``q_offset + q_length - kv_offset`` columns hold real keys. O(B) work per decoding step, whatever the
+      cache length (the attention function reads the unfilled tail from this length, not from a mask);
+    - else a ``[B, kv_length]`` bool key mask: the given 2-D ``attention_mask`` (True = real key) and, with a static
+      cache, only the written slots. A given 2-D mask is always passed on (it says "one sequence per row": packing
+      is then not inferred from ``position_ids``, as in Transformers).
+
+    Causality, dilation and packing are applied by the attention function from positions, so ``mask_function``
+    (the dense pattern) is unused.
     """
     config = kwargs.get("config")
     if config is not None:
@@ -51,8 +57,8 @@ def dilated_mask(
     if attention_mask is None:
         if whole:
             return None
-        index = kv_offset + torch.arange(kv_length, device=device)
-        return (index < q_offset + q_length).expand(batch_size, -1)
+        filled = torch.as_tensor(q_offset + q_length - kv_offset, device=device).reshape(1)
+        return filled.to(torch.int64).clamp(0, kv_length).expand(batch_size)
     attention_mask = attention_mask.to(device=device, dtype=torch.bool)
     width = attention_mask.shape[-1]
     if whole and kv_offset == 0 and width == kv_length:
@@ -66,6 +72,7 @@ def attention_function(name: str, attend_fn: Callable[..., torch.Tensor], *, sup
     """Adapt ``attend_fn(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)`` (which
     returns ``[B, Hq, Nq, D]``) to Transformers' attention-function signature, the same way for every kind:
 
+    ``attention_mask`` is what :func:`dilated_mask` returns: ``None``, a ``[B, Nk]`` key mask, or ``[B]`` key lengths.
     ``output_attentions=True`` warns once and gives ``None`` weights (as Transformers' sdpa and flash backends do);
     logit softcapping and attention sinks (``s_aux``), 4-D masks and, where ``supports_dropout=False``, attention dropout are
     refused with a ``ValueError``; ``is_causal`` defaults to the module's; under autocast (Trainer's ``bf16=True``,
@@ -90,9 +97,10 @@ def attention_function(name: str, attend_fn: Callable[..., torch.Tensor], *, sup
             raise ValueError(
                 f"attention dropout ({dropout}) is not supported by '{name}' attention; set config.attention_dropout = 0.0"
             )
-        if attention_mask is not None and attention_mask.ndim != 2:
+        if attention_mask is not None and attention_mask.ndim not in (1, 2):
             raise ValueError(
-                f"'{name}' attention takes a 2-D key mask [B, Nk]; got a {attention_mask.ndim}-D mask of shape "
+                f"'{name}' attention takes a 2-D key mask [B, Nk] (or the [B] key lengths of its mask function); got a "
+                f"{attention_mask.ndim}-D mask of shape "
                 f"{tuple(attention_mask.shape)} (custom 4-D masks are not supported: pass a 2-D attention_mask and "
                 "position_ids)"
             )

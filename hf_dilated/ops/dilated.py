@@ -139,9 +139,9 @@ def attend(
         raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
     _check_options(window, global_tokens, dropout_p, seed)
     B, _, Nq, _ = query.shape
-    if layout.q_pos.shape != (B, Nq) or layout.k_pos.shape != (B, key.shape[2]):
+    if layout.q_pos.shape != (B, Nq) or layout.n_keys != key.shape[2]:
         raise ValueError(
-            f"layout covers [B, Nq] = {tuple(layout.q_pos.shape)} queries and {tuple(layout.k_pos.shape)} keys; "
+            f"layout covers [B, Nq] = {tuple(layout.q_pos.shape)} queries and {layout.n_keys} keys; "
             f"the tensors have {(B, Nq)} and {(B, key.shape[2])}"
         )
     chosen = choose_backend(backend, query)

@@ -2,19 +2,19 @@
 
 SPEC.md defines everything by a token's *position* ``p`` (its index within its own sequence) and its sequence,
 not by its column in the tensor. This module turns what callers pass (a 2-D key padding mask, ``position_ids``,
-flash-style ``cu_seqlens``) into one compact description, O(B * N) integers, that every backend reads.
+flash-style ``cu_seqlens``, or a static cache's filled length) into one compact description that every backend reads:
+O(B * N) integers, or, when queries decode against a cache whose keys sit in order, O(B * Nq) integers and three per
+row (the per-key tensors are then built only if a backend asks for them).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 
-@dataclass(frozen=True)
 class TokenLayout:
     """Per-token metadata of one attention call.
 
@@ -25,19 +25,68 @@ class TokenLayout:
         q_valid: ``[B, Nq]`` bool, False for padding queries (their output is zero, never NaN).
         contiguous: True when no token is padding, there is one sequence per row, keys sit at positions
             ``0..Nk-1`` in order and the queries are the last ``Nq`` of them. Kernels take a fast path then.
+        keys: ``None``, or for queries decoding against a cache (one sequence per row) ``[B, 3]`` int64
+            ``(base, lo, hi)``: the key at position ``p`` sits at column ``base + p``, and the real keys are the
+            positions ``[lo, hi)``; every other column is unfilled. Built from the cache length and the queries'
+            positions only (:func:`cache_layout`): ``k_pos``, ``k_seq``, ``k_valid`` and ``contiguous`` are then
+            computed on first use (``O(B * Nk)``), so a decoding kernel that reads ``keys`` costs nothing per key.
     """
 
-    q_pos: torch.Tensor
-    q_seq: torch.Tensor
-    k_pos: torch.Tensor
-    k_seq: torch.Tensor
-    k_valid: torch.Tensor
-    q_valid: torch.Tensor
-    contiguous: bool
+    def __init__(self, q_pos: torch.Tensor, q_seq: torch.Tensor, k_pos: torch.Tensor | None,
+                 k_seq: torch.Tensor | None, k_valid: torch.Tensor | None, q_valid: torch.Tensor,
+                 contiguous: bool | None, keys: torch.Tensor | None = None, n_keys: int | None = None):
+        if k_pos is None and (keys is None or n_keys is None):
+            raise ValueError("a TokenLayout needs its keys' positions, or keys=(base, lo, hi) and n_keys")
+        self.q_pos, self.q_seq, self.q_valid = q_pos, q_seq, q_valid
+        self._k_pos, self._k_seq, self._k_valid, self._contiguous = k_pos, k_seq, k_valid, contiguous
+        self.keys = keys
+        self.n_keys = int(n_keys if n_keys is not None else k_pos.shape[1])
+
+    def __repr__(self) -> str:
+        form = "cache keys" if self.keys is not None else "per-token keys"
+        return f"TokenLayout(B={self.batch_size}, Nq={self.q_pos.shape[1]}, Nk={self.n_keys}, {form})"
 
     @property
     def batch_size(self) -> int:
-        return self.k_pos.shape[0]
+        return self.q_pos.shape[0]
+
+    def _materialize(self) -> None:
+        base, lo, hi = (x[:, None] for x in self.keys.unbind(1))
+        pos = torch.arange(self.n_keys, device=self.keys.device)[None] - base
+        self._k_valid = (pos >= lo) & (pos < hi)
+        self._k_pos = torch.where(self._k_valid, pos, torch.zeros_like(pos))
+        self._k_seq = torch.zeros_like(self._k_pos)
+
+    @property
+    def k_pos(self) -> torch.Tensor:
+        if self._k_pos is None:
+            self._materialize()
+        return self._k_pos
+
+    @property
+    def k_seq(self) -> torch.Tensor:
+        if self._k_seq is None:
+            self._materialize()
+        return self._k_seq
+
+    @property
+    def k_valid(self) -> torch.Tensor:
+        if self._k_valid is None:
+            self._materialize()
+        return self._k_valid
+
+    @property
+    def contiguous(self) -> bool:
+        """For a cache layout decided on first use: one scalar read on the host (none while tracing: False)."""
+        if self._contiguous is None:
+            if torch.compiler.is_compiling():
+                self._contiguous = False
+            else:
+                nq, nk = self.q_pos.shape[1], self.n_keys
+                want = torch.tensor([0, 0, nk], device=self.keys.device)
+                cols = torch.arange(nk - nq, nk, device=self.q_pos.device)
+                self._contiguous = bool((self.keys == want).all() & (self.q_pos == cols).all())
+        return self._contiguous
 
 
 class _IdentityMemo:
@@ -117,6 +166,77 @@ def _key_mask(attention_mask: torch.Tensor, batch: int, kv_len: int, device) -> 
     return attention_mask.to(device) != 0
 
 
+def _key_lengths(lengths: torch.Tensor, batch: int, kv_len: int, device) -> torch.Tensor:
+    """A ``[B]`` (or one-element) integer tensor of key lengths as ``[B]`` int64 on ``device``, clamped to the keys."""
+    if lengths.is_floating_point() or lengths.dtype == torch.bool or lengths.numel() not in (1, batch):
+        raise ValueError(
+            f"attention_mask must be a 2-D key mask [B, Nk] = [{batch}, {kv_len}] or a [B] integer tensor of key "
+            f"lengths (the first lengths[b] columns are real keys), got shape {tuple(lengths.shape)}, {lengths.dtype}"
+        )
+    return lengths.to(device=device, dtype=torch.int64).reshape(-1).expand(batch).clamp(0, kv_len)
+
+
+def key_mask_from_lengths(lengths: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The ``[B, Nk]`` boolean key mask of ``[B]`` key lengths (the first ``lengths[b]`` columns are real)."""
+    return torch.arange(kv_len, device=lengths.device)[None] < lengths.reshape(-1, 1)
+
+
+def cache_layout(batch: int, q_len: int, kv_len: int, device, lengths: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> TokenLayout:
+    """The layout of ``q_len`` queries decoding against a cache of ``kv_len`` columns, from O(B * Nq) integers.
+
+    Row ``b`` holds ``F = lengths[b]`` filled columns (all ``kv_len`` when ``lengths`` is None), one sequence in
+    order. The queries' positions are ``position_ids`` (``[B, Nq]``), else the last ``Nq`` filled columns'. As SPEC.md
+    says, the real keys end at the last query: the key in column ``c < F`` has position ``c + P + 1 - F`` where ``P``
+    is the last query's position (keys that would fall below position 0 are not real), and unfilled columns are never
+    attended. Nothing here reads a value on the host or builds a tensor with ``kv_len`` elements.
+    """
+    device = torch.device(device)
+    if q_len > kv_len:
+        raise ValueError(f"query length ({q_len}) must not exceed key length ({kv_len})")
+    steps = torch.arange(q_len, device=device)
+    if lengths is None:
+        filled = torch.full((batch,), kv_len, dtype=torch.int64, device=device)
+    else:
+        filled = _key_lengths(lengths, batch, kv_len, device)
+    if position_ids is not None:
+        q_pos = _normalize_position_ids(position_ids.to(device), batch)
+        if q_pos.shape[1] != q_len:
+            raise ValueError(
+                f"position_ids must cover the queries ({q_len}) or the keys ({kv_len}), got length {q_pos.shape[1]}"
+            )
+    else:
+        q_pos = (filled[:, None] - q_len + steps[None]).clamp_min(0)
+    last = q_pos[:, -1]
+    base = filled - 1 - last
+    keys = torch.stack([base, (-base).clamp_min(0), last + 1], 1)
+    q_seq = torch.zeros_like(q_pos)
+    q_valid = torch.ones_like(q_pos, dtype=torch.bool)
+    contiguous = True if lengths is None and position_ids is None else None  # else decided on first use
+    return TokenLayout(q_pos, q_seq, None, None, None, q_valid, contiguous, keys=keys, n_keys=kv_len)
+
+
+def _masked_cache_layout(real: torch.Tensor, position_ids: torch.Tensor, q_len: int, batch: int) -> TokenLayout | None:
+    """A cache layout for queries decoding against a 2-D masked cache (``generate()`` passes one), or ``None`` when
+    some row's real keys are not one block of columns (holes in the middle: positions then do not step with the
+    columns). Costs a few reductions over the mask and one scalar read on the host (memoized with the layout, so once
+    per forward), instead of copying the per-key layout to the host."""
+    q_pos = _normalize_position_ids(position_ids.to(real.device), batch)
+    if q_pos.shape[1] != q_len:
+        return None
+    n_keys = real.shape[1]
+    cols = torch.arange(n_keys, device=real.device)
+    count = real.sum(-1)
+    last = torch.where(real, cols, -1).amax(-1)
+    first = torch.where(real, cols, n_keys).amin(-1)
+    if not bool(((last - first + 1 == count) & (count > 0)).all()):
+        return None
+    base = last - q_pos[:, -1]  # the last real key is at the last query's position
+    keys = torch.stack([base, (first - base).clamp_min(0), q_pos[:, -1] + 1], 1)
+    return TokenLayout(q_pos, torch.zeros_like(q_pos), None, None, None, torch.ones_like(q_pos, dtype=torch.bool),
+                       None, keys=keys, n_keys=n_keys)
+
+
 def resolve_layout(
     batch: int,
     q_len: int,
@@ -136,6 +256,9 @@ def resolve_layout(
     the count of real keys before the token, so left padding needs nothing more.
     With ``Nq < Nk`` (decoding against a cache) each row is one sequence; ``position_ids`` (``[B, Nq]``) give the
     queries' positions and the real keys end at the last query, else the queries are the last ``Nq`` keys.
+    ``attention_mask`` may also be a ``[B]`` integer tensor of *key lengths* (what the mask function passes for a
+    static cache): row ``b``'s real keys are its first ``lengths[b]`` columns, in order. Decoding without a 2-D mask
+    gives a cache layout (:func:`cache_layout`): no per-key tensor is built, whatever the cache length.
     """
     tensors = (attention_mask, position_ids, cu_seqlens_q, cu_seqlens_k)
     shape = (batch, q_len, kv_len, str(torch.device(device)))
@@ -146,7 +269,20 @@ def _resolve_layout(batch, q_len, kv_len, device, attention_mask, position_ids, 
     if q_len > kv_len:
         raise ValueError(f"query length ({q_len}) must not exceed key length ({kv_len})")
     tracing = torch.compiler.is_compiling()
+    lengths = None
+    if attention_mask is not None and attention_mask.ndim == 1:
+        lengths, attention_mask = _key_lengths(attention_mask, batch, kv_len, device), None
+    no_packing = cu_seqlens_q is None and cu_seqlens_k is None
+    if q_len < kv_len and attention_mask is None and no_packing:
+        if position_ids is None or _normalize_position_ids(position_ids, batch).shape[1] != kv_len:
+            return cache_layout(batch, q_len, kv_len, device, lengths, position_ids)
+    if lengths is not None:
+        attention_mask = key_mask_from_lengths(lengths, kv_len)
     masked = attention_mask is not None
+    if masked and q_len < kv_len and no_packing and position_ids is not None and not tracing:
+        layout = _masked_cache_layout(_key_mask(attention_mask, batch, kv_len, device), position_ids, q_len, batch)
+        if layout is not None:
+            return layout
     if masked:
         k_valid = _key_mask(attention_mask, batch, kv_len, device)
     else:

@@ -64,14 +64,29 @@ def _upcast(q: torch.Tensor) -> int:
     return 2 if q.dtype == torch.float32 else 0
 
 
-def _extras(pb: Problem, plan: RunPlan, layout_valid, B: int, H: int, device):
+_CONSTANTS: dict = {}
+
+
+def _constant(kind: str, device, make):
+    """A small tensor that every launch of a kind can share (placeholders, branch tables): built once per device."""
+    key = (kind, str(device))
+    hit = _CONSTANTS.get(key)
+    if hit is None:
+        hit = _CONSTANTS[key] = make()
+    return hit
+
+
+def _int8(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as the int8 the kernels read (a free view, no copy, when it is already contiguous)."""
+    return mask.contiguous().view(torch.int8) if mask.dtype == torch.bool else mask.to(torch.int8).contiguous()
+
+
+def _extras(pb: Problem, holes: bool, layout_valid, B: int, H: int, device):
     """Kernel arguments shared by every launch: validity (int8, read with holes), dropout streams, flags."""
     q_valid, k_valid = layout_valid
-    if plan.holes:
-        qv = q_valid.to(device=device, dtype=torch.int8).contiguous()
-        kv = k_valid.to(device=device, dtype=torch.int8).contiguous()
-    else:
-        qv = kv = torch.empty(1, dtype=torch.int8, device=device)
+    none = _constant("int8", device, lambda: torch.zeros(1, dtype=torch.int8, device=device))
+    qv = _int8(q_valid.to(device=device)) if holes and q_valid is not None else none
+    kv = _int8(k_valid.to(device=device)) if holes and k_valid is not None else none
     n_br = len(pb.kernel_branches())
     if pb.dropout_p > 0:
         seed = pb.seed.to(device=device, dtype=torch.int64).reshape(())
@@ -80,10 +95,10 @@ def _extras(pb: Problem, plan: RunPlan, layout_valid, B: int, H: int, device):
         streams = streams.expand(n_br, B, H).contiguous()
         thr, inv_keep = keep_threshold(pb.dropout_p), 1.0 / (1.0 - pb.dropout_p)
     else:
-        streams = torch.empty((n_br, 1, 1), dtype=torch.int64, device=device)
+        streams = _constant(f"streams{n_br}", device, lambda: torch.zeros((n_br, 1, 1), dtype=torch.int64, device=device))
         thr, inv_keep = 0, 1.0
     window = min(int(pb.window), DENSE_SEGMENT) if pb.window else 0
-    flags = dict(IS_CAUSAL=pb.is_causal, WINDOW=window > 0, HOLES=plan.holes, DROPOUT=pb.dropout_p > 0)
+    flags = dict(IS_CAUSAL=pb.is_causal, WINDOW=window > 0, HOLES=holes, DROPOUT=pb.dropout_p > 0)
     return qv, kv, streams, window, thr, inv_keep, flags
 
 
@@ -96,7 +111,7 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     group = H // k.shape[1]
     o = torch.zeros(B, H, Nq, D, device=q.device, dtype=torch.float32)
     lse = torch.full((B, H, Nq), float("-inf"), device=q.device, dtype=torch.float32)
-    qv, kv, streams, window, thr, inv_keep, flags = _extras(pb, plan, layout_valid, B, H, q.device)
+    qv, kv, streams, window, thr, inv_keep, flags = _extras(pb, plan.holes, layout_valid, B, H, q.device)
     cfg = fwd_config(head_dim_block(D), q.dtype)
     tma = use_tma((q, k, v), head_dim_block(D) != D, plan.holes)
     if tma:
@@ -135,7 +150,7 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
     )
     if dlse is not None:
         delta = delta - dlse.to(torch.float32)
-    extras = _extras(pb, plan, layout_valid, B, H, q.device)
+    extras = _extras(pb, plan.holes, layout_valid, B, H, q.device)
     kv_cfg, q_cfg = bwd_config(head_dim_block(D), q.dtype)
     items = [(i, r, branch_items(plan.runs, w, r, pb.is_causal, q.device, cache_key, cap))
              for i, (w, r, cap) in enumerate(pb.kernel_branches())]
@@ -203,25 +218,31 @@ def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, h0, items, pb: Problem,
         first = False
 
 
-def decode(q, k, v, pb: Problem, plan: RunPlan, layout, kdesc):
+def decode(q, k, v, pb: Problem, q_pos, q_valid, k_valid, kdesc):
     """Short query blocks against a cache, all branches in one launch. ``kdesc`` ``[B, 3]`` int32 on the device:
-    ``(k_base, k_lo, k_hi)`` per batch row (key of position ``p`` at column ``k_base + p``, positions ``[k_lo, k_hi)``)."""
+    ``(k_base, k_lo, k_hi)`` per batch row (key of position ``p`` at column ``k_base + p``, positions ``[k_lo, k_hi)``).
+    ``q_pos`` ``[B, Nq]``; ``q_valid`` ``[B, Nq]`` (None: every query is real); ``k_valid`` ``[B, Nk]`` (None: every
+    key in ``[k_lo, k_hi)`` is real, and nothing of the cache's length is read or allocated)."""
     LAUNCHES["decode"] += 1
     q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
     B, H, Nq, D = q.shape
     group = H // k.shape[1]
     o = torch.empty(B, H, Nq, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
-    _, kv, streams, window, thr, inv_keep, flags = _extras(pb, plan, (layout.q_valid, layout.k_valid), B, H, q.device)
+    holes = k_valid is not None
+    _, kv, streams, window, thr, inv_keep, flags = _extras(pb, holes, (None, k_valid), B, H, q.device)
+    if q_valid is None:
+        qv = _constant(f"ones{B}x{Nq}", q.device, lambda: torch.ones(B, Nq, dtype=torch.int8, device=q.device))
+    else:
+        qv = _int8(q_valid)
     br = pb.kernel_branches()
-    table = torch.tensor([[w, r, DENSE_SEGMENT if cap is None else cap] for w, r, cap in br], dtype=torch.int32)
-    table = table.to(q.device, non_blocking=True)
+    rows = [[w, r, DENSE_SEGMENT if cap is None else cap] for w, r, cap in br]
+    table = _constant(f"branches{rows}", q.device, lambda: torch.tensor(rows, dtype=torch.int32).to(q.device))
     hd = head_dim_block(D)
     cfg = decode_config(hd, q.dtype)
     grid = (triton.cdiv(Nq, cfg["BLOCK_M"]), H, B)
     dilated_decode_kernel[grid](
-        q, k, v, o, lse, layout.q_pos.contiguous(), layout.q_valid.to(torch.int8).contiguous(), kv, kdesc, table,
-        streams,
+        q, k, v, o, lse, q_pos.contiguous(), qv, kv, kdesc, table, streams,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         Nq, k.shape[2], B, H, pb.head_offset, group, pb.scale * LOG2E, window, thr, inv_keep,
         N_BRANCHES=len(br), HEAD_DIM=hd, D=D, UPCAST=_upcast(q), **flags, **cfg,

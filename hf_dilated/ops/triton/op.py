@@ -6,6 +6,10 @@ break, no host value). Inside, each call runs the Triton kernels: in place on th
 valid tokens (scattered back) when positions step with the valid tokens but not with the columns. Where they cannot
 (:func:`fallback_reason`) it runs the PyTorch reference with a one-time warning naming the reason; with ``strict``
 it raises ``ValueError`` instead.
+
+``torch.ops.hf_dilated.dilated_attention_decode`` is the decoding step against a cache described by the layout's
+``keys`` (``(base, lo, hi)`` per row, :func:`~hf_dilated.ops.layout.cache_layout`): it reads no per-key metadata, so
+its host work and allocations do not grow with the cache.
 """
 
 from __future__ import annotations
@@ -54,6 +58,26 @@ def _compaction(layout: TokenLayout) -> Compaction | None:
     return _COMPACT(lambda: compact(layout), tensors, ())
 
 
+_CONTIGUOUS = _IdentityMemo()
+
+
+def _really_contiguous(layout: TokenLayout) -> bool:
+    """Whether a layout passed as not contiguous is contiguous all the same: under ``torch.compile`` the flag is
+    decided while tracing, where values cannot be read, so a model that passes ``position_ids`` (every Transformers
+    model does) arrives here with ``contiguous=False``. One scalar read per distinct layout (memoized on the
+    identity of its tensors, which the layers of one compiled forward share), instead of a host copy of the layout
+    and work lists rebuilt per layer and per call."""
+    def check() -> bool:
+        nq, nk = layout.q_pos.shape[1], layout.k_pos.shape[1]
+        cols = torch.arange(nk, device=layout.k_pos.device)
+        ok = layout.k_valid.all() & layout.q_valid.all() & (layout.k_seq == 0).all() & (layout.q_seq == 0).all()
+        ok = ok & (layout.k_pos == cols).all() & (layout.q_pos == cols[nk - nq:]).all()
+        return bool(ok)
+
+    tensors = (layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid)
+    return _CONTIGUOUS(check, tensors, ())
+
+
 def _route(q, k, v, layout: TokenLayout, dropout_p: float, branches=()):
     """``(reason, plan, cache_key, compaction)``: the kernels run ``plan`` in place (``compaction`` None) or on the
     gathered valid tokens (layouts whose positions step with the valid tokens but not the columns); ``reason`` (not
@@ -63,6 +87,9 @@ def _route(q, k, v, layout: TokenLayout, dropout_p: float, branches=()):
         reason = f"dilation rates above {MAX_RATE} (int32 row arithmetic)"
     if reason is not None:
         return reason, None, None, None
+    if not layout.contiguous and layout.q_pos.shape[1] <= layout.k_pos.shape[1] and _really_contiguous(layout):
+        layout = TokenLayout(layout.q_pos, layout.q_seq, layout.k_pos, layout.k_seq, layout.k_valid, layout.q_valid,
+                             True)
     plan = layout_runs(layout)
     if plan is not None:
         key = ("contiguous", q.shape[0], q.shape[2], k.shape[2]) if layout.contiguous else None
@@ -154,7 +181,7 @@ def dilated_attention_fwd(
 def _kernels_fwd(q, k, v, pb, plan, key, layout):
     desc = _decode_desc(layout, plan, q, k)
     if desc is not None:
-        return launch.decode(q, k, v, pb, plan, layout, desc)
+        return launch.decode(q, k, v, pb, layout.q_pos, layout.q_valid, layout.k_valid if plan.holes else None, desc)
     return launch.forward(q, k, v, pb, plan, (layout.q_valid, layout.k_valid), key)
 
 
@@ -233,6 +260,37 @@ def _backward(ctx, dout, dlse):
 torch.library.register_autograd("hf_dilated::dilated_attention_fwd", _backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("hf_dilated::dilated_attention_decode", mutates_args=())
+def dilated_attention_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor,
+    segment_lengths: list[int], dilation_rates: list[int], is_causal: bool, scale: float, head_offset: int,
+    window: int, global_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries (at most 64 per row) against a cache whose row ``b`` holds position ``p`` at column ``keys[b, 0] + p``
+    for ``p`` in ``[keys[b, 1], keys[b, 2])``; every query is real. One kernel launch, no host read."""
+    pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, 0.0, None)
+    return launch.decode(q, k, v, pb, q_pos, None, None, keys.to(torch.int32))
+
+
+@dilated_attention_decode.register_fake
+def _(q, k, v, *args):
+    B, H, Nq, _ = q.shape
+    return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=torch.float32)
+
+
+DECODE_MAX_QUERIES = 64
+
+
+def _decodes(query, key, value, layout: TokenLayout, branches, dropout_p: float) -> bool:
+    """Whether the cache-decoding op takes this call: a cache layout, few queries, no dropout, no gradient wanted,
+    tensors the kernels take."""
+    if layout.keys is None or query.shape[2] > DECODE_MAX_QUERIES or dropout_p:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return False
+    return shape_fallback_reason(query, key, value) is None and all(r <= MAX_RATE for _, r in branches)
+
+
 def dilated_attention_triton(query, key, value, branches, layout: TokenLayout, is_causal: bool, scale: float,
                              head_offset: int = 0, *, window: int | None = None, global_tokens: int = 0,
                          dropout_p: float = 0.0, seed: torch.Tensor | None = None, strict: bool = False):
@@ -243,7 +301,8 @@ def dilated_attention_triton(query, key, value, branches, layout: TokenLayout, i
     ``dropout_p`` > 0 with ``seed`` (int64 scalar tensor, any device): SPEC's dropout, the same draw in backward.
     Calls the kernels cannot run (:func:`fallback_reason`: float64, head dim above 256, value head dim != query
     head dim, layouts not expressible as runs) run the PyTorch reference after a one-time warning naming the reason,
-    or raise ``ValueError`` with ``strict=True`` (what ``backend="triton"`` should pass)."""
+    or raise ``ValueError`` with ``strict=True`` (what ``backend="triton"`` should pass). A decoding step on a cache
+    layout (``layout.keys``, at most 64 queries, no gradient) runs the decode op, which reads no per-key tensor."""
     ws = [int(w) for w, _ in branches]
     rs = [int(r) for _, r in branches]
     if dropout_p:
@@ -253,6 +312,11 @@ def dilated_attention_triton(query, key, value, branches, layout: TokenLayout, i
             raise ValueError(f"dropout_p > 0 needs seed, an int64 scalar tensor, got {seed!r}")
     else:
         seed = None
+    if _decodes(query, key, value, layout, branches, dropout_p):
+        return torch.ops.hf_dilated.dilated_attention_decode(
+            query, key, value, layout.q_pos, layout.keys, ws, rs, bool(is_causal), float(scale), int(head_offset),
+            int(window or 0), int(global_tokens),
+        )
     return torch.ops.hf_dilated.dilated_attention_fwd(
         query, key, value, layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid,
         ws, rs, bool(layout.contiguous), bool(is_causal), float(scale), int(head_offset),
