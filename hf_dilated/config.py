@@ -54,19 +54,21 @@ def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[i
 
 
 def default_branches(context_length: int, target: int | None = None, *, max_first_segment: int = DEFAULT_MIN_SEGMENT,
-                     first_segment_divisor: int = 4) -> tuple[list[int], list[int]]:
+                     first_segment_divisor: int = 4, undilated_branches: int = 1) -> tuple[list[int], list[int]]:
     """LongNet's geometric branches for a model trained on ``context_length`` tokens: the one default rule, used by
     ``from_pretrained(..., attn_implementation="dilated")`` without a stored config and by the patch recipes.
 
     The first branch is local and dense: ``w_0`` is the power of two at most ``context_length / first_segment_divisor``,
     capped at ``max_first_segment``; ``r_0 = 1``. Each further branch doubles both (``w_i = 2^i w_0``, ``r_i = 2^i``),
     so every branch costs the same (``w_i / r_i`` keys per query), until a segment covers
-    ``max(target, context_length)``. A model trained on 8192 tokens gets ``w = 2048, 4096, 8192``, ``r = 1, 2, 4``;
+    ``max(target, context_length)``. ``undilated_branches = u`` keeps ``r = 1`` on the first ``u`` branches (``w``
+    still doubles), then ``r`` doubles: ``u = 2`` gives ``r = 1, 1, 2, 4, ...``, which keeps more of a pretrained
+    model's local attention (benchmarks/FIDELITY.md). A model trained on 8192 tokens gets ``w = 2048, 4096, 8192``, ``r = 1, 2, 4``;
     one trained on 32768 gets LongNet's list up to 32768. The branches always reach the trained context, so a short
     model or target never collapses them into one dense segment.
     """
     for name, value in (("context_length", context_length), ("max_first_segment", max_first_segment),
-                        ("first_segment_divisor", first_segment_divisor)):
+                        ("first_segment_divisor", first_segment_divisor), ("undilated_branches", undilated_branches)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if target is not None and (isinstance(target, bool) or not isinstance(target, int) or target <= 0):
@@ -76,7 +78,7 @@ def default_branches(context_length: int, target: int | None = None, *, max_firs
     ws, rs = [w], [1]
     while ws[-1] < target:
         ws.append(ws[-1] * 2)
-        rs.append(rs[-1] * 2)
+        rs.append(1 if len(rs) < undilated_branches else rs[-1] * 2)
     return ws, rs
 
 

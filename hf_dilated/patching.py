@@ -87,6 +87,8 @@ class Recipe:
         max_first_segment, first_segment_divisor: the first (dense, ``r = 1``) branch is
             ``w_0 = min(max_first_segment, 2^floor(log2(trained_context / first_segment_divisor)))``;
             each further branch doubles ``w`` and ``r`` until a segment covers the target context.
+        undilated_branches: how many of the first branches keep ``r = 1`` (``config.default_branches``).
+        global_tokens: the default ``global_tokens`` (attention sinks) of a patched model.
         context_offset: subtracted from ``max_position_embeddings`` to get the trained context (RoBERTa: 2).
         sliding_window: ``"keep"`` (sliding-window layers stay out of the conversion and keep exact attention) or
             ``"refuse"`` (patching a model with sliding-window layers raises ``ValueError``).
@@ -105,6 +107,8 @@ class Recipe:
     convert: str = "all"
     max_first_segment: int = 2048
     first_segment_divisor: int = 4
+    undilated_branches: int = 1
+    global_tokens: int = 0
     context_offset: int = 0
     sliding_window: str = "refuse"
     positions: str = "rope"
@@ -128,10 +132,12 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r}: rope.type must be one of {ROPE_TYPES} or null, got {self.rope_type!r}")
         if self.positions == "absolute" and self.rope_type is not None:
             raise ValueError(f"recipe {self.name!r}: absolute positions take no rope.type")
-        for key in ("max_first_segment", "first_segment_divisor"):
+        for key in ("max_first_segment", "first_segment_divisor", "undilated_branches"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"recipe {self.name!r}: {key} must be a positive integer, got {value!r}")
+        if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int) or self.global_tokens < 0:
+            raise ValueError(f"recipe {self.name!r}: global_tokens must be an integer >= 0, got {self.global_tokens!r}")
         if not isinstance(self.block_sparse, dict):
             raise ValueError(f"recipe {self.name!r}: block_sparse must be a mapping, got {self.block_sparse!r}")
         unknown = sorted(set(self.block_sparse) - set(RECIPE_BLOCK_SPARSE_FIELDS))
@@ -153,6 +159,7 @@ class Recipe:
             "model_types": tuple(data.pop("model_types", ())),
             "max_first_segment": branches.pop("max_first_segment", 2048),
             "first_segment_divisor": branches.pop("first_segment_divisor", 4),
+            "undilated_branches": branches.pop("undilated_branches", 1),
             "rope_type": rope.pop("type", None),
             "rope_layer_types": tuple(rope.pop("layer_types", None) or ("full_attention",)),
             "block_sparse": dict(data.pop("block_sparse", None) or {}),
@@ -176,7 +183,8 @@ class Recipe:
         (which would make "dilated" silently exact dense attention at short lengths).
         """
         return default_branches(max(trained, 1), target, max_first_segment=self.max_first_segment,
-                                first_segment_divisor=self.first_segment_divisor)
+                                first_segment_divisor=self.first_segment_divisor,
+                                undilated_branches=self.undilated_branches)
 
     def block_sparse_config(self, trained: int, target: int | None = None, *, dilated: Any = None,
                             **settings: Any) -> BlockSparseConfig:
@@ -203,7 +211,7 @@ class Recipe:
                 merged.setdefault("dilation_rates", rs)
         if merged["pattern"] == "adaptive" and "top_k" not in merged:
             if dilated is None:
-                dilated = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs)
+                dilated = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs, global_tokens=self.global_tokens)
             else:  # its branches set the budget; layers and backend come from the caller
                 dilated = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs,
                                                  global_tokens=dilated.global_tokens)
@@ -639,7 +647,8 @@ def patch(
             )
         if kind == "dilated":
             ws, rs = chosen.branches(trained, target)
-            config = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs, backend="auto")
+            config = DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs, backend="auto",
+                                            global_tokens=chosen.global_tokens)
         else:
             settings = {k: v for k, v in (config or {}).items() if k not in ("layers", "backend")}
             config = chosen.block_sparse_config(trained, target, **settings)

@@ -359,7 +359,8 @@ def test_patch_smollm2_gguf_end_to_end(tmp_path, capsys):
     config = json.loads((dst / "config.json").read_text())
     assert "quantization_config" not in config and config["attn_implementation"] == "dilated"
     assert config["dilated_attention"]["segment_lengths"] == [2048, 4096, 8192, 16384]
-    assert config["dilated_attention"]["dilation_rates"] == [1, 2, 4, 8]
+    assert config["dilated_attention"]["dilation_rates"] == [1, 1, 2, 4]
+    assert config["dilated_attention"]["global_tokens"] == 4
     assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["factor"] == 2.0
     assert (dst / "tokenizer.json").exists() and (dst / "README.md").exists()
     model = transformers.AutoModelForCausalLM.from_pretrained(dst)

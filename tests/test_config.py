@@ -33,6 +33,8 @@ def test_default_branches_follow_trained_context():
     assert default_branches(32768) == ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
     assert default_branches(1000) == ([128, 256, 512, 1024], [1, 2, 4, 8])
     assert default_branches(8192, 32768) == ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
+    assert default_branches(8192, 32768, undilated_branches=2) == ([2048, 4096, 8192, 16384, 32768], [1, 1, 2, 4, 8])
+    assert default_branches(8192, undilated_branches=9) == ([2048, 4096, 8192], [1, 1, 1])
     with pytest.raises(ValueError, match="context_length"):
         default_branches(0)
 

@@ -112,7 +112,8 @@ def test_rope_scaling_for_longer_context():
     assert model.config.max_position_embeddings == 1024
     assert not torch.equal(model.model.rotary_emb.inv_freq, inv_freq)
     cfg = getattr(model.config, CONFIG_KEY)
-    assert cfg["segment_lengths"] == [64, 128, 256, 512, 1024] and cfg["dilation_rates"] == [1, 2, 4, 8, 16]
+    assert cfg["segment_lengths"] == [64, 128, 256, 512, 1024] and cfg["dilation_rates"] == [1, 1, 2, 4, 8]
+    assert cfg["global_tokens"] == 4  # the llama recipe's sinks
     unpatch(model)
     assert model.config.rope_parameters == {"rope_theta": 10000.0, "rope_type": "default"}
     assert model.config.max_position_embeddings == 256
@@ -201,13 +202,20 @@ def test_recipes_load_and_validate():
         assert recipe.sliding_window in ("keep", "refuse")
     assert load_recipe("bert").positions == "absolute" and load_recipe("bert").causal is False
     assert load_recipe("gemma3").convert == "full_attention" and load_recipe("gemma3").rope_type == "linear"
-    # SmolLM2-sized defaults: trained 8192 -> LongNet's geometric list up to the target
-    assert load_recipe("llama").branches(8192) == ([2048, 4096, 8192], [1, 2, 4])
-    assert load_recipe("llama").branches(8192, 65536) == ([2048, 4096, 8192, 16384, 32768, 65536], [1, 2, 4, 8, 16, 32])
+    # SmolLM2-sized defaults, chosen by the fidelity study: trained 8192 -> two undilated branches, then r doubles,
+    # and 4 global tokens; other families keep LongNet's geometric list up to the target
+    assert load_recipe("llama").branches(8192) == ([2048, 4096, 8192], [1, 1, 2])
+    assert load_recipe("llama").branches(8192, 65536) == ([2048, 4096, 8192, 16384, 32768, 65536], [1, 1, 2, 4, 8, 16])
+    assert load_recipe("llama").global_tokens == 4 and load_recipe("qwen2").global_tokens == 0
+    assert load_recipe("qwen2").branches(32768) == ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
     assert load_recipe("bert").branches(512) == ([128, 256, 512], [1, 2, 4])
     # A target below the trained context still gets branches up to it, never one dense segment (which would make
     # "dilated" exact dense attention at short lengths without a word).
-    assert load_recipe("llama").branches(8192, 1024) == ([2048, 4096, 8192], [1, 2, 4])
+    assert load_recipe("llama").branches(8192, 1024) == ([2048, 4096, 8192], [1, 1, 2])
+    with pytest.raises(ValueError, match="undilated_branches must be a positive integer"):
+        Recipe.from_dict({"name": "x", "model_types": ["x"], "branches": {"undilated_branches": 0}})
+    with pytest.raises(ValueError, match="global_tokens must be an integer >= 0"):
+        Recipe.from_dict({"name": "x", "model_types": ["x"], "global_tokens": -1})
     with pytest.raises(ValueError, match="unknown keys.*softcapping"):  # recipe fields nothing read are gone
         Recipe.from_dict({"name": "x", "model_types": ["x"], "softcapping": "refuse"})
     with pytest.raises(ValueError, match="sliding_window must be one of"):
@@ -393,17 +401,18 @@ def test_block_sparse_recipe_defaults_match_the_dilated_budget():
     record = patch_summary(model)
     cfg = BlockSparseConfig.from_model_config(model.config)
     ws, rs = load_recipe("llama").branches(4096, 8192)
-    want = BlockSparseConfig.matching_budget(DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs), 8192)
+    want = BlockSparseConfig.matching_budget(
+        DilatedAttentionConfig(segment_lengths=ws, dilation_rates=rs, global_tokens=4), 8192)  # the recipe's sinks
     assert cfg == want and cfg.pattern == "adaptive" and cfg.local_blocks == 8 and cfg.global_blocks == 1
     assert record["keys_per_query"] == pytest.approx(cfg.keys_per_query(8192), abs=0.01)
-    assert abs(record["keys_per_query"] - dilated_keys_per_query(ws, rs, 8192)) <= cfg.block_size
+    assert abs(record["keys_per_query"] - dilated_keys_per_query(ws, rs, 8192, global_tokens=4)) <= cfg.block_size
     assert model.config.rope_parameters["rope_type"] == "yarn"  # the recipe's RoPE, as for dilated
     unpatch(model)
 
     patch(model, "dilated", context_length=8192)  # a pattern name: block-sparse; the rest from the recipe
     cfg = BlockSparseConfig.from_model_config(model.config)
     assert patch_summary(model)["attention"] == "block_sparse"
-    assert cfg.segment_blocks == [16, 32, 64, 128] and cfg.dilation_rates == rs == [1, 2, 4, 8]  # w / 64 blocks
+    assert cfg.segment_blocks == [16, 32, 64, 128] and cfg.dilation_rates == rs == [1, 1, 2, 4]  # w / 64 blocks
     unpatch(model)
     patch(model, BlockSparseConfig(pattern="local", block_size=16, local_blocks=2), backend="torch")  # as given
     assert BlockSparseConfig.from_model_config(model.config).local_blocks == 2
