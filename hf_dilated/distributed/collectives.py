@@ -8,25 +8,6 @@ import torch.distributed as dist
 
 from .group import collective_device
 
-_HOST_GROUPS: dict = {}
-
-
-def host_group(group):
-    """A gloo group over the ranks of ``group`` for small host-side exchanges (the per-call signature), so checking
-    that ranks agree needs no device synchronization (an NCCL collective of host values would be read back with a
-    host sync, stalling the GPU queue at every layer). ``group`` itself when it is not NCCL. Made on first use by the
-    group's ranks only; ``None`` when it cannot be made (then the caller uses ``group``)."""
-    if "nccl" not in str(dist.get_backend(group)).lower():
-        return group
-    if group not in _HOST_GROUPS:
-        try:
-            timeout = getattr(getattr(group, "options", None), "_timeout", None)
-            _HOST_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), timeout=timeout, backend="gloo",
-                                                 use_local_synchronization=True)
-        except (RuntimeError, ValueError, TypeError):  # no gloo in this build: signatures go over NCCL
-            _HOST_GROUPS[group] = None
-    return _HOST_GROUPS[group]
-
 
 class _AllToAll(torch.autograd.Function):
     """Rows ``x[sum(send[:j]) : sum(send[:j+1])]`` go to rank ``j``; the backward sends gradients back the same way."""
@@ -70,11 +51,9 @@ def agree(fields: dict[str, int], local: dict[str, int], group, like: torch.Tens
 
     Raises ``ValueError`` on every rank, naming the field and the two ranks, when some rank's ``fields`` differ from
     rank 0's, so that mismatched calls fail at once instead of hanging in a later collective. Returns each rank's
-    ``local`` values. Runs on the host (:func:`host_group`) when ``group`` is NCCL: no device synchronization.
+    ``local`` values.
     """
     names = list(fields) + list(local)
-    host = host_group(group)
-    group = group if host is None else host
     mine = torch.tensor([int(v) for v in list(fields.values()) + list(local.values())], dtype=torch.int64,
                         device=collective_device(like, group))
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
