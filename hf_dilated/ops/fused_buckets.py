@@ -1,0 +1,333 @@
+"""Dilated attention on plain layouts as batches of segment buckets on PyTorch's fused attention kernels.
+
+On a plain layout (each batch row one sequence at positions ``0..N-1``, queries are the keys, nothing masked) branch
+``(w, r)`` selects, for query head ``h`` with offset ``o = (h + head_offset) % r``, the columns ``s w + o + j r`` of
+each segment ``s``: a *bucket* of ``w / r`` rows whose attention is ordinary attention (causal or not) among
+themselves. Every full segment of every head is gathered into one batch ``[B * segments, Hq, w / r, D]`` and the
+branch is one call of a fused kernel that also returns the log-sum-exp; the last, shorter segment is one or two more
+calls (heads whose offset selects one row fewer there apart). Branches are merged by their lse (SPEC.md).
+
+Backward (the ring-attention trick): each bucket's fused backward, given the *merged* output and lse gathered to its
+rows and the unweighted ``dO``, forms ``P = exp(S - lse) = w_i P_i`` and ``delta = rowsum(dO * O)``: exactly its
+share of the gradient of the merged output. A gradient ``dL`` through the returned lse adds ``P dL`` to ``dS``, i.e.
+``delta - dL``; it rides in an extra head-dim column (``q, k`` padded with 0, ``v' = [v, 0]``, ``o' = [o, -dL]``,
+``dO' = [dO, 1]``). The fused ops are private ATen ops: each is probed once per (device, dtype) with a tiny call
+checked against plain math, and :func:`unsupported_reason` says why a call cannot take this path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from .layout import TokenLayout
+
+_HALF = (torch.float16, torch.bfloat16)
+_LSE_ALIGN = 32  # the memory-efficient kernel pads its lse rows to a multiple of 32
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fused kernels: one forward (out, lse) and one backward (dq, dk, dv) per kind, q/k/v [batch, heads, L, D].
+
+
+def _flash_cpu_fwd(q, k, v, causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, None
+
+
+def _flash_cpu_bwd(do, q, k, v, out, lse, causal, scale, aux):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        do, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _flash_cuda_fwd(q, k, v, causal, scale):
+    res = torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal, False, scale=scale)
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset = res[:8]
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _flash_cuda_bwd(do, q, k, v, out, lse, causal, scale, aux):
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
+        do, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+
+
+def _efficient_fwd(q, k, v, causal, scale):
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention.default(
+        q, k, v, None, True, 0.0, causal, scale=scale)
+    return out, lse[..., : q.shape[2]], (seed, offset)
+
+
+def _efficient_bwd(do, q, k, v, out, lse, causal, scale, aux):
+    seed, offset = aux
+    L = q.shape[2]
+    padded = lse.new_zeros(*lse.shape[:-1], -(-L // _LSE_ALIGN) * _LSE_ALIGN)
+    padded[..., :L] = lse
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default(
+        do, q, k, v, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A fused attention kernel: ``fwd(q, k, v, causal, scale) -> (out, lse [.., L] float32, aux)`` and
+    ``bwd(do, q, k, v, out, lse, causal, scale, aux) -> (dq, dk, dv)``."""
+
+    name: str
+    fwd: object
+    bwd: object
+
+
+_FLASH_CPU = Kernel("flash_attention_for_cpu", _flash_cpu_fwd, _flash_cpu_bwd)
+_FLASH_CUDA = Kernel("flash_attention", _flash_cuda_fwd, _flash_cuda_bwd)
+_EFFICIENT = Kernel("efficient_attention", _efficient_fwd, _efficient_bwd)
+
+
+def _candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[Kernel]:
+    """The kernels that may run ``dtype`` at ``head_dim`` on ``device``, fastest first."""
+    if device.type == "cpu":
+        return [_FLASH_CPU]
+    if device.type != "cuda":
+        return []
+    out = []
+    if dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256:
+        out.append(_FLASH_CUDA)
+    if head_dim % (8 if dtype in _HALF else 4) == 0:
+        out.append(_EFFICIENT)
+    return out
+
+
+@lru_cache(maxsize=None)
+def _probe(kernel: Kernel, device: str, dtype: torch.dtype) -> str | None:
+    """``None`` when ``kernel`` runs here and its forward and backward (with a given merged lse) match plain float64
+    math on a tiny causal call, else why not (missing op, changed signature, wrong numbers)."""
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    do = torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64)
+    scale = 0.3
+    try:
+        a, b, c, d = (t.to(dev, dtype) for t in (q, k, v, do))
+        out, lse, aux = kernel.fwd(a, b, c, True, scale)
+        dq, dk, dv = kernel.bwd(d, a, b, c, out, lse.float().contiguous(), True, scale, aux)
+    except Exception as err:  # noqa: BLE001  (any failure of a private op means: do not use it)
+        return f"aten {kernel.name} unavailable on {device} {dtype}: {type(err).__name__}: {str(err).splitlines()[0]}"
+    q64, k64, v64 = (t.double().requires_grad_() for t in (a.cpu(), b.cpu(), c.cpu()))
+    s = (q64 @ k64.transpose(-1, -2)) * scale
+    s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), -math.inf)
+    ref_lse = torch.logsumexp(s, -1)
+    ref = torch.softmax(s, -1) @ v64
+    want = torch.autograd.grad(ref, (q64, k64, v64), d.cpu().double())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    got = (out, lse, dq, dk, dv)
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, (ref, ref_lse) + want):
+        if tuple(x.shape) != tuple(y.shape):
+            return f"aten {kernel.name} on {device} {dtype}: {name} has shape {tuple(x.shape)}, expected {tuple(y.shape)}"
+        err = float((x.detach().cpu().double() - y.detach()).norm() / y.detach().norm())
+        if not err < tol:
+            return f"aten {kernel.name} on {device} {dtype}: {name} differs from plain math (rel err {err:.2e})"
+    return None
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[Kernel | None, str | None]:
+    """The first candidate kernel that passes its probe, or ``(None, why none does)``."""
+    reasons = []
+    for kernel in _candidates(device, dtype, head_dim):
+        why = _probe(kernel, str(device), dtype)
+        if why is None:
+            return kernel, None
+        reasons.append(why)
+    if not reasons:
+        return None, f"no fused attention kernel for {device.type} {dtype} at head dim {head_dim}"
+    return None, "; ".join(reasons)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which calls this path takes.
+
+
+def unsupported_reason(query, key, value, layout: TokenLayout, *, window, global_tokens, dropout_p) -> str | None:
+    """``None`` when the call can run here exactly, else why it runs on the tiled path (one line)."""
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {query.dtype} (the tiled path is the float64 oracle's twin)"
+    if query.shape[-1] != value.shape[-1]:
+        return f"value head dim {value.shape[-1]} differs from the query's {query.shape[-1]}"
+    if dropout_p:
+        return "dropout (the fused kernels draw their own mask, not SPEC's counter-based one)"
+    if window is not None:
+        return "sliding window"
+    if global_tokens:
+        return "global tokens"
+    if query.shape[2] != key.shape[2]:
+        return "fewer queries than keys (decoding against a cache)"
+    if not layout.contiguous:
+        return "layout with padding, packed sequences or given positions that are not 0..N-1"
+    if query.requires_grad or key.requires_grad or value.requires_grad:
+        kernel, why = kernel_for(query.device, query.dtype, _padded_dim(query.shape[-1], query.device))
+        if kernel is None:
+            return f"backward through the lse: {why}"
+    return kernel_for(query.device, query.dtype, query.shape[-1])[1]
+
+
+def _padded_dim(d: int, device: torch.device) -> int:
+    """Head dim with room for the lse-gradient column (a multiple of 8 on CUDA, for the kernels' alignment)."""
+    return d + 1 if device.type == "cpu" else -(-(d + 1) // 8) * 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan: which rows of which heads form the buckets of each branch.
+
+
+@dataclass(frozen=True)
+class Group:
+    """One fused call: ``segments`` buckets of ``length`` rows for each of the heads ``heads``.
+
+    ``q_index`` / ``kv_index`` ``[segments, heads, length]``: row ``head * N + column`` of the ``[B, H * N, D]`` view
+    of the queries and of the keys / values (the query head's kv head). ``cols`` the columns themselves."""
+
+    heads: torch.Tensor  # [Hg] query heads
+    kv_heads: torch.Tensor  # [Hg]
+    cols: torch.Tensor  # [S, Hg, L]
+    q_index: torch.Tensor  # [S * Hg * L]
+    kv_index: torch.Tensor  # [S * Hg * L]
+    segments: int
+    length: int
+
+
+def _group(heads: list[int], offsets: list[int], starts: list[int], length: int, r: int, group: int, N: int,
+           device) -> Group:
+    h = torch.tensor(heads, device=device)
+    o = torch.tensor(offsets, device=device)
+    s = torch.tensor(starts, device=device)
+    cols = s[:, None, None] + o[None, :, None] + r * torch.arange(length, device=device)[None, None, :]
+    kv = torch.div(h, group, rounding_mode="floor")
+    q_index = (h[None, :, None] * N + cols).flatten()
+    kv_index = (kv[None, :, None] * N + cols).flatten()
+    return Group(h, kv, cols, q_index, kv_index, len(starts), length)
+
+
+@lru_cache(maxsize=8)
+def plan(branches: tuple, N: int, Hq: int, Hk: int, head_offset: int, device: str) -> tuple[Group, ...]:
+    """Every fused call of one layer shape: per branch, its full segments (all heads) and its last, shorter one."""
+    group = Hq // Hk
+    out = []
+    for w, r in branches:
+        w = min(w, -(-N // r) * r)  # a segment past the sequence's end is cut short: the same as one of N rounded up
+        offsets = [(h + head_offset) % r for h in range(Hq)]
+        full = N // w
+        if full:
+            out.append(_group(list(range(Hq)), offsets, [s * w for s in range(full)], w // r, r, group, N, device))
+        tail = N - full * w
+        by_count: dict[int, list[int]] = {}
+        for h, o in enumerate(offsets):
+            count = max(0, -(-(tail - o) // r))
+            if count:
+                by_count.setdefault(count, []).append(h)
+        for count, heads in sorted(by_count.items()):
+            out.append(_group(heads, [offsets[h] for h in heads], [full * w], count, r, group, N, device))
+    return tuple(out)
+
+
+def _gather(x: torch.Tensor, heads: torch.Tensor, g: Group) -> torch.Tensor:
+    """``x [B, H, N, D]`` at the group's rows as buckets ``[B * S, Hg, L, D]`` (any strides)."""
+    B = x.shape[0]
+    return x[:, heads[None, :, None], g.cols].reshape(B * g.segments, g.heads.numel(), g.length, x.shape[-1])
+
+
+def _rows(flat: torch.Tensor, g: Group) -> torch.Tensor:
+    """A contiguous per-row tensor ``[B, Hq * N]`` at the group's query rows, as ``[B * S, Hg, L]``."""
+    return flat[:, g.q_index].view(flat.shape[0] * g.segments, g.heads.numel(), g.length)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward, backward, autograd.
+
+
+def _forward(q, k, v, groups, kernel: Kernel, causal: bool, scale: float):
+    """Merged ``(out [B, Hq, N, D] in q's dtype, lse [B, Hq, N] float32, aux per group)``."""
+    B, Hq, N, D = q.shape
+    acc = torch.zeros(B, Hq * N, D, dtype=torch.float32, device=q.device)
+    lse_all = torch.full((B, Hq * N), -math.inf, dtype=torch.float32, device=q.device)
+    auxes = []
+    for g in groups:
+        o, lse, aux = kernel.fwd(_gather(q, g.heads, g), _gather(k, g.kv_heads, g), _gather(v, g.kv_heads, g),
+                                 causal, scale)
+        auxes.append(aux)
+        old = lse_all[:, g.q_index]
+        lse = lse.float().reshape(B, -1)
+        new = torch.logaddexp(old, lse)  # every selected query sees at least itself: lse is finite
+        merged = acc[:, g.q_index] * torch.exp(old - new)[..., None]
+        merged.add_(o.reshape(B, -1, D).float() * torch.exp(lse - new)[..., None])
+        acc[:, g.q_index] = merged
+        lse_all[:, g.q_index] = new
+    return acc.view(B, Hq, N, D).to(q.dtype), lse_all.view(B, Hq, N), auxes
+
+
+def _backward(dout, dlse, q, k, v, out, lse, groups, auxes, kernel: Kernel, causal: bool, scale: float):
+    B, Hq, N, D = q.shape
+    Hk = k.shape[1]
+    dq = torch.zeros(B, Hq * N, D, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(B, Hk * N, D, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(B, Hk * N, D, dtype=torch.float32, device=q.device)
+    lse_flat = lse.reshape(B, Hq * N)
+    pad = 0
+    if dlse is not None:
+        pad = _padded_dim(D, q.device) - D
+        dlse_flat = dlse.float().reshape(B, Hq * N)
+    for g, aux in zip(groups, auxes):
+        Q, K, V = _gather(q, g.heads, g), _gather(k, g.kv_heads, g), _gather(v, g.kv_heads, g)
+        O, dO = _gather(out, g.heads, g), _gather(dout, g.heads, g)
+        L = _rows(lse_flat, g)
+        if pad:  # the lse gradient as one more column: delta' = rowsum(dO * O) - dL
+            Q, K, V, O, dO = (F.pad(t, (0, pad)) for t in (Q, K, V, O, dO))
+            O[..., D] = -_rows(dlse_flat, g).to(O.dtype)
+            dO[..., D] = 1
+        gq, gk, gv = kernel.bwd(dO.contiguous(), Q, K, V, O.contiguous(), L.contiguous(), causal, scale, aux)
+        n = g.q_index.numel()
+        dq.index_add_(1, g.q_index, gq[..., :D].reshape(B, n, D).float())
+        dk.index_add_(1, g.kv_index, gk[..., :D].reshape(B, n, D).float())
+        dv.index_add_(1, g.kv_index, gv[..., :D].reshape(B, n, D).float())
+    return (dq.view(B, Hq, N, D).to(q.dtype), dk.view(B, Hk, N, D).to(k.dtype), dv.view(B, Hk, N, D).to(v.dtype))
+
+
+class _BucketedAttention(torch.autograd.Function):
+    """Forward and exact backward on the fused kernels; saves q, k, v, the merged output and lse (O(N))."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, groups, kernel, causal, scale):
+        out, lse, auxes = _forward(q, k, v, groups, kernel, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.params = (groups, auxes, kernel, causal, scale)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        groups, auxes, kernel, causal, scale = ctx.params
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if dlse is not None:  # the lse-gradient column needs a kernel at the padded head dim
+            padded, why = kernel_for(q.device, q.dtype, _padded_dim(q.shape[-1], q.device))
+            if padded is None:  # unsupported_reason checked this before the forward ran
+                raise RuntimeError(f"no fused kernel for the lse gradient: {why}")
+            if padded is not kernel:  # only flash -> memory-efficient; its seed / offset are unused without dropout
+                blank = torch.empty((), dtype=torch.int64, device=q.device)
+                auxes, kernel = [(blank, blank)] * len(auxes), padded
+        dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, groups, auxes, kernel, causal, scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def bucketed_attention(query, key, value, branches, is_causal: bool, scale: float, head_offset: int = 0):
+    """Dilated attention on a plain layout (see :func:`unsupported_reason`): ``(out, lse float32)``."""
+    B, Hq, N, D = query.shape
+    kernel, why = kernel_for(query.device, query.dtype, D)
+    if kernel is None:
+        raise ValueError(f"no fused attention kernel for this call: {why}")
+    groups = plan(tuple(branches), N, Hq, key.shape[1], head_offset, str(query.device))
+    return _BucketedAttention.apply(query, key, value, groups, kernel, bool(is_causal), float(scale))
