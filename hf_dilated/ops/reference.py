@@ -14,6 +14,10 @@ flash-attention backward per branch with the *merged* ``p = exp((s - m) - log l)
 (``dL`` the gradient through the returned lse), scores recomputed, nothing ``N x N`` stored. Half-precision inputs
 keep half tiles and float32 scores / accumulators (flash-attention precision); dS is never rounded to half. Dropout (SPEC.md) draws its keep
 decisions from ``ops/dropout.py`` by tensor column (local head index), in the forward and again in the backward.
+
+The common case, a plain layout (one unpadded sequence per row, no window, global tokens or dropout) in float16,
+bfloat16 or float32, runs instead on PyTorch's fused attention kernels, segment buckets batched per branch
+(``ops/fused_buckets.py``); :func:`last_path` tells which path the last call took and why.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import fused_buckets
 from .dropout import keep_mask, keep_threshold
 from .layout import TokenLayout, _IdentityMemo
 
@@ -466,6 +471,14 @@ def _check_options(window, global_tokens, dropout_p, seed) -> None:
         raise ValueError(f"dropout_p > 0 needs seed, an integer scalar tensor, got {seed!r}")
 
 
+_LAST_PATH = ["", ""]  # (path, why the fused one was not taken) of the last call
+
+
+def last_path() -> tuple[str, str]:
+    """``("fused_buckets", "")`` or ``("tiled", reason)``: the path the last reference call took, and why."""
+    return _LAST_PATH[0], _LAST_PATH[1]
+
+
 def dilated_attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -486,8 +499,36 @@ def dilated_attention_reference(
     The lse is float32 (float64 for float64 inputs); rows that attend nowhere (padding) give 0 and lse -inf.
     ``window``: sliding window over positions (every branch); ``global_tokens``: SPEC's global branch;
     ``dropout_p`` with ``seed`` (an int64 scalar tensor): SPEC's dropout. Differentiable w.r.t. query, key, value,
-    also through the lse.
+    also through the lse. Plain layouts run on the fused kernels (:mod:`.fused_buckets`), the rest tiled.
     """
+    _check_options(window, global_tokens, dropout_p, seed)
+    why = fused_buckets.unsupported_reason(query, key, value, layout, window=window, global_tokens=global_tokens,
+                                           dropout_p=float(dropout_p))
+    if why is None:
+        _LAST_PATH[:] = ["fused_buckets", ""]
+        return fused_buckets.bucketed_attention(query, key, value, branches, bool(is_causal), float(scale),
+                                                head_offset)
+    _LAST_PATH[:] = ["tiled", why]
+    return tiled_attention_reference(query, key, value, branches, layout, is_causal, scale, head_offset,
+                                     window=window, global_tokens=global_tokens, dropout_p=dropout_p, seed=seed)
+
+
+def tiled_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    branches: tuple[tuple[int, int], ...],
+    layout: TokenLayout,
+    is_causal: bool,
+    scale: float,
+    head_offset: int = 0,
+    *,
+    window: int | None = None,
+    global_tokens: int = 0,
+    dropout_p: float = 0.0,
+    seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dilated_attention_reference` on the tiled path, whatever the layout: every case, any dtype."""
     _check_options(window, global_tokens, dropout_p, seed)
     dropout_p = float(dropout_p)
     if dropout_p:
