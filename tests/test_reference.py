@@ -677,3 +677,15 @@ def test_gpu_fused_buckets_match_oracle(rng, dtype):
         check_backend(dilated_attention_reference, q, k, v, branches, plain_layout(2, N, "cuda"), TOL[dtype],
                       is_causal=causal, head_offset=3)
         assert last_path() == ("fused_buckets", ""), last_path()
+
+
+def test_fused_buckets_under_no_grad_and_inference_mode(rng):
+    """The kernels' first probe may happen under no_grad / inference_mode (generation): it still decides right."""
+    fused_buckets._probe.cache_clear()
+    q, k, v = [t.detach() for t in make_qkv(rng, 1, 2, 2, 20, 20, 8, torch.float32)]
+    tiled, _ = tiled_attention_reference(q, k, v, ((8, 1), (16, 2)), make_layout(1, 20, 20), True, 0.3)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            out, _ = dilated_attention_reference(q, k, v, ((8, 1), (16, 2)), plain_layout(1, 20), True, 0.3)
+        assert last_path() == ("fused_buckets", "") and rel_err(out, tiled) < 1e-6
+        fused_buckets._probe.cache_clear()

@@ -102,20 +102,24 @@ def _candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> list
 
 
 @lru_cache(maxsize=None)
-def _probe(kernel: Kernel, device: str, dtype: torch.dtype) -> str | None:
+def _probe(kernel: Kernel, device: str, dtype: torch.dtype, head_dim: int) -> str | None:
     """``None`` when ``kernel`` runs here and its forward and backward (with a given merged lse) match plain float64
-    math on a tiny causal call, else why not (missing op, changed signature, wrong numbers)."""
+    math on a tiny causal call at ``head_dim``, else why not (missing op, changed signature, wrong numbers)."""
+    with torch.inference_mode(False), torch.enable_grad():  # the caller may be under no_grad / inference_mode
+        return _probe_call(kernel, device, dtype, head_dim)
+
+
+def _probe_call(kernel: Kernel, device: str, dtype: torch.dtype, head_dim: int) -> str | None:
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    do = torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64)
+    q, k, v, do = (torch.randn(2, 2, 5, head_dim, generator=g, dtype=torch.float64) for _ in range(4))
     scale = 0.3
     try:
         a, b, c, d = (t.to(dev, dtype) for t in (q, k, v, do))
         out, lse, aux = kernel.fwd(a, b, c, True, scale)
         dq, dk, dv = kernel.bwd(d, a, b, c, out, lse.float().contiguous(), True, scale, aux)
     except Exception as err:  # noqa: BLE001  (any failure of a private op means: do not use it)
-        return f"aten {kernel.name} unavailable on {device} {dtype}: {type(err).__name__}: {str(err).splitlines()[0]}"
+        return f"aten {kernel.name} unavailable on {device} {dtype} head dim {head_dim}: {type(err).__name__}: {str(err).splitlines()[0]}"
     q64, k64, v64 = (t.double().requires_grad_() for t in (a.cpu(), b.cpu(), c.cpu()))
     s = (q64 @ k64.transpose(-1, -2)) * scale
     s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), -math.inf)
@@ -137,7 +141,7 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple
     """The first candidate kernel that passes its probe, or ``(None, why none does)``."""
     reasons = []
     for kernel in _candidates(device, dtype, head_dim):
-        why = _probe(kernel, str(device), dtype)
+        why = _probe(kernel, str(device), dtype, head_dim)
         if why is None:
             return kernel, None
         reasons.append(why)
@@ -196,10 +200,12 @@ class Group:
     kv_index: torch.Tensor  # [S * Hg * L]
     segments: int
     length: int
+    fresh: bool  # no earlier group wrote these query rows (the first branch): no merge
+    identity: bool  # the rows are all of [Hq * N] in order: q itself (and k, v without GQA) need no gather
 
 
 def _group(heads: list[int], offsets: list[int], starts: list[int], length: int, r: int, group: int, N: int,
-           device) -> Group:
+           device, fresh: bool) -> Group:
     h = torch.tensor(heads, device=device)
     o = torch.tensor(offsets, device=device)
     s = torch.tensor(starts, device=device)
@@ -207,7 +213,8 @@ def _group(heads: list[int], offsets: list[int], starts: list[int], length: int,
     kv = torch.div(h, group, rounding_mode="floor")
     q_index = (h[None, :, None] * N + cols).flatten()
     kv_index = (kv[None, :, None] * N + cols).flatten()
-    return Group(h, kv, cols, q_index, kv_index, len(starts), length)
+    identity = starts == [0] and r == 1 and length == N  # r = 1: every head, in order
+    return Group(h, kv, cols, q_index, kv_index, len(starts), length, fresh, identity)
 
 
 @lru_cache(maxsize=8)
@@ -215,12 +222,13 @@ def plan(branches: tuple, N: int, Hq: int, Hk: int, head_offset: int, device: st
     """Every fused call of one layer shape: per branch, its full segments (all heads) and its last, shorter one."""
     group = Hq // Hk
     out = []
-    for w, r in branches:
+    for i, (w, r) in enumerate(branches):
         w = min(w, -(-N // r) * r)  # a segment past the sequence's end is cut short: the same as one of N rounded up
         offsets = [(h + head_offset) % r for h in range(Hq)]
         full = N // w
         if full:
-            out.append(_group(list(range(Hq)), offsets, [s * w for s in range(full)], w // r, r, group, N, device))
+            out.append(_group(list(range(Hq)), offsets, [s * w for s in range(full)], w // r, r, group, N, device,
+                              i == 0))
         tail = N - full * w
         by_count: dict[int, list[int]] = {}
         for h, o in enumerate(offsets):
@@ -228,13 +236,15 @@ def plan(branches: tuple, N: int, Hq: int, Hk: int, head_offset: int, device: st
             if count:
                 by_count.setdefault(count, []).append(h)
         for count, heads in sorted(by_count.items()):
-            out.append(_group(heads, [offsets[h] for h in heads], [full * w], count, r, group, N, device))
+            out.append(_group(heads, [offsets[h] for h in heads], [full * w], count, r, group, N, device, i == 0))
     return tuple(out)
 
 
 def _gather(x: torch.Tensor, heads: torch.Tensor, g: Group) -> torch.Tensor:
     """``x [B, H, N, D]`` at the group's rows as buckets ``[B * S, Hg, L, D]`` (any strides)."""
     B = x.shape[0]
+    if g.identity and x.shape[1] == heads.numel():
+        return x  # all rows in order (q, out, dO; k and v without GQA)
     return x[:, heads[None, :, None], g.cols].reshape(B * g.segments, g.heads.numel(), g.length, x.shape[-1])
 
 
@@ -257,11 +267,17 @@ def _forward(q, k, v, groups, kernel: Kernel, causal: bool, scale: float):
         o, lse, aux = kernel.fwd(_gather(q, g.heads, g), _gather(k, g.kv_heads, g), _gather(v, g.kv_heads, g),
                                  causal, scale)
         auxes.append(aux)
-        old = lse_all[:, g.q_index]
         lse = lse.float().reshape(B, -1)
+        if g.identity and len(groups) == 1:  # one dense bucket: the kernel's output is the answer
+            return o.to(q.dtype), lse.view(B, Hq, N), auxes
+        if g.fresh:
+            acc[:, g.q_index] = o.reshape(B, -1, D).float()
+            lse_all[:, g.q_index] = lse
+            continue
+        old = lse_all[:, g.q_index]
         new = torch.logaddexp(old, lse)  # every selected query sees at least itself: lse is finite
-        merged = acc[:, g.q_index] * torch.exp(old - new)[..., None]
-        merged.add_(o.reshape(B, -1, D).float() * torch.exp(lse - new)[..., None])
+        merged = acc[:, g.q_index].mul_(torch.exp(old - new)[..., None])
+        merged.add_(o.reshape(B, -1, D).float().mul_(torch.exp(lse - new)[..., None]))
         acc[:, g.q_index] = merged
         lse_all[:, g.q_index] = new
     return acc.view(B, Hq, N, D).to(q.dtype), lse_all.view(B, Hq, N), auxes
@@ -287,6 +303,8 @@ def _backward(dout, dlse, q, k, v, out, lse, groups, auxes, kernel: Kernel, caus
             O[..., D] = -_rows(dlse_flat, g).to(O.dtype)
             dO[..., D] = 1
         gq, gk, gv = kernel.bwd(dO.contiguous(), Q, K, V, O.contiguous(), L.contiguous(), causal, scale, aux)
+        if g.identity and len(groups) == 1 and Hq == Hk:  # one dense bucket: the kernel's gradients are the answer
+            return gq[..., :D].to(q.dtype), gk[..., :D].to(k.dtype), gv[..., :D].to(v.dtype)
         n = g.q_index.numel()
         dq.index_add_(1, g.q_index, gq[..., :D].reshape(B, n, D).float())
         dk.index_add_(1, g.kv_index, gk[..., :D].reshape(B, n, D).float())
