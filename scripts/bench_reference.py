@@ -31,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from hf_dilated.config import DENSE_SEGMENT  # noqa: E402
 from hf_dilated.ops.layout import resolve_layout  # noqa: E402
+from hf_dilated.ops import fused_buckets  # noqa: E402
 from hf_dilated.ops.layout import TokenLayout  # noqa: E402
 from hf_dilated.ops.reference import dilated_attention_reference, last_path, tiled_attention_reference  # noqa: E402
 
@@ -150,6 +151,7 @@ def main(argv=None) -> int:
     print("reference / lower bound:", json.dumps(ratios, indent=1))
     summary = dict(device=name, dtype=args.dtype, heads=args.heads, dim=args.dim, batch=1, causal=True,
                    longnet_branches=LONGNET, torch=torch.__version__, reference_over_lower_bound=ratios,
+                   fused_kernel=fused_buckets.kernel_report(dev, dtype, args.dim),
                    command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
                    date=datetime.now(timezone.utc).isoformat(timespec="seconds"), rows=rows)
     out = args.out or str(ROOT / "benchmarks" / "results" / f"reference_vs_sdpa-{name.replace(' ', '-')}.json")

@@ -689,3 +689,20 @@ def test_fused_buckets_under_no_grad_and_inference_mode(rng):
             out, _ = dilated_attention_reference(q, k, v, ((8, 1), (16, 2)), plain_layout(1, 20), True, 0.3)
         assert last_path() == ("fused_buckets", "") and rel_err(out, tiled) < 1e-6
         fused_buckets._probe.cache_clear()
+
+
+def test_probe_rejects_a_backward_that_ignores_the_given_lse():
+    """The ring-trick backward needs a kernel that uses the merged lse and output it is given: one that keeps its
+    own (as SDPA's autograd would) fails the probe."""
+
+    def fwd(q, k, v, causal, scale):
+        out, lse, _ = fused_buckets._FLASH_CPU.fwd(q, k, v, causal, scale)
+        return out, lse, (out, lse)
+
+    def bwd(do, q, k, v, out, lse, causal, scale, aux):
+        return fused_buckets._FLASH_CPU.bwd(do, q, k, v, aux[0], aux[1], causal, scale, None)
+
+    own = fused_buckets.Kernel("own_lse_attention", fwd, bwd)
+    why = fused_buckets._probe(own, "cpu", torch.float32, 16)
+    assert why is not None and "differs" in why, why
+    assert fused_buckets._probe(fused_buckets._FLASH_CPU, "cpu", torch.float32, 16) is None

@@ -103,38 +103,51 @@ def _candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> list
 
 @lru_cache(maxsize=None)
 def _probe(kernel: Kernel, device: str, dtype: torch.dtype, head_dim: int) -> str | None:
-    """``None`` when ``kernel`` runs here and its forward and backward (with a given merged lse) match plain float64
-    math on a tiny causal call at ``head_dim``, else why not (missing op, changed signature, wrong numbers)."""
-    with torch.inference_mode(False), torch.enable_grad():  # the caller may be under no_grad / inference_mode
-        return _probe_call(kernel, device, dtype, head_dim)
+    """``None`` when ``kernel`` runs here at ``head_dim`` and does what this module relies on, checked against float64
+    math on a tiny causal call: the forward's out and lse, and a backward given *another* output and lse (as the
+    merged ones are), which must use them as given: ``P = exp(S - lse)``, ``dS = P (dO V^T - rowsum(dO * out))``.
+    Else why not (missing op, changed signature, other semantics)."""
+    with torch.inference_mode(False), torch.no_grad():  # the caller may be under inference_mode
+        try:
+            return _probe_call(kernel, device, dtype, head_dim)
+        except Exception as err:  # noqa: BLE001  (any failure of a private op means: do not use it)
+            first = (str(err).splitlines() or [""])[0]
+            return f"aten {kernel.name} unavailable on {device} {dtype} head dim {head_dim}: {type(err).__name__}: {first}"
 
 
 def _probe_call(kernel: Kernel, device: str, dtype: torch.dtype, head_dim: int) -> str | None:
-    dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
-    q, k, v, do = (torch.randn(2, 2, 5, head_dim, generator=g, dtype=torch.float64) for _ in range(4))
-    scale = 0.3
-    try:
-        a, b, c, d = (t.to(dev, dtype) for t in (q, k, v, do))
-        out, lse, aux = kernel.fwd(a, b, c, True, scale)
-        dq, dk, dv = kernel.bwd(d, a, b, c, out, lse.float().contiguous(), True, scale, aux)
-    except Exception as err:  # noqa: BLE001  (any failure of a private op means: do not use it)
-        return f"aten {kernel.name} unavailable on {device} {dtype} head dim {head_dim}: {type(err).__name__}: {str(err).splitlines()[0]}"
-    q64, k64, v64 = (t.double().requires_grad_() for t in (a.cpu(), b.cpu(), c.cpu()))
+    n, scale = 5, 0.3
+    x = [torch.randn(2, 2, n, head_dim, generator=g, dtype=torch.float64).to(device, dtype) for _ in range(5)]
+    q, k, v, do, other = x
+    out, lse, aux = kernel.fwd(q, k, v, True, scale)
+    shift = torch.linspace(0.2, 1.0, n, dtype=torch.float32, device=q.device)  # as if other branches added mass
+    out_m = (0.5 * out.double() + 0.5 * other.double()).to(dtype)
+    lse_m = (lse.float() + shift).contiguous()
+    dq, dk, dv = kernel.bwd(do, q, k, v, out_m, lse_m, True, scale, aux)
+    q64, k64, v64, do64, out_m64 = (t.double().cpu() for t in (q, k, v, do, out_m))
     s = (q64 @ k64.transpose(-1, -2)) * scale
-    s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), -math.inf)
-    ref_lse = torch.logsumexp(s, -1)
-    ref = torch.softmax(s, -1) @ v64
-    want = torch.autograd.grad(ref, (q64, k64, v64), d.cpu().double())
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+    want_lse = torch.logsumexp(s, -1)
+    want_out = torch.softmax(s, -1) @ v64
+    p = torch.exp(s - lse_m.double().cpu()[..., None])
+    ds = p * (do64 @ v64.transpose(-1, -2) - (do64 * out_m64).sum(-1, keepdim=True))
+    want = (want_out, want_lse, scale * ds @ k64, scale * ds.transpose(-1, -2) @ q64, p.transpose(-1, -2) @ do64)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    got = (out, lse, dq, dk, dv)
-    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, (ref, ref_lse) + want):
-        if tuple(x.shape) != tuple(y.shape):
-            return f"aten {kernel.name} on {device} {dtype}: {name} has shape {tuple(x.shape)}, expected {tuple(y.shape)}"
-        err = float((x.detach().cpu().double() - y.detach()).norm() / y.detach().norm())
+    for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
+        if tuple(got.shape) != tuple(ref.shape):
+            return f"aten {kernel.name} on {device} {dtype}: {name} has shape {tuple(got.shape)}, not {tuple(ref.shape)}"
+        err = float((got.cpu().double() - ref).norm() / ref.norm())
         if not err < tol:
-            return f"aten {kernel.name} on {device} {dtype}: {name} differs from plain math (rel err {err:.2e})"
+            return f"aten {kernel.name} on {device} {dtype}: {name} differs from what is relied on (rel err {err:.2e})"
     return None
+
+
+def kernel_report(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict:
+    """For benchmarks and bug reports: the kernel this path uses here, and why each faster candidate was skipped."""
+    kernel, _ = kernel_for(device, dtype, head_dim)
+    skipped = [why for c in _candidates(device, dtype, head_dim) if (why := _probe(c, str(device), dtype, head_dim))]
+    return dict(kernel=None if kernel is None else kernel.name, skipped=skipped)
 
 
 def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[Kernel | None, str | None]:
