@@ -612,7 +612,8 @@ def test_fused_buckets_through_the_public_op(rng):
 @pytest.mark.parametrize(
     "case, reason",
     [("float64", "dtype"), ("window", "sliding window"), ("global", "global tokens"), ("dropout", "dropout"),
-     ("padding", "layout"), ("packed", "layout"), ("decoding", "decoding")],
+     ("padding", "layout"), ("holes", "layout"), ("right_padding_not_causal", "layout"), ("packed", "layout"),
+     ("decoding", "decoding")],
 )
 def test_what_the_fused_path_leaves_to_the_tiled_one(rng, case, reason):
     """Every case the fused kernels cannot do exactly runs tiled, says why, and still matches the oracle."""
@@ -627,16 +628,35 @@ def test_what_the_fused_path_leaves_to_the_tiled_one(rng, case, reason):
         kwargs["global_tokens"] = 2
     elif case == "dropout":
         kwargs.update(dropout_p=0.2, seed=torch.tensor(3))
-    elif case == "padding":
+    elif case in ("padding", "holes", "right_padding_not_causal"):
         mask = torch.ones(B, N, dtype=torch.bool)
-        mask[1, :5] = False
+        mask[1, {"padding": slice(0, 5), "holes": slice(7, 9), "right_padding_not_causal": slice(19, None)}[case]] = 0
         layout = resolve_layout(B, N, N, torch.device("cpu"), attention_mask=mask)
+        kwargs["is_causal"] = case != "right_padding_not_causal"
     elif case == "packed":
         pos = torch.cat([torch.arange(10), torch.arange(14)])[None].expand(B, N)
         layout = resolve_layout(B, N, N, torch.device("cpu"), position_ids=pos)
     check_backend(dilated_attention_reference, q, k, v, ((8, 1), (16, 2)), layout, TOL[dtype], **kwargs)
     path, why = last_path()
     assert path == "tiled" and reason in why, (path, why)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_buckets_right_padding_causal(rng, dtype):
+    """A causal right-padded batch (Transformers' default for training) is exact on the fused path: real tokens'
+    outputs, lse and every gradient match the oracle; padding rows give 0 and lse -inf, and send no gradient."""
+    B, N = 3, 41
+    q, k, v = make_qkv(rng, B, 6, 2, N, N, 8, dtype)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, 30:] = False
+    mask[2, 3:] = False
+    layout = resolve_layout(B, N, N, torch.device("cpu"), attention_mask=mask)
+    assert not layout.contiguous
+    for branches in (((8, 1), (16, 2), (32, 4)), ((DENSE_SEGMENT, 1),)):
+        out, lse = check_backend(dilated_attention_reference, q, k, v, branches, layout, TOL[dtype], head_offset=1)
+        assert last_path() == ("fused_buckets", ""), last_path()
+        assert (out[~mask[:, None, :].expand(-1, 6, -1)] == 0).all()
+        assert torch.isneginf(lse[~mask[:, None, :].expand(-1, 6, -1)]).all()
 
 
 def test_fused_kernel_missing_falls_back_with_the_reason(rng, monkeypatch):

@@ -12,7 +12,10 @@ rows and the unweighted ``dO``, forms ``P = exp(S - lse) = w_i P_i`` and ``delta
 share of the gradient of the merged output. A gradient ``dL`` through the returned lse adds ``P dL`` to ``dS``, i.e.
 ``delta - dL``; it rides in an extra head-dim column (``q, k`` padded with 0, ``v' = [v, 0]``, ``o' = [o, -dL]``,
 ``dO' = [dO, 1]``). The fused ops are private ATen ops: each is probed once per (device, dtype) with a tiny call
-checked against plain math, and :func:`unsupported_reason` says why a call cannot take this path.
+checked against plain math, and :func:`route` says why a call cannot take this path.
+
+Right padding of a causal batch is exact here too: a real query reaches only earlier, real keys. The padding rows'
+outputs are set to 0 and their lse to -inf (as the tiled path gives them), and no gradient flows from them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from .layout import TokenLayout
+from .layout import TokenLayout, _IdentityMemo
 
 _HALF = (torch.float16, torch.bfloat16)
 _LSE_ALIGN = 32  # the memory-efficient kernel pads its lse rows to a multiple of 32
@@ -167,27 +170,50 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple
 # Which calls this path takes.
 
 
-def unsupported_reason(query, key, value, layout: TokenLayout, *, window, global_tokens, dropout_p) -> str | None:
-    """``None`` when the call can run here exactly, else why it runs on the tiled path (one line)."""
+_RIGHT_PADDED = _IdentityMemo(size=4)  # every layer of a forward shares the layout: one host sync per forward
+
+
+def _right_padded(layout: TokenLayout) -> bool:
+    """Whether every row is one sequence at positions ``0..n-1`` in columns ``0..n-1``, padding only after it."""
+    fields = (layout.q_pos, layout.q_seq, layout.k_pos, layout.k_seq, layout.k_valid, layout.q_valid)
+
+    def check() -> bool:
+        valid = layout.k_valid
+        cols = torch.arange(valid.shape[1], device=valid.device)
+        checks = [(layout.k_seq == 0).all(), (layout.q_seq == 0).all(), ((layout.k_pos == cols) | ~valid).all(),
+                  (valid[:, 1:] <= valid[:, :-1]).all(), (layout.q_valid == valid).all()]
+        return bool(torch.stack(checks).all())
+
+    return _RIGHT_PADDED(check, fields, ())
+
+
+def route(query, key, value, layout: TokenLayout, is_causal: bool, *, window, global_tokens,
+          dropout_p) -> tuple[str | None, torch.Tensor | None]:
+    """``(None, valid)`` when the call can run here exactly (``valid``: the ``[B, N]`` real tokens of a right-padded
+    causal batch, or ``None`` when nothing is padding), else ``(why it runs on the tiled path, None)``."""
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"dtype {query.dtype} (the tiled path is the float64 oracle's twin)"
+        return f"dtype {query.dtype} (the tiled path is the float64 oracle's twin)", None
     if query.shape[-1] != value.shape[-1]:
-        return f"value head dim {value.shape[-1]} differs from the query's {query.shape[-1]}"
+        return f"value head dim {value.shape[-1]} differs from the query's {query.shape[-1]}", None
     if dropout_p:
-        return "dropout (the fused kernels draw their own mask, not SPEC's counter-based one)"
+        return "dropout (the fused kernels draw their own mask, not SPEC's counter-based one)", None
     if window is not None:
-        return "sliding window"
+        return "sliding window", None
     if global_tokens:
-        return "global tokens"
+        return "global tokens", None
     if query.shape[2] != key.shape[2]:
-        return "fewer queries than keys (decoding against a cache)"
+        return "fewer queries than keys (decoding against a cache)", None
+    valid = None
     if not layout.contiguous:
-        return "layout with padding, packed sequences or given positions that are not 0..N-1"
+        if torch.compiler.is_compiling() or not is_causal or not _right_padded(layout):
+            return ("layout with left or middle padding, packed sequences, positions other than 0..N-1, or "
+                    "(not causal) any padding"), None
+        valid = layout.k_valid  # causal: a real query never reaches the padding after it
     if query.requires_grad or key.requires_grad or value.requires_grad:
         kernel, why = kernel_for(query.device, query.dtype, _padded_dim(query.shape[-1], query.device))
         if kernel is None:
-            return f"backward through the lse: {why}"
-    return kernel_for(query.device, query.dtype, query.shape[-1])[1]
+            return f"backward through the lse: {why}", None
+    return kernel_for(query.device, query.dtype, query.shape[-1])[1], valid
 
 
 def _padded_dim(d: int, device: torch.device) -> int:
@@ -329,10 +355,13 @@ class _BucketedAttention(torch.autograd.Function):
     """Forward and exact backward on the fused kernels; saves q, k, v, the merged output and lse (O(N))."""
 
     @staticmethod
-    def forward(ctx, q, k, v, groups, kernel, causal, scale):
+    def forward(ctx, q, k, v, groups, kernel, causal, scale, valid):
         out, lse, auxes = _forward(q, k, v, groups, kernel, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.params = (groups, auxes, kernel, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)  # the kernels' own on every row: the backward needs finite lse
+        if valid is not None:  # right padding: padding rows give 0 and lse -inf, as the tiled path
+            out = out * valid[:, None, :, None]
+            lse = lse.masked_fill(~valid[:, None, :], -math.inf)
+        ctx.params = (groups, auxes, kernel, causal, scale, valid)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -340,25 +369,29 @@ class _BucketedAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        groups, auxes, kernel, causal, scale = ctx.params
+        groups, auxes, kernel, causal, scale, valid = ctx.params
         if dout is None:
             dout = torch.zeros_like(out)
+        if valid is not None:  # the padding rows' outputs are constants: nothing flows back from them
+            dout = dout * valid[:, None, :, None]
+            dlse = None if dlse is None else dlse.masked_fill(~valid[:, None, :], 0)
         if dlse is not None:  # the lse-gradient column needs a kernel at the padded head dim
             padded, why = kernel_for(q.device, q.dtype, _padded_dim(q.shape[-1], q.device))
-            if padded is None:  # unsupported_reason checked this before the forward ran
+            if padded is None:  # route() checked this before the forward ran
                 raise RuntimeError(f"no fused kernel for the lse gradient: {why}")
             if padded is not kernel:  # only flash -> memory-efficient; its seed / offset are unused without dropout
                 blank = torch.empty((), dtype=torch.int64, device=q.device)
                 auxes, kernel = [(blank, blank)] * len(auxes), padded
         dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, groups, auxes, kernel, causal, scale)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def bucketed_attention(query, key, value, branches, is_causal: bool, scale: float, head_offset: int = 0):
-    """Dilated attention on a plain layout (see :func:`unsupported_reason`): ``(out, lse float32)``."""
+def bucketed_attention(query, key, value, branches, is_causal: bool, scale: float, head_offset: int = 0,
+                       valid: torch.Tensor | None = None):
+    """Dilated attention on a plain or right-padded causal layout (see :func:`route`): ``(out, lse float32)``."""
     B, Hq, N, D = query.shape
     kernel, why = kernel_for(query.device, query.dtype, D)
     if kernel is None:
         raise ValueError(f"no fused attention kernel for this call: {why}")
     groups = plan(tuple(branches), N, Hq, key.shape[1], head_offset, str(query.device))
-    return _BucketedAttention.apply(query, key, value, groups, kernel, bool(is_causal), float(scale))
+    return _BucketedAttention.apply(query, key, value, groups, kernel, bool(is_causal), float(scale), valid)

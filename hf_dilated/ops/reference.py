@@ -15,8 +15,8 @@ flash-attention backward per branch with the *merged* ``p = exp((s - m) - log l)
 keep half tiles and float32 scores / accumulators (flash-attention precision); dS is never rounded to half. Dropout (SPEC.md) draws its keep
 decisions from ``ops/dropout.py`` by tensor column (local head index), in the forward and again in the backward.
 
-The common case, a plain layout (one unpadded sequence per row, no window, global tokens or dropout) in float16,
-bfloat16 or float32, runs instead on PyTorch's fused attention kernels, segment buckets batched per branch
+The common case, a plain layout (one sequence per row, unpadded or, causal, right-padded; no window, global tokens
+or dropout) in float16, bfloat16 or float32, runs instead on PyTorch's fused attention kernels, segment buckets batched per branch
 (``ops/fused_buckets.py``); :func:`last_path` tells which path the last call took and why.
 """
 
@@ -502,12 +502,12 @@ def dilated_attention_reference(
     also through the lse. Plain layouts run on the fused kernels (:mod:`.fused_buckets`), the rest tiled.
     """
     _check_options(window, global_tokens, dropout_p, seed)
-    why = fused_buckets.unsupported_reason(query, key, value, layout, window=window, global_tokens=global_tokens,
-                                           dropout_p=float(dropout_p))
+    why, valid = fused_buckets.route(query, key, value, layout, bool(is_causal), window=window,
+                                     global_tokens=global_tokens, dropout_p=float(dropout_p))
     if why is None:
         _LAST_PATH[:] = ["fused_buckets", ""]
         return fused_buckets.bucketed_attention(query, key, value, branches, bool(is_causal), float(scale),
-                                                head_offset)
+                                                head_offset, valid)
     _LAST_PATH[:] = ["tiled", why]
     return tiled_attention_reference(query, key, value, branches, layout, is_causal, scale, head_offset,
                                      window=window, global_tokens=global_tokens, dropout_p=dropout_p, seed=seed)
