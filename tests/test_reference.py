@@ -315,9 +315,9 @@ def test_backend_random_configs(rng, dtype):
         c = random_call(pyrng, rng)
         B, N = 2, c["N"]
         q, k, v = make_qkv(rng, B, c["Hq"], c["Hk"], N, N, c["D"], dtype)
-        check_backend(dilated_attention_reference, q, k, v, c["branches"], make_layout(B, N, N), TOL[dtype],
-                      is_causal=c["is_causal"], head_offset=c["head_offset"], window=c["window"],
-                      global_tokens=c["global_tokens"])
+        for fn in (dilated_attention_reference, tiled_attention_reference):  # plain causal cases: fused and tiled
+            check_backend(fn, q, k, v, c["branches"], make_layout(B, N, N), TOL[dtype], is_causal=c["is_causal"],
+                          head_offset=c["head_offset"], window=c["window"], global_tokens=c["global_tokens"])
 
 
 def test_backend_masks_packing_and_decoding(rng):
@@ -360,6 +360,18 @@ def test_large_logits_float32(rng, magnitude):
     q = (q.detach() * magnitude / 4).float().requires_grad_()  # |logit| ~ magnitude
     k, v = k.detach().float().requires_grad_(), v.detach().float().requires_grad_()
     check_backend(dilated_attention_reference, q, k, v, branches, make_layout(2, 48, 48), 1e-5, global_tokens=2)
+
+
+@pytest.mark.parametrize("magnitude", [1e1, 1e2])
+def test_large_logits_float32_fused(rng, magnitude):
+    """The fused path at large logits: the lse merge weights sum to one (logaddexp), within float32's tolerance.
+    (From |logit| ~ 1e3 the kernels' float32 dS = P (dP - delta) cancels to ~3e-5 of dk, where the tiled path forms
+    dP and delta in float64: saturated logits are the tiled path's, see test_saturated_logits_1e4_float32.)"""
+    q, k, v = make_qkv(rng, 2, 4, 2, 48, 48, 16, torch.float64)
+    q = (q.detach() * magnitude / 4).float().requires_grad_()
+    k, v = k.detach().float().requires_grad_(), v.detach().float().requires_grad_()
+    check_backend(dilated_attention_reference, q, k, v, ((8, 1), (16, 2), (32, 4)), plain_layout(2, 48), 1e-5)
+    assert last_path()[0] == "fused_buckets"
 
 
 def test_saturated_logits_1e4_float32(rng):
