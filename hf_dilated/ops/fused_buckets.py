@@ -170,21 +170,24 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple
 # Which calls this path takes.
 
 
-_RIGHT_PADDED = _IdentityMemo(size=4)  # every layer of a forward shares the layout: one host sync per forward
+_PADDING_KINDS = _IdentityMemo(size=4)  # every layer of a forward shares the layout: one host sync per forward
 
 
-def _right_padded(layout: TokenLayout) -> bool:
-    """Whether every row is one sequence at positions ``0..n-1`` in columns ``0..n-1``, padding only after it."""
+def _padding_kind(layout: TokenLayout) -> str:
+    """``"none"`` when every row is one sequence at positions ``0..N-1`` in columns ``0..N-1``; ``"right"`` when that
+    holds up to each row's padding, which all comes after its real tokens; ``"other"`` else. One host sync."""
     fields = (layout.q_pos, layout.q_seq, layout.k_pos, layout.k_seq, layout.k_valid, layout.q_valid)
 
-    def check() -> bool:
+    def check() -> str:
         valid = layout.k_valid
         cols = torch.arange(valid.shape[1], device=valid.device)
         checks = [(layout.k_seq == 0).all(), (layout.q_seq == 0).all(), ((layout.k_pos == cols) | ~valid).all(),
-                  (valid[:, 1:] <= valid[:, :-1]).all(), (layout.q_valid == valid).all()]
-        return bool(torch.stack(checks).all())
+                  (valid[:, 1:] <= valid[:, :-1]).all(), (layout.q_valid == valid).all(), valid.all()]
+        plain, padded = torch.stack(checks[:-1]).all(), checks[-1]
+        code = int(plain) * (1 + int(padded))  # 0 other, 1 right padding, 2 none
+        return ("other", "right", "none")[code]
 
-    return _RIGHT_PADDED(check, fields, ())
+    return _PADDING_KINDS(check, fields, ())
 
 
 def route(query, key, value, layout: TokenLayout, is_causal: bool, *, window, global_tokens,
@@ -205,10 +208,12 @@ def route(query, key, value, layout: TokenLayout, is_causal: bool, *, window, gl
         return "fewer queries than keys (decoding against a cache)", None
     valid = None
     if not layout.contiguous:
-        if torch.compiler.is_compiling() or not is_causal or not _right_padded(layout):
+        kind = "other" if torch.compiler.is_compiling() else _padding_kind(layout)
+        if kind == "other" or (kind == "right" and not is_causal):
             return ("layout with left or middle padding, packed sequences, positions other than 0..N-1, or "
                     "(not causal) any padding"), None
-        valid = layout.k_valid  # causal: a real query never reaches the padding after it
+        if kind == "right":
+            valid = layout.k_valid  # causal: a real query never reaches the padding after it
     if query.requires_grad or key.requires_grad or value.requires_grad:
         kernel, why = kernel_for(query.device, query.dtype, _padded_dim(query.shape[-1], query.device))
         if kernel is None:
