@@ -354,12 +354,13 @@ def test_backend_masks_packing_and_decoding(rng):
 
 @pytest.mark.parametrize("magnitude", [1e2, 1e3])
 def test_large_logits_float32(rng, magnitude):
-    """Issue 10 item 2: the merge weights sum to one at large logits (max-shifted merge, as the kernels do)."""
+    """Issue 10 item 2: the merge weights sum to one at large logits (max-shifted merge, as the kernels do). The
+    tiled path (float64 dP and delta); the fused path holds 1e-5 up to |logit| ~ 1e2 (test_large_logits_float32_fused)."""
     branches = [(8, 1), (16, 2), (32, 4)]
     q, k, v = make_qkv(rng, 2, 4, 2, 48, 48, 16, torch.float64)
     q = (q.detach() * magnitude / 4).float().requires_grad_()  # |logit| ~ magnitude
     k, v = k.detach().float().requires_grad_(), v.detach().float().requires_grad_()
-    check_backend(dilated_attention_reference, q, k, v, branches, make_layout(2, 48, 48), 1e-5, global_tokens=2)
+    check_backend(tiled_attention_reference, q, k, v, branches, make_layout(2, 48, 48), 1e-5, global_tokens=2)
 
 
 @pytest.mark.parametrize("magnitude", [1e1, 1e2])
@@ -375,7 +376,7 @@ def test_large_logits_float32_fused(rng, magnitude):
 
 
 def test_saturated_logits_1e4_float32(rng):
-    """|logit| ~ 1e4 with each query's own key dominating (issue 10 item 2: dq was off by 3.7e-2 where it is ~0):
+    """The tiled path at |logit| ~ 1e4, each query's own key dominating (issue 10 item 2: dq was off by 3.7e-2 where ~0):
     outputs and dv to 1e-5, dq and dk within fp32 rounding of their natural scale (scale |q| |dO| |v|)."""
     branches = [(8, 1), (16, 2), (32, 4)]
     _, k, v = make_qkv(rng, 2, 2, 2, 48, 48, 16, torch.float64)
@@ -383,7 +384,7 @@ def test_saturated_logits_1e4_float32(rng):
     k, v = k.detach().float().requires_grad_(), v.detach().float().requires_grad_()
     q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = naive_dilated_attention(q64, k64, v64, branches, global_tokens=2)
-    out, _ = dilated_attention_reference(q, k, v, branches, make_layout(2, 48, 48), True, 0.25, global_tokens=2)
+    out, _ = tiled_attention_reference(q, k, v, branches, make_layout(2, 48, 48), True, 0.25, global_tokens=2)
     assert rel_err(out, ref) < 1e-5
     g = torch.randn_like(ref)
     got = torch.autograd.grad((out * g.float()).sum(), (q, k, v))
@@ -623,7 +624,7 @@ def test_fused_buckets_through_the_public_op(rng):
 
 @pytest.mark.parametrize(
     "case, reason",
-    [("float64", "dtype"), ("window", "sliding window"), ("global", "global tokens"), ("dropout", "dropout"),
+    [("float64", "dtype"), ("window", "sliding window"), ("dropout", "dropout"),
      ("padding", "layout"), ("holes", "layout"), ("right_padding_not_causal", "layout"), ("packed", "layout"),
      ("decoding", "decoding")],
 )
@@ -651,6 +652,21 @@ def test_what_the_fused_path_leaves_to_the_tiled_one(rng, case, reason):
     check_backend(dilated_attention_reference, q, k, v, ((8, 1), (16, 2)), layout, TOL[dtype], **kwargs)
     path, why = last_path()
     assert path == "tiled" and reason in why, (path, why)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_buckets_with_global_tokens(rng, dtype):
+    """Global tokens: the fused branches merged by lse with the tiled global branch (unpadded, and right-padded
+    causal), exact against the oracle, gradients through out and lse."""
+    B, N = 2, 37
+    q, k, v = make_qkv(rng, B, 4, 2, N, N, 8, dtype)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, 25:] = False
+    for causal, m in ((True, None), (False, None), (True, mask)):
+        layout = resolve_layout(B, N, N, torch.device("cpu"), attention_mask=m)
+        check_backend(dilated_attention_reference, q, k, v, ((8, 1), (16, 2)), layout, TOL[dtype],
+                      is_causal=causal, global_tokens=3, head_offset=1)
+        assert last_path() == ("fused_buckets", ""), last_path()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

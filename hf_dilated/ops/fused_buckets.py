@@ -190,10 +190,11 @@ def _padding_kind(layout: TokenLayout) -> str:
     return _PADDING_KINDS(check, fields, ())
 
 
-def route(query, key, value, layout: TokenLayout, is_causal: bool, *, window, global_tokens,
+def route(query, key, value, layout: TokenLayout, is_causal: bool, *, window,
           dropout_p) -> tuple[str | None, torch.Tensor | None]:
-    """``(None, valid)`` when the call can run here exactly (``valid``: the ``[B, N]`` real tokens of a right-padded
-    causal batch, or ``None`` when nothing is padding), else ``(why it runs on the tiled path, None)``."""
+    """``(None, valid)`` when the call's branches can run here exactly (``valid``: the ``[B, N]`` real tokens of a
+    right-padded causal batch, or ``None`` when nothing is padding), else ``(why it runs on the tiled path, None)``.
+    Global tokens are the caller's: one more branch, merged by lse."""
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {query.dtype} (the tiled path is the float64 oracle's twin)", None
     if query.shape[-1] != value.shape[-1]:
@@ -202,8 +203,6 @@ def route(query, key, value, layout: TokenLayout, is_causal: bool, *, window, gl
         return "dropout (the fused kernels draw their own mask, not SPEC's counter-based one)", None
     if window is not None:
         return "sliding window", None
-    if global_tokens:
-        return "global tokens", None
     if query.shape[2] != key.shape[2]:
         return "fewer queries than keys (decoding against a cache)", None
     valid = None

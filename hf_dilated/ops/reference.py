@@ -471,6 +471,18 @@ def _check_options(window, global_tokens, dropout_p, seed) -> None:
         raise ValueError(f"dropout_p > 0 needs seed, an integer scalar tensor, got {seed!r}")
 
 
+def _merge_by_lse(out_a, lse_a, out_b, lse_b, valid):
+    """Two branch sets' ``(out, lse)`` merged as SPEC's branches are (differentiable). Every valid query has finite
+    lse in both (the fused set has an ``r = 1`` branch, the global one the key at position 0); padding rows get 0 and
+    -inf, without NaN in the gradient."""
+    rows = valid[:, None, :].to(lse_a.device)
+    a, b = (torch.where(rows, x, torch.zeros_like(x)) for x in (lse_a, lse_b))
+    lse = torch.logaddexp(a, b)
+    out = out_a.float() * torch.exp(a - lse)[..., None] + out_b.float() * torch.exp(b - lse)[..., None]
+    out = torch.where(rows[..., None], out, torch.zeros_like(out))
+    return out.to(out_a.dtype), torch.where(rows, lse, torch.full_like(lse, -math.inf))
+
+
 _LAST_PATH = ["", ""]  # (path, why the fused one was not taken) of the last call
 
 
@@ -503,11 +515,16 @@ def dilated_attention_reference(
     """
     _check_options(window, global_tokens, dropout_p, seed)
     why, valid = fused_buckets.route(query, key, value, layout, bool(is_causal), window=window,
-                                     global_tokens=global_tokens, dropout_p=float(dropout_p))
+                                     dropout_p=float(dropout_p))
     if why is None:
         _LAST_PATH[:] = ["fused_buckets", ""]
-        return fused_buckets.bucketed_attention(query, key, value, branches, bool(is_causal), float(scale),
-                                                head_offset, valid)
+        out, lse = fused_buckets.bucketed_attention(query, key, value, branches, bool(is_causal), float(scale),
+                                                    head_offset, valid)
+        if global_tokens:  # SPEC's global branch, tiled (each query sees g keys), merged like any branch
+            g_out, g_lse = tiled_attention_reference(query, key, value, (), layout, is_causal, scale, head_offset,
+                                                     global_tokens=global_tokens)
+            out, lse = _merge_by_lse(out, lse, g_out, g_lse, layout.q_valid)
+        return out, lse
     _LAST_PATH[:] = ["tiled", why]
     return tiled_attention_reference(query, key, value, branches, layout, is_causal, scale, head_offset,
                                      window=window, global_tokens=global_tokens, dropout_p=dropout_p, seed=seed)
