@@ -141,7 +141,6 @@ def main(argv=None) -> int:
                         row.update(path=path, fallback_reason=why, rel_err_vs_tiled=err)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-            del q, k, v
     ratios = {}
     for row in rows:
         if row["backend"] == "reference":

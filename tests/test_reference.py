@@ -355,7 +355,7 @@ def test_backend_masks_packing_and_decoding(rng):
 @pytest.mark.parametrize("magnitude", [1e2, 1e3])
 def test_large_logits_float32(rng, magnitude):
     """Issue 10 item 2: the merge weights sum to one at large logits (max-shifted merge, as the kernels do). The
-    tiled path (float64 dP and delta); the fused path holds 1e-5 up to |logit| ~ 1e2 (test_large_logits_float32_fused)."""
+    tiled path (float64 dP and delta); the fused one holds 1e-5 to |logit| ~ 1e2 (test_large_logits_float32_fused)."""
     branches = [(8, 1), (16, 2), (32, 4)]
     q, k, v = make_qkv(rng, 2, 4, 2, 48, 48, 16, torch.float64)
     q = (q.detach() * magnitude / 4).float().requires_grad_()  # |logit| ~ magnitude
@@ -376,7 +376,7 @@ def test_large_logits_float32_fused(rng, magnitude):
 
 
 def test_saturated_logits_1e4_float32(rng):
-    """The tiled path at |logit| ~ 1e4, each query's own key dominating (issue 10 item 2: dq was off by 3.7e-2 where ~0):
+    """The tiled path at |logit| ~ 1e4, each query's own key dominating (issue 10 item 2: dq was 3.7e-2 off where ~0):
     outputs and dv to 1e-5, dq and dk within fp32 rounding of their natural scale (scale |q| |dO| |v|)."""
     branches = [(8, 1), (16, 2), (32, 4)]
     _, k, v = make_qkv(rng, 2, 2, 2, 48, 48, 16, torch.float64)

@@ -115,7 +115,8 @@ def _probe(kernel: Kernel, device: str, dtype: torch.dtype, head_dim: int) -> st
             return _probe_call(kernel, device, dtype, head_dim)
         except Exception as err:  # noqa: BLE001  (any failure of a private op means: do not use it)
             first = (str(err).splitlines() or [""])[0]
-            return f"aten {kernel.name} unavailable on {device} {dtype} head dim {head_dim}: {type(err).__name__}: {first}"
+            return (f"aten {kernel.name} unavailable on {device} {dtype} head dim {head_dim}: "
+                    f"{type(err).__name__}: {first}")
 
 
 def _probe_call(kernel: Kernel, device: str, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -139,7 +140,7 @@ def _probe_call(kernel: Kernel, device: str, dtype: torch.dtype, head_dim: int) 
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
         if tuple(got.shape) != tuple(ref.shape):
-            return f"aten {kernel.name} on {device} {dtype}: {name} has shape {tuple(got.shape)}, not {tuple(ref.shape)}"
+            return f"aten {kernel.name} on {device} {dtype}: {name} has shape {tuple(got.shape)} not {tuple(ref.shape)}"
         err = float((got.cpu().double() - ref).norm() / ref.norm())
         if not err < tol:
             return f"aten {kernel.name} on {device} {dtype}: {name} differs from what is relied on (rel err {err:.2e})"
