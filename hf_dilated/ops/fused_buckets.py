@@ -11,8 +11,8 @@ Backward (the ring-attention trick): each bucket's fused backward, given the *me
 rows and the unweighted ``dO``, forms ``P = exp(S - lse) = w_i P_i`` and ``delta = rowsum(dO * O)``: exactly its
 share of the gradient of the merged output. A gradient ``dL`` through the returned lse adds ``P dL`` to ``dS``, i.e.
 ``delta - dL``; it rides in an extra head-dim column (``q, k`` padded with 0, ``v' = [v, 0]``, ``o' = [o, -dL]``,
-``dO' = [dO, 1]``). The fused ops are private ATen ops: each is probed once per (device, dtype) with a tiny call
-checked against plain math, and :func:`route` says why a call cannot take this path.
+``dO' = [dO, 1]``). The fused ops are private ATen ops: each is probed once per (device, dtype, head dim) with a
+tiny call checked against plain math, and :func:`route` says why a call cannot take this path.
 
 Right padding of a causal batch is exact here too: a real query reaches only earlier, real keys. The padding rows'
 outputs are set to 0 and their lse to -inf (as the tiled path gives them), and no gradient flows from them.
@@ -234,12 +234,12 @@ def _padded_dim(d: int, device: torch.device) -> int:
 class Group:
     """One fused call: ``segments`` buckets of ``length`` rows for each of the heads ``heads``.
 
-    ``q_index`` / ``kv_index`` ``[segments, heads, length]``: row ``head * N + column`` of the ``[B, H * N, D]`` view
-    of the queries and of the keys / values (the query head's kv head). ``cols`` the columns themselves."""
+    ``q_index`` / ``kv_index`` (``[segments, heads, length]`` flattened): row ``head * N + column`` of the
+    ``[B, H * N, D]`` view of the queries and of the keys / values (the query head's kv head). ``cols``: the columns."""
 
     heads: torch.Tensor  # [Hg] query heads
     kv_heads: torch.Tensor  # [Hg]
-    cols: torch.Tensor  # [S, Hg, L]
+    cols: torch.Tensor  # [S, Hg, L]: columns s w + o_h + j r
     q_index: torch.Tensor  # [S * Hg * L]
     kv_index: torch.Tensor  # [S * Hg * L]
     segments: int
