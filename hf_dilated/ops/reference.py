@@ -15,9 +15,10 @@ flash-attention backward per branch with the *merged* ``p = exp((s - m) - log l)
 keep half tiles and float32 scores / accumulators (flash-attention precision); dS is never rounded to half. Dropout (SPEC.md) draws its keep
 decisions from ``ops/dropout.py`` by tensor column (local head index), in the forward and again in the backward.
 
-The common case, a plain layout (one sequence per row, unpadded or, causal, right-padded; no window, global tokens
-or dropout) in float16, bfloat16 or float32, runs instead on PyTorch's fused attention kernels, segment buckets batched per branch
-(``ops/fused_buckets.py``); :func:`last_path` tells which path the last call took and why.
+The common case, a plain layout (one sequence per row, unpadded or, causal, right-padded; no window or dropout) in
+float16, bfloat16 or float32, runs instead on PyTorch's fused attention kernels, segment buckets batched per branch
+(``ops/fused_buckets.py``; global tokens are this path's one tiled branch, merged by lse); :func:`last_path` tells
+which path the last call took and why.
 """
 
 from __future__ import annotations
