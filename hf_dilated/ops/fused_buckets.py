@@ -261,7 +261,7 @@ def _group(heads: list[int], offsets: list[int], starts: list[int], length: int,
     return Group(h, kv, cols, q_index, kv_index, len(starts), length, fresh, identity)
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=4)  # index tensors of a few layer shapes (O(H N) each), kept on the device
 def plan(branches: tuple, N: int, Hq: int, Hk: int, head_offset: int, device: str) -> tuple[Group, ...]:
     """Every fused call of one layer shape: per branch, its full segments (all heads) and its last, shorter one."""
     group = Hq // Hk
