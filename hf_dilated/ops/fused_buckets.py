@@ -10,9 +10,10 @@ calls (heads whose offset selects one row fewer there apart). Branches are merge
 Backward (the ring-attention trick): each bucket's fused backward, given the *merged* output and lse gathered to its
 rows and the unweighted ``dO``, forms ``P = exp(S - lse) = w_i P_i`` and ``delta = rowsum(dO * O)``: exactly its
 share of the gradient of the merged output. A gradient ``dL`` through the returned lse adds ``P dL`` to ``dS``, i.e.
-``delta - dL``; it rides in an extra head-dim column (``q, k`` padded with 0, ``v' = [v, 0]``, ``o' = [o, -dL]``,
-``dO' = [dO, 1]``). The fused ops are private ATen ops: each is probed once per (device, dtype, head dim) with a
-tiny call checked against plain math, and :func:`route` says why a call cannot take this path.
+``delta - dL``; it rides in extra head-dim columns (``q, k, v`` padded with 0, ``o' = [o, -1, -1]``,
+``dO' = [dO, dL_hi, dL_lo]``, ``dL`` split so that half precision does not round it). The fused ops are private ATen
+ops: each is probed once per (device, dtype, head dim) with a tiny call checked against plain math, and
+:func:`route` says why a call cannot take this path.
 
 Right padding of a causal batch is exact here too: a real query reaches only earlier, real keys. The padding rows'
 outputs are set to 0 and their lse to -inf (as the tiled path gives them), and no gradient flows from them.
@@ -222,8 +223,8 @@ def route(query, key, value, layout: TokenLayout, is_causal: bool, *, window,
 
 
 def _padded_dim(d: int, device: torch.device) -> int:
-    """Head dim with room for the lse-gradient column (a multiple of 8 on CUDA, for the kernels' alignment)."""
-    return d + 1 if device.type == "cpu" else -(-(d + 1) // 8) * 8
+    """Head dim with room for the two lse-gradient columns (a multiple of 8 on CUDA, for the kernels' alignment)."""
+    return d + 2 if device.type == "cpu" else -(-(d + 2) // 8) * 8
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -317,22 +318,26 @@ def _forward(q, k, v, groups, kernel: Kernel, causal: bool, scale: float):
         if g.fresh:
             acc[:, g.q_index] = o.reshape(B, -1, D).float()
             lse_all[:, g.q_index] = lse
-            continue
-        old = lse_all[:, g.q_index]
-        new = torch.logaddexp(old, lse)  # every selected query sees at least itself: lse is finite
-        merged = acc[:, g.q_index].mul_(torch.exp(old - new)[..., None])
-        merged.add_(o.reshape(B, -1, D).float().mul_(torch.exp(lse - new)[..., None]))
-        acc[:, g.q_index] = merged
-        lse_all[:, g.q_index] = new
+        else:
+            old = lse_all[:, g.q_index]
+            new = torch.logaddexp(old, lse)  # every selected query sees at least itself: lse is finite
+            merged = acc[:, g.q_index].mul_(torch.exp(old - new)[..., None])
+            merged.add_(o.reshape(B, -1, D).float().mul_(torch.exp(lse - new)[..., None]))
+            acc[:, g.q_index] = merged
+            lse_all[:, g.q_index] = new
+            del old, new, merged
+        del o, lse  # free this group's results before the next group's
     return acc.view(B, Hq, N, D).to(q.dtype), lse_all.view(B, Hq, N), auxes
 
 
 def _backward(dout, dlse, q, k, v, out, lse, groups, auxes, kernel: Kernel, causal: bool, scale: float):
     B, Hq, N, D = q.shape
     Hk = k.shape[1]
-    dq = torch.zeros(B, Hq * N, D, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(B, Hk * N, D, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(B, Hk * N, D, dtype=torch.float32, device=q.device)
+    single = len(groups) == 1 and groups[0].identity and Hq == Hk  # one dense bucket: the kernel's grads as they are
+    if not single:
+        dq = torch.zeros(B, Hq * N, D, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(B, Hk * N, D, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(B, Hk * N, D, dtype=torch.float32, device=q.device)
     lse_flat = lse.reshape(B, Hq * N)
     pad = 0
     if dlse is not None:
@@ -342,17 +347,21 @@ def _backward(dout, dlse, q, k, v, out, lse, groups, auxes, kernel: Kernel, caus
         Q, K, V = _gather(q, g.heads, g), _gather(k, g.kv_heads, g), _gather(v, g.kv_heads, g)
         O, dO = _gather(out, g.heads, g), _gather(dout, g.heads, g)
         L = _rows(lse_flat, g)
-        if pad:  # the lse gradient as one more column: delta' = rowsum(dO * O) - dL
+        if pad:  # the lse gradient in two more columns (high and low part in q's dtype): delta' = rowsum(dO O) - dL
             Q, K, V, O, dO = (F.pad(t, (0, pad)) for t in (Q, K, V, O, dO))
-            O[..., D] = -_rows(dlse_flat, g).to(O.dtype)
-            dO[..., D] = 1
+            dl = _rows(dlse_flat, g)
+            hi = dl.to(O.dtype)
+            O[..., D], O[..., D + 1] = -1, -1
+            dO[..., D], dO[..., D + 1] = hi, (dl - hi.float()).to(O.dtype)
+            del dl, hi
         gq, gk, gv = kernel.bwd(dO.contiguous(), Q, K, V, O.contiguous(), L.contiguous(), causal, scale, aux)
-        if g.identity and len(groups) == 1 and Hq == Hk:  # one dense bucket: the kernel's gradients are the answer
+        del Q, K, V, O, dO, L  # free this group's gathers before the next group's
+        if single:
             return gq[..., :D].to(q.dtype), gk[..., :D].to(k.dtype), gv[..., :D].to(v.dtype)
         n = g.q_index.numel()
-        dq.index_add_(1, g.q_index, gq[..., :D].reshape(B, n, D).float())
-        dk.index_add_(1, g.kv_index, gk[..., :D].reshape(B, n, D).float())
-        dv.index_add_(1, g.kv_index, gv[..., :D].reshape(B, n, D).float())
+        for acc, grad, index in ((dq, gq, g.q_index), (dk, gk, g.kv_index), (dv, gv, g.kv_index)):
+            acc.index_add_(1, index, grad[..., :D].reshape(B, n, D).float())
+        del gq, gk, gv, grad
     return (dq.view(B, Hq, N, D).to(q.dtype), dk.view(B, Hk, N, D).to(k.dtype), dv.view(B, Hk, N, D).to(v.dtype))
 
 
