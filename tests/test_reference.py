@@ -644,6 +644,8 @@ def test_what_the_fused_path_leaves_to_the_tiled_one(rng, case, reason):
     elif case in ("padding", "holes", "right_padding_not_causal"):
         mask = torch.ones(B, N, dtype=torch.bool)
         mask[1, {"padding": slice(0, 5), "holes": slice(7, 9), "right_padding_not_causal": slice(19, None)}[case]] = 0
+        if case == "padding":
+            mask[0, -3:] = False  # left and right padding in one batch
         layout = resolve_layout(B, N, N, torch.device("cpu"), attention_mask=mask)
         kwargs["is_causal"] = case != "right_padding_not_causal"
     elif case == "packed":
@@ -662,7 +664,7 @@ def test_fused_buckets_with_global_tokens(rng, dtype):
     q, k, v = make_qkv(rng, B, 4, 2, N, N, 8, dtype)
     mask = torch.ones(B, N, dtype=torch.bool)
     mask[1, 25:] = False
-    for causal, m in ((True, None), (False, None), (True, mask)):
+    for causal, m in ((True, None), (False, None), (True, mask), (True, mask.flip(1))):
         layout = resolve_layout(B, N, N, torch.device("cpu"), attention_mask=m)
         check_backend(dilated_attention_reference, q, k, v, ((8, 1), (16, 2)), layout, TOL[dtype],
                       is_causal=causal, global_tokens=3, head_offset=1)
@@ -670,14 +672,18 @@ def test_fused_buckets_with_global_tokens(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_buckets_right_padding_causal(rng, dtype):
-    """A causal right-padded batch (Transformers' default for training) is exact on the fused path: real tokens'
-    outputs, lse and every gradient match the oracle; padding rows give 0 and lse -inf, and send no gradient."""
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_fused_buckets_padding_causal(rng, dtype, side):
+    """A causal right-padded batch (Transformers' default for training) or left-padded one (generation) is exact on
+    the fused path: real tokens' outputs, lse and every gradient match the oracle (positions counted from each row's
+    first real token); padding rows give 0 and lse -inf, and send no gradient."""
     B, N = 3, 41
     q, k, v = make_qkv(rng, B, 6, 2, N, N, 8, dtype)
     mask = torch.ones(B, N, dtype=torch.bool)
     mask[1, 30:] = False
     mask[2, 3:] = False
+    if side == "left":
+        mask = mask.flip(1)
     layout = resolve_layout(B, N, N, torch.device("cpu"), attention_mask=mask)
     assert not layout.contiguous
     for branches in (((8, 1), (16, 2), (32, 4)), ((DENSE_SEGMENT, 1),)):

@@ -16,7 +16,8 @@ ops: each is probed once per (device, dtype, head dim) with a tiny call checked 
 :func:`route` says why a call cannot take this path.
 
 Right padding of a causal batch is exact here too: a real query reaches only earlier, real keys. The padding rows'
-outputs are set to 0 and their lse to -inf (as the tiled path gives them), and no gradient flows from them.
+outputs are set to 0 and their lse to -inf (as the tiled path gives them), and no gradient flows from them. Left
+padding is rotated, row by row, into right padding (positions are unchanged: they count from the first real token).
 """
 
 from __future__ import annotations
@@ -176,50 +177,58 @@ _PADDING_KINDS = _IdentityMemo(size=4)  # every layer of a forward shares the la
 
 
 def _padding_kind(layout: TokenLayout) -> str:
-    """``"none"`` when every row is one sequence at positions ``0..N-1`` in columns ``0..N-1``; ``"right"`` when that
-    holds up to each row's padding, which all comes after its real tokens; ``"other"`` else. One host sync."""
+    """``"none"`` when every row is one sequence at positions ``0..N-1`` in columns ``0..N-1``; ``"right"`` /
+    ``"left"`` when each row is one sequence at positions ``0..n-1`` with all its padding after / before it;
+    ``"other"`` else. One host sync (memoized per layout)."""
     fields = (layout.q_pos, layout.q_seq, layout.k_pos, layout.k_seq, layout.k_valid, layout.q_valid)
 
     def check() -> str:
         valid = layout.k_valid
         cols = torch.arange(valid.shape[1], device=valid.device)
-        checks = [(layout.k_seq == 0).all(), (layout.q_seq == 0).all(), ((layout.k_pos == cols) | ~valid).all(),
-                  (valid[:, 1:] <= valid[:, :-1]).all(), (layout.q_valid == valid).all(), valid.all()]
-        plain, padded = torch.stack(checks[:-1]).all(), checks[-1]
-        code = int(plain) * (1 + int(padded))  # 0 other, 1 right padding, 2 none
-        return ("other", "right", "none")[code]
+        first = (~valid).sum(1, keepdim=True)  # the padding before a left-padded row's first real token
+        one = torch.stack([(layout.k_seq == 0).all(), (layout.q_seq == 0).all(), (layout.q_valid == valid).all()])
+        right = (valid[:, 1:] <= valid[:, :-1]).all() & ((layout.k_pos == cols) | ~valid).all()
+        left = (valid[:, 1:] >= valid[:, :-1]).all() & ((layout.k_pos == cols - first) | ~valid).all()
+        flags = torch.stack([one.all(), valid.all(), right, left]).tolist()
+        if not flags[0]:
+            return "other"
+        return "none" if flags[1] and flags[2] else "right" if flags[2] else "left" if flags[3] else "other"
 
     return _PADDING_KINDS(check, fields, ())
 
 
 def route(query, key, value, layout: TokenLayout, is_causal: bool, *, window,
-          dropout_p) -> tuple[str | None, torch.Tensor | None]:
-    """``(None, valid)`` when the call's branches can run here exactly (``valid``: the ``[B, N]`` real tokens of a
-    right-padded causal batch, or ``None`` when nothing is padding), else ``(why it runs on the tiled path, None)``.
-    Global tokens are the caller's: one more branch, merged by lse."""
+          dropout_p) -> tuple[str | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(None, valid, shift)`` when the call's branches can run here exactly, else ``(why it runs tiled, None,
+    None)``. ``valid``: the ``[B, N]`` real tokens of a padded causal batch (``None`` when nothing is padding);
+    ``shift``: ``[B]`` padding columns before each row's tokens (left padding: the rows are rotated to right padding),
+    or ``None``. Global tokens are the caller's: one more branch, merged by lse."""
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"dtype {query.dtype} (the tiled path is the float64 oracle's twin)", None
+        return f"dtype {query.dtype} (the tiled path is the float64 oracle's twin)", None, None
     if query.shape[-1] != value.shape[-1]:
-        return f"value head dim {value.shape[-1]} differs from the query's {query.shape[-1]}", None
+        return f"value head dim {value.shape[-1]} differs from the query's {query.shape[-1]}", None, None
     if dropout_p:
-        return "dropout (the fused kernels draw their own mask, not SPEC's counter-based one)", None
+        return "dropout (the fused kernels draw their own mask, not SPEC's counter-based one)", None, None
     if window is not None:
-        return "sliding window", None
+        return "sliding window", None, None
     if query.shape[2] != key.shape[2]:
-        return "fewer queries than keys (decoding against a cache)", None
-    valid = None
+        return "fewer queries than keys (decoding against a cache)", None, None
+    valid = shift = None
     if not layout.contiguous:
         kind = "other" if torch.compiler.is_compiling() else _padding_kind(layout)
-        if kind == "other" or (kind == "right" and not is_causal):
-            return ("layout with left or middle padding, packed sequences, positions other than 0..N-1, or "
-                    "(not causal) any padding"), None
-        if kind == "right":
+        if kind == "other" or (kind != "none" and not is_causal):
+            return ("layout with padding in the middle, packed sequences, positions other than 0..n-1, or (not "
+                    "causal) any padding"), None, None
+        if kind != "none":
             valid = layout.k_valid  # causal: a real query never reaches the padding after it
+        if kind == "left":
+            shift = (~valid).sum(1)
     if query.requires_grad or key.requires_grad or value.requires_grad:
         kernel, why = kernel_for(query.device, query.dtype, _padded_dim(query.shape[-1], query.device))
         if kernel is None:
-            return f"backward through the lse: {why}", None
-    return kernel_for(query.device, query.dtype, query.shape[-1])[1], valid
+            return f"backward through the lse: {why}", None, None
+    why = kernel_for(query.device, query.dtype, query.shape[-1])[1]
+    return (why, None, None) if why else (None, valid, shift)
 
 
 def _padded_dim(d: int, device: torch.device) -> int:
@@ -400,12 +409,26 @@ class _BucketedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+def _rotate(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Each row ``b`` of ``x [B, H, N, ...]`` rotated ``shift[b]`` columns to the left (differentiable)."""
+    B, H, N = x.shape[:3]
+    index = (torch.arange(N, device=x.device) + shift[:, None]) % N
+    return x.gather(2, index.view(B, 1, N, *([1] * (x.ndim - 3))).expand(x.shape))
+
+
 def bucketed_attention(query, key, value, branches, is_causal: bool, scale: float, head_offset: int = 0,
-                       valid: torch.Tensor | None = None):
-    """Dilated attention on a plain or right-padded causal layout (see :func:`route`): ``(out, lse float32)``."""
+                       valid: torch.Tensor | None = None, shift: torch.Tensor | None = None):
+    """Dilated attention on a plain, or right- or left-padded causal, layout (see :func:`route`):
+    ``(out, lse float32)``. Left padding: the rows are rotated to right padding and the results back."""
     B, Hq, N, D = query.shape
     kernel, why = kernel_for(query.device, query.dtype, D)
     if kernel is None:
         raise ValueError(f"no fused attention kernel for this call: {why}")
     groups = plan(tuple(branches), N, Hq, key.shape[1], head_offset, str(query.device))
-    return _BucketedAttention.apply(query, key, value, groups, kernel, bool(is_causal), float(scale), valid)
+    if shift is not None:
+        query, key, value, valid = (_rotate(t, shift) for t in (query, key, value, valid[:, None]))
+        valid = valid[:, 0]
+    out, lse = _BucketedAttention.apply(query, key, value, groups, kernel, bool(is_causal), float(scale), valid)
+    if shift is not None:
+        out, lse = _rotate(out, N - shift), _rotate(lse, N - shift)
+    return out, lse

@@ -15,10 +15,10 @@ flash-attention backward per branch with the *merged* ``p = exp((s - m) - log l)
 keep half tiles and float32 scores / accumulators (flash-attention precision); dS is never rounded to half. Dropout (SPEC.md) draws its keep
 decisions from ``ops/dropout.py`` by tensor column (local head index), in the forward and again in the backward.
 
-The common case, a plain layout (one sequence per row, unpadded or, causal, right-padded; no window or dropout) in
-float16, bfloat16 or float32, runs instead on PyTorch's fused attention kernels, segment buckets batched per branch
-(``ops/fused_buckets.py``; global tokens are this path's one tiled branch, merged by lse); :func:`last_path` tells
-which path the last call took and why.
+The common case, a plain layout (one sequence per row, unpadded or, causal, right- or left-padded; no window or
+dropout) in float16, bfloat16 or float32, runs instead on PyTorch's fused attention kernels, segment buckets batched
+per branch (``ops/fused_buckets.py``; global tokens are this path's one tiled branch, merged by lse);
+:func:`last_path` tells which path the last call took and why.
 """
 
 from __future__ import annotations
@@ -515,12 +515,12 @@ def dilated_attention_reference(
     also through the lse. Plain layouts run on the fused kernels (:mod:`.fused_buckets`), the rest tiled.
     """
     _check_options(window, global_tokens, dropout_p, seed)
-    why, valid = fused_buckets.route(query, key, value, layout, bool(is_causal), window=window,
-                                     dropout_p=float(dropout_p))
+    why, valid, shift = fused_buckets.route(query, key, value, layout, bool(is_causal), window=window,
+                                            dropout_p=float(dropout_p))
     if why is None:
         _LAST_PATH[:] = ["fused_buckets", ""]
         out, lse = fused_buckets.bucketed_attention(query, key, value, branches, bool(is_causal), float(scale),
-                                                    head_offset, valid)
+                                                    head_offset, valid, shift)
         if global_tokens:  # SPEC's global branch, tiled (each query sees g keys), merged like any branch
             g_out, g_lse = tiled_attention_reference(query, key, value, (), layout, is_causal, scale, head_offset,
                                                      global_tokens=global_tokens)
