@@ -32,7 +32,6 @@ import torch.nn.functional as F  # noqa: E402
 from hf_dilated.config import DENSE_SEGMENT  # noqa: E402
 from hf_dilated.ops.layout import resolve_layout  # noqa: E402
 from hf_dilated.ops import fused_buckets  # noqa: E402
-from hf_dilated.ops.layout import TokenLayout  # noqa: E402
 from hf_dilated.ops.reference import dilated_attention_reference, last_path, tiled_attention_reference  # noqa: E402
 
 LONGNET = ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16))
@@ -114,22 +113,19 @@ def main(argv=None) -> int:
             scale = args.dim ** -0.5
             layout = resolve_layout(1, N, N, dev)
             qkvo = 4 * q.numel() * q.element_size()
-            # The tiled path on the same plain layout, marked non-contiguous so that no fast path applies.
-            fields = (layout.q_pos, layout.q_seq, layout.k_pos, layout.k_seq, layout.k_valid, layout.q_valid)
-            tiled_layout = TokenLayout(*fields, contiguous=False)
             with torch.no_grad():
                 ref_out = dilated_attention_reference(q, k, v, branches, layout, True, scale)[0]
                 path, why = last_path()
                 err = None
                 if N <= args.tiled_max:
-                    want = tiled_attention_reference(q, k, v, branches, tiled_layout, True, scale)[0].float()
+                    want = tiled_attention_reference(q, k, v, branches, layout, True, scale)[0].float()
                     err = float((ref_out.float() - want).norm() / want.norm())
                 del ref_out
             print(f"N={N} {layer}: reference path {path} {why} rel err vs tiled {err}", flush=True)
             cases = [("reference", lambda: dilated_attention_reference(q, k, v, branches, layout, True, scale)[0]),
                      ("gather_sdpa_lower_bound", lambda: gather_sdpa(q, k, v, branches, scale))]
             if N <= args.tiled_max:
-                cases.append(("tiled", lambda: tiled_attention_reference(q, k, v, branches, tiled_layout, True,
+                cases.append(("tiled", lambda: tiled_attention_reference(q, k, v, branches, layout, True,
                                                                          scale)[0]))
             for backend, fn in cases:
                 for backward in (False, True):
