@@ -749,14 +749,30 @@ def test_probe_rejects_a_backward_that_ignores_the_given_lse():
     """The ring-trick backward needs a kernel that uses the merged lse and output it is given: one that keeps its
     own (as SDPA's autograd would) fails the probe."""
 
-    def fwd(q, k, v, causal, scale):
-        out, lse, _ = fused_buckets._FLASH_CPU.fwd(q, k, v, causal, scale)
-        return out, lse, (out, lse)
+    def bwd(do, q, k, v, out, lse, causal, scale):  # recomputes its own output and lse
+        own_out, own_lse = fused_buckets._FLASH_CPU.fwd(q, k, v, causal, scale)
+        return fused_buckets._FLASH_CPU.bwd(do, q, k, v, own_out, own_lse, causal, scale)
 
-    def bwd(do, q, k, v, out, lse, causal, scale, aux):
-        return fused_buckets._FLASH_CPU.bwd(do, q, k, v, aux[0], aux[1], causal, scale, None)
-
-    own = fused_buckets.Kernel("own_lse_attention", fwd, bwd)
+    own = fused_buckets.Kernel("own_lse_attention", fused_buckets._FLASH_CPU.fwd, bwd)
     why = fused_buckets._probe(own, "cpu", torch.float32, 16)
     assert why is not None and "differs" in why, why
     assert fused_buckets._probe(fused_buckets._FLASH_CPU, "cpu", torch.float32, 16) is None
+
+
+def test_fused_buckets_under_torch_func_vjp(rng):
+    """The Triton op's fallback takes the reference's gradient with torch.func.vjp (functorch): the fused path's
+    autograd.Function supports it, and gives the gradients of plain autograd."""
+    q, k, v = [t.detach() for t in make_qkv(rng, 2, 4, 2, 30, 30, 8, torch.float32)]
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[1, :4] = False  # left padding: the rotation is inside the transform too
+    layout = resolve_layout(2, 30, 30, torch.device("cpu"), attention_mask=mask)
+    fn = lambda a, b, c: dilated_attention_reference(a, b, c, ((8, 1), (16, 2)), layout, True, 0.3)  # noqa: E731
+    (out, lse), vjp = torch.func.vjp(fn, q, k, v)
+    assert last_path() == ("fused_buckets", "")
+    g_out, g_lse = torch.randn_like(out), torch.randn_like(lse).masked_fill(~mask[:, None], 0)
+    got = vjp((g_out, g_lse))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, l = fn(*leaves)
+    want = torch.autograd.grad((o * g_out).sum() + (torch.where(torch.isfinite(l), l, 0) * g_lse).sum(), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -40,47 +40,49 @@ _LSE_ALIGN = 32  # the memory-efficient kernel pads its lse rows to a multiple o
 
 
 def _flash_cpu_fwd(q, k, v, causal, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, causal, scale=scale)
-    return out, lse, None
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, causal, scale=scale)
 
 
-def _flash_cpu_bwd(do, q, k, v, out, lse, causal, scale, aux):
+def _flash_cpu_bwd(do, q, k, v, out, lse, causal, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
         do, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
+def _no_rng(device) -> torch.Tensor:
+    """The random-number state the CUDA backward ops take: unused without dropout (the probe checks they run)."""
+    return torch.empty((), dtype=torch.int64, device=device)
+
+
 def _flash_cuda_fwd(q, k, v, causal, scale):
     res = torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal, False, scale=scale)
-    out, lse, cum_q, cum_k, max_q, max_k, seed, offset = res[:8]
-    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    return res[0], res[1]
 
 
-def _flash_cuda_bwd(do, q, k, v, out, lse, causal, scale, aux):
-    cum_q, cum_k, max_q, max_k, seed, offset = aux
+def _flash_cuda_bwd(do, q, k, v, out, lse, causal, scale):
+    L, rng = q.shape[2], _no_rng(q.device)  # dense batches: no cumulative lengths
     return torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
-        do, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+        do, q, k, v, out, lse, None, None, L, L, 0.0, causal, rng, rng, scale=scale)
 
 
 def _efficient_fwd(q, k, v, causal, scale):
-    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention.default(
-        q, k, v, None, True, 0.0, causal, scale=scale)
-    return out, lse[..., : q.shape[2]], (seed, offset)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention.default(
+        q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+    return out, lse[..., : q.shape[2]]
 
 
-def _efficient_bwd(do, q, k, v, out, lse, causal, scale, aux):
-    seed, offset = aux
-    L = q.shape[2]
+def _efficient_bwd(do, q, k, v, out, lse, causal, scale):
+    L, rng = q.shape[2], _no_rng(q.device)
     padded = lse.new_zeros(*lse.shape[:-1], -(-L // _LSE_ALIGN) * _LSE_ALIGN)
     padded[..., :L] = lse
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default(
-        do, q, k, v, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+        do, q, k, v, None, out, padded, rng, rng, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """A fused attention kernel: ``fwd(q, k, v, causal, scale) -> (out, lse [.., L] float32, aux)`` and
-    ``bwd(do, q, k, v, out, lse, causal, scale, aux) -> (dq, dk, dv)``."""
+    """A fused attention kernel: ``fwd(q, k, v, causal, scale) -> (out, lse [.., L] float32)`` and
+    ``bwd(do, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` (any given ``out`` and ``lse``)."""
 
     name: str
     fwd: object
@@ -126,11 +128,11 @@ def _probe_call(kernel: Kernel, device: str, dtype: torch.dtype, head_dim: int) 
     n, scale = 5, 0.3
     x = [torch.randn(2, 2, n, head_dim, generator=g, dtype=torch.float64).to(device, dtype) for _ in range(5)]
     q, k, v, do, other = x
-    out, lse, aux = kernel.fwd(q, k, v, True, scale)
+    out, lse = kernel.fwd(q, k, v, True, scale)
     shift = torch.linspace(0.2, 1.0, n, dtype=torch.float32, device=q.device)  # as if other branches added mass
     out_m = (0.5 * out.double() + 0.5 * other.double()).to(dtype)
     lse_m = (lse.float() + shift).contiguous()
-    dq, dk, dv = kernel.bwd(do, q, k, v, out_m, lse_m, True, scale, aux)
+    dq, dk, dv = kernel.bwd(do, q, k, v, out_m, lse_m, True, scale)
     q64, k64, v64, do64, out_m64 = (t.double().cpu() for t in (q, k, v, do, out_m))
     s = (q64 @ k64.transpose(-1, -2)) * scale
     s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
@@ -312,18 +314,16 @@ def _rows(flat: torch.Tensor, g: Group) -> torch.Tensor:
 
 
 def _forward(q, k, v, groups, kernel: Kernel, causal: bool, scale: float):
-    """Merged ``(out [B, Hq, N, D] in q's dtype, lse [B, Hq, N] float32, aux per group)``."""
+    """Merged ``(out [B, Hq, N, D] in q's dtype, lse [B, Hq, N] float32)``."""
     B, Hq, N, D = q.shape
     acc = torch.zeros(B, Hq * N, D, dtype=torch.float32, device=q.device)
     lse_all = torch.full((B, Hq * N), -math.inf, dtype=torch.float32, device=q.device)
-    auxes = []
     for g in groups:
-        o, lse, aux = kernel.fwd(_gather(q, g.heads, g), _gather(k, g.kv_heads, g), _gather(v, g.kv_heads, g),
-                                 causal, scale)
-        auxes.append(aux)
+        o, lse = kernel.fwd(_gather(q, g.heads, g), _gather(k, g.kv_heads, g), _gather(v, g.kv_heads, g), causal,
+                            scale)
         lse = lse.float().reshape(B, -1)
         if g.identity and len(groups) == 1:  # one dense bucket: the kernel's output is the answer
-            return o.to(q.dtype), lse.view(B, Hq, N), auxes
+            return o.to(q.dtype), lse.view(B, Hq, N)
         if g.fresh:
             acc[:, g.q_index] = o.reshape(B, -1, D).float()
             lse_all[:, g.q_index] = lse
@@ -336,10 +336,10 @@ def _forward(q, k, v, groups, kernel: Kernel, causal: bool, scale: float):
             lse_all[:, g.q_index] = new
             del old, new, merged
         del o, lse  # free this group's results before the next group's
-    return acc.view(B, Hq, N, D).to(q.dtype), lse_all.view(B, Hq, N), auxes
+    return acc.view(B, Hq, N, D).to(q.dtype), lse_all.view(B, Hq, N)
 
 
-def _backward(dout, dlse, q, k, v, out, lse, groups, auxes, kernel: Kernel, causal: bool, scale: float):
+def _backward(dout, dlse, q, k, v, out, lse, groups, kernel: Kernel, causal: bool, scale: float):
     B, Hq, N, D = q.shape
     Hk = k.shape[1]
     single = len(groups) == 1 and groups[0].identity and Hq == Hk  # one dense bucket: the kernel's grads as they are
@@ -352,7 +352,7 @@ def _backward(dout, dlse, q, k, v, out, lse, groups, auxes, kernel: Kernel, caus
     if dlse is not None:
         pad = _padded_dim(D, q.device) - D
         dlse_flat = dlse.float().reshape(B, Hq * N)
-    for g, aux in zip(groups, auxes):
+    for g in groups:
         Q, K, V = _gather(q, g.heads, g), _gather(k, g.kv_heads, g), _gather(v, g.kv_heads, g)
         O, dO = _gather(out, g.heads, g), _gather(dout, g.heads, g)
         L = _rows(lse_flat, g)
@@ -363,7 +363,7 @@ def _backward(dout, dlse, q, k, v, out, lse, groups, auxes, kernel: Kernel, caus
             O[..., D], O[..., D + 1] = -1, -1
             dO[..., D], dO[..., D + 1] = hi, (dl - hi.float()).to(O.dtype)
             del dl, hi
-        gq, gk, gv = kernel.bwd(dO.contiguous(), Q, K, V, O.contiguous(), L.contiguous(), causal, scale, aux)
+        gq, gk, gv = kernel.bwd(dO.contiguous(), Q, K, V, O.contiguous(), L.contiguous(), causal, scale)
         del Q, K, V, O, dO, L  # free this group's gathers before the next group's
         if single:
             return gq[..., :D].to(q.dtype), gk[..., :D].to(k.dtype), gv[..., :D].to(v.dtype)
@@ -375,37 +375,42 @@ def _backward(dout, dlse, q, k, v, out, lse, groups, auxes, kernel: Kernel, caus
 
 
 class _BucketedAttention(torch.autograd.Function):
-    """Forward and exact backward on the fused kernels; saves q, k, v, the merged output and lse (O(N))."""
+    """Forward and exact backward on the fused kernels; saves q, k, v, the merged output and lse (O(N)).
+    ``setup_context`` style, so ``torch.func`` transforms (the Triton op's fallback vjp) can run it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, groups, kernel, causal, scale, valid):
-        out, lse, auxes = _forward(q, k, v, groups, kernel, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)  # the kernels' own on every row: the backward needs finite lse
-        if valid is not None:  # right padding: padding rows give 0 and lse -inf, as the tiled path
+    def forward(q, k, v, groups, kernel, causal, scale, valid):
+        out, lse = _forward(q, k, v, groups, kernel, causal, scale)
+        if valid is not None:  # padding rows give 0 and lse -inf, as the tiled path
             out = out * valid[:, None, :, None]
             lse = lse.masked_fill(~valid[:, None, :], -math.inf)
-        ctx.params = (groups, auxes, kernel, causal, scale, valid)
-        ctx.set_materialize_grads(False)
         return out, lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, groups, kernel, causal, scale, valid = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.params = (groups, kernel, causal, scale, valid)
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        groups, auxes, kernel, causal, scale, valid = ctx.params
+        groups, kernel, causal, scale, valid = ctx.params
         if dout is None:
             dout = torch.zeros_like(out)
         if valid is not None:  # the padding rows' outputs are constants: nothing flows back from them
-            dout = dout * valid[:, None, :, None]
-            dlse = None if dlse is None else dlse.masked_fill(~valid[:, None, :], 0)
-        if dlse is not None:  # the lse-gradient column needs a kernel at the padded head dim
-            padded, why = kernel_for(q.device, q.dtype, _padded_dim(q.shape[-1], q.device))
-            if padded is None:  # route() checked this before the forward ran
+            rows = ~valid[:, None, :]
+            dout = dout.masked_fill(rows[..., None], 0)
+            dlse = None if dlse is None else dlse.masked_fill(rows, 0)
+            lse = lse.masked_fill(rows, math.inf)  # P = exp(S - inf) = 0 on padding rows: no 0 * inf
+        if dlse is not None:  # the lse-gradient columns need a kernel at the padded head dim
+            kernel, why = kernel_for(q.device, q.dtype, _padded_dim(q.shape[-1], q.device))
+            if kernel is None:  # route() checked this before the forward ran
                 raise RuntimeError(f"no fused kernel for the lse gradient: {why}")
-            if padded is not kernel:  # only flash -> memory-efficient; its seed / offset are unused without dropout
-                blank = torch.empty((), dtype=torch.int64, device=q.device)
-                auxes, kernel = [(blank, blank)] * len(auxes), padded
-        dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, groups, auxes, kernel, causal, scale)
+        dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, groups, kernel, causal, scale)
         return dq, dk, dv, None, None, None, None, None
 
 
