@@ -48,34 +48,46 @@ def _flash_cpu_bwd(do, q, k, v, out, lse, causal, scale):
         do, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-def _no_rng(device) -> torch.Tensor:
-    """The random-number state the CUDA backward ops take: unused without dropout (the probe checks they run)."""
-    return torch.empty((), dtype=torch.int64, device=device)
+_RNG: dict = {}  # (op, device) -> the random-number state tensors its last forward returned (unused without dropout)
+
+
+def _rng(op: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the CUDA backward ops take for the forward's random-number state: the tensors of the same op's last
+    forward (any forward's do without dropout; SDPA's autograd passes them the same way)."""
+    found = _RNG.get((op, str(device)))
+    if found is None:
+        blank = torch.empty((), dtype=torch.int64, device=device)
+        return blank, blank
+    return found
 
 
 def _flash_cuda_fwd(q, k, v, causal, scale):
     res = torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal, False, scale=scale)
+    _RNG[("flash", str(q.device))] = (res[6], res[7])
     return res[0], res[1]
 
 
 def _flash_cuda_bwd(do, q, k, v, out, lse, causal, scale):
-    L, rng = q.shape[2], _no_rng(q.device)  # dense batches: no cumulative lengths
+    L = q.shape[2]  # dense batches: no cumulative lengths, the longest sequence is L
+    seed, offset = _rng("flash", q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
-        do, q, k, v, out, lse, None, None, L, L, 0.0, causal, rng, rng, scale=scale)
+        do, q, k, v, out, lse, None, None, L, L, 0.0, causal, seed, offset, scale=scale)
 
 
 def _efficient_fwd(q, k, v, causal, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention.default(
-        q, k, v, None, True, 0.0, causal, scale=scale)[:2]
-    return out, lse[..., : q.shape[2]]
+    res = torch.ops.aten._scaled_dot_product_efficient_attention.default(
+        q, k, v, None, True, 0.0, causal, scale=scale)
+    _RNG[("efficient", str(q.device))] = (res[2], res[3])
+    return res[0], res[1][..., : q.shape[2]]
 
 
 def _efficient_bwd(do, q, k, v, out, lse, causal, scale):
-    L, rng = q.shape[2], _no_rng(q.device)
+    L = q.shape[2]
+    seed, offset = _rng("efficient", q.device)
     padded = lse.new_zeros(*lse.shape[:-1], -(-L // _LSE_ALIGN) * _LSE_ALIGN)
     padded[..., :L] = lse
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default(
-        do, q, k, v, None, out, padded, rng, rng, 0.0, [True, True, True, False], causal, scale=scale)
+        do, q, k, v, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
 
 
