@@ -10,9 +10,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_dilated
 from hf_dilated.config import DENSE_SEGMENT
+from hf_dilated.ops import fused_buckets
 from hf_dilated.ops.dropout import keep_mask
-from hf_dilated.ops.layout import TokenLayout
-from hf_dilated.ops.reference import dilated_attention_reference
+from hf_dilated.ops.layout import TokenLayout, resolve_layout
+from hf_dilated.ops.reference import dilated_attention_reference, last_path, tiled_attention_reference
 from naive import naive_dilated_attention, rel_err
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -314,9 +315,9 @@ def test_backend_random_configs(rng, dtype):
         c = random_call(pyrng, rng)
         B, N = 2, c["N"]
         q, k, v = make_qkv(rng, B, c["Hq"], c["Hk"], N, N, c["D"], dtype)
-        check_backend(dilated_attention_reference, q, k, v, c["branches"], make_layout(B, N, N), TOL[dtype],
-                      is_causal=c["is_causal"], head_offset=c["head_offset"], window=c["window"],
-                      global_tokens=c["global_tokens"])
+        for fn in (dilated_attention_reference, tiled_attention_reference):  # plain causal cases: fused and tiled
+            check_backend(fn, q, k, v, c["branches"], make_layout(B, N, N), TOL[dtype], is_causal=c["is_causal"],
+                          head_offset=c["head_offset"], window=c["window"], global_tokens=c["global_tokens"])
 
 
 def test_backend_masks_packing_and_decoding(rng):
@@ -353,16 +354,29 @@ def test_backend_masks_packing_and_decoding(rng):
 
 @pytest.mark.parametrize("magnitude", [1e2, 1e3])
 def test_large_logits_float32(rng, magnitude):
-    """Issue 10 item 2: the merge weights sum to one at large logits (max-shifted merge, as the kernels do)."""
+    """Issue 10 item 2: the merge weights sum to one at large logits (max-shifted merge, as the kernels do). The
+    tiled path (float64 dP and delta); the fused one holds 1e-5 to |logit| ~ 1e2 (test_large_logits_float32_fused)."""
     branches = [(8, 1), (16, 2), (32, 4)]
     q, k, v = make_qkv(rng, 2, 4, 2, 48, 48, 16, torch.float64)
     q = (q.detach() * magnitude / 4).float().requires_grad_()  # |logit| ~ magnitude
     k, v = k.detach().float().requires_grad_(), v.detach().float().requires_grad_()
-    check_backend(dilated_attention_reference, q, k, v, branches, make_layout(2, 48, 48), 1e-5, global_tokens=2)
+    check_backend(tiled_attention_reference, q, k, v, branches, make_layout(2, 48, 48), 1e-5, global_tokens=2)
+
+
+@pytest.mark.parametrize("magnitude", [1e1, 1e2])
+def test_large_logits_float32_fused(rng, magnitude):
+    """The fused path at large logits: the lse merge weights sum to one (logaddexp), within float32's tolerance.
+    (From |logit| ~ 1e3 the kernels' float32 dS = P (dP - delta) cancels to ~3e-5 of dk, where the tiled path forms
+    dP and delta in float64: saturated logits are the tiled path's, see test_saturated_logits_1e4_float32.)"""
+    q, k, v = make_qkv(rng, 2, 4, 2, 48, 48, 16, torch.float64)
+    q = (q.detach() * magnitude / 4).float().requires_grad_()
+    k, v = k.detach().float().requires_grad_(), v.detach().float().requires_grad_()
+    check_backend(dilated_attention_reference, q, k, v, ((8, 1), (16, 2), (32, 4)), plain_layout(2, 48), 1e-5)
+    assert last_path()[0] == "fused_buckets"
 
 
 def test_saturated_logits_1e4_float32(rng):
-    """|logit| ~ 1e4 with each query's own key dominating (issue 10 item 2: dq was off by 3.7e-2 where it is ~0):
+    """The tiled path at |logit| ~ 1e4, each query's own key dominating (issue 10 item 2: dq was 3.7e-2 off where ~0):
     outputs and dv to 1e-5, dq and dk within fp32 rounding of their natural scale (scale |q| |dO| |v|)."""
     branches = [(8, 1), (16, 2), (32, 4)]
     _, k, v = make_qkv(rng, 2, 2, 2, 48, 48, 16, torch.float64)
@@ -370,7 +384,7 @@ def test_saturated_logits_1e4_float32(rng):
     k, v = k.detach().float().requires_grad_(), v.detach().float().requires_grad_()
     q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = naive_dilated_attention(q64, k64, v64, branches, global_tokens=2)
-    out, _ = dilated_attention_reference(q, k, v, branches, make_layout(2, 48, 48), True, 0.25, global_tokens=2)
+    out, _ = tiled_attention_reference(q, k, v, branches, make_layout(2, 48, 48), True, 0.25, global_tokens=2)
     assert rel_err(out, ref) < 1e-5
     g = torch.randn_like(ref)
     got = torch.autograd.grad((out * g.float()).sum(), (q, k, v))
@@ -545,3 +559,220 @@ def test_plan_is_built_once_per_layout(rng):
     out1, _ = dilated_attention_reference(q, k, v, ((8, 1), (16, 2)), layout, True, 0.3)
     out2, _ = dilated_attention_reference(q, k, v, ((8, 1), (16, 2)), layout, True, 0.3)
     assert torch.equal(out1, out2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fused-bucket path (ops/fused_buckets.py): plain layouts on PyTorch's fused attention kernels.
+
+
+def plain_layout(B, N, device="cpu"):
+    """One unpadded sequence per row, as resolve_layout gives without mask or positions (contiguous)."""
+    layout = resolve_layout(B, N, N, torch.device(device))
+    assert layout.contiguous
+    return layout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_buckets_match_oracle(rng, dtype):
+    """Random branches (ragged last segments, offsets selecting fewer rows there), dense layers, GQA, head offsets,
+    causal or not: output, lse and the gradients through both, against the float64 oracle; the fused path ran."""
+    pyrng = random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
+    for i in range(6):
+        branches = [(DENSE_SEGMENT, 1)] if i == 0 else random_branches(pyrng, 64)
+        Hk = pyrng.choice([1, 2])
+        Hq = Hk * pyrng.choice([1, 2, 3])
+        N = pyrng.randint(1, 70)
+        causal = i % 2 == 0 or pyrng.random() < 0.5
+        q, k, v = make_qkv(rng, 2, Hq, Hk, N, N, pyrng.choice([8, 16]), dtype)
+        check_backend(dilated_attention_reference, q, k, v, branches, plain_layout(2, N), TOL[dtype],
+                      is_causal=causal, head_offset=pyrng.choice([0, 1, 5]))
+        assert last_path() == ("fused_buckets", ""), last_path()
+
+
+@pytest.mark.parametrize("through", ["out", "lse"])
+def test_fused_buckets_gradient_through_one_output(rng, through):
+    """The gradient of the output alone (no lse gradient: no padded column) and of the lse alone (dO = 0)."""
+    branches = ((8, 1), (16, 2), (32, 4))
+    N = 45  # ragged: the last segment of (32, 4) holds 13 columns, 4 or 3 selected per offset
+    q, k, v = make_qkv(rng, 2, 4, 2, N, N, 8, torch.float32)
+    out, lse = dilated_attention_reference(q, k, v, branches, plain_layout(2, N), True, 0.3, 1)
+    assert last_path()[0] == "fused_buckets"
+    q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = naive_dilated_attention(q64, k64, v64, branches, scale=0.3, head_offset=1, return_lse=True)
+    got_y, want_y = (out, ref) if through == "out" else (lse, ref_lse)
+    g = torch.randn_like(want_y)
+    got = torch.autograd.grad(got_y, (q, k, v), g.to(got_y.dtype))
+    want = torch.autograd.grad(want_y, (q64, k64, v64), g, allow_unused=True)
+    for name, a, b in zip("qkv", got, want):
+        if b is None:  # the lse does not depend on v
+            assert torch.equal(a, torch.zeros_like(a)), name
+        else:
+            assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+
+
+def test_fused_buckets_through_the_public_op(rng):
+    """hf_dilated.dilated_attention(backend="torch") on an unpadded batch (an all-ones mask too) takes the fused path
+    and equals the tiled path."""
+    q, k, v = [t.detach() for t in make_qkv(rng, 2, 4, 4, 50, 50, 16, torch.float32)]
+    tiled, tiled_lse = tiled_attention_reference(q, k, v, ((16, 1), (32, 2)), make_layout(2, 50, 50), True, 0.25)
+    for mask in (None, torch.ones(2, 50, dtype=torch.bool)):
+        out, lse = hf_dilated.dilated_attention(q, k, v, [16, 32], [1, 2], attention_mask=mask, backend="torch",
+                                                return_lse=True)
+        assert last_path() == ("fused_buckets", "")
+        assert rel_err(out, tiled) < 1e-6 and rel_err(lse, tiled_lse) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [("float64", "dtype"), ("window", "sliding window"), ("dropout", "dropout"),
+     ("padding", "layout"), ("holes", "layout"), ("right_padding_not_causal", "layout"), ("packed", "layout"),
+     ("decoding", "decoding")],
+)
+def test_what_the_fused_path_leaves_to_the_tiled_one(rng, case, reason):
+    """Every case the fused kernels cannot do exactly runs tiled, says why, and still matches the oracle."""
+    B, N = 2, 24
+    dtype = torch.float64 if case == "float64" else torch.float32
+    Nq = 3 if case == "decoding" else N
+    q, k, v = make_qkv(rng, B, 4, 2, Nq, N, 8, dtype)
+    kwargs, layout = {}, resolve_layout(B, Nq, N, torch.device("cpu"))
+    if case == "window":
+        kwargs["window"] = 5
+    elif case == "global":
+        kwargs["global_tokens"] = 2
+    elif case == "dropout":
+        kwargs.update(dropout_p=0.2, seed=torch.tensor(3))
+    elif case in ("padding", "holes", "right_padding_not_causal"):
+        mask = torch.ones(B, N, dtype=torch.bool)
+        mask[1, {"padding": slice(0, 5), "holes": slice(7, 9), "right_padding_not_causal": slice(19, None)}[case]] = 0
+        if case == "padding":
+            mask[0, -3:] = False  # left and right padding in one batch
+        layout = resolve_layout(B, N, N, torch.device("cpu"), attention_mask=mask)
+        kwargs["is_causal"] = case != "right_padding_not_causal"
+    elif case == "packed":
+        pos = torch.cat([torch.arange(10), torch.arange(14)])[None].expand(B, N)
+        layout = resolve_layout(B, N, N, torch.device("cpu"), position_ids=pos)
+    check_backend(dilated_attention_reference, q, k, v, ((8, 1), (16, 2)), layout, TOL[dtype], **kwargs)
+    path, why = last_path()
+    assert path == "tiled" and reason in why, (path, why)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_buckets_with_global_tokens(rng, dtype):
+    """Global tokens: the fused branches merged by lse with the tiled global branch (unpadded, and right-padded
+    causal), exact against the oracle, gradients through out and lse."""
+    B, N = 2, 37
+    q, k, v = make_qkv(rng, B, 4, 2, N, N, 8, dtype)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, 25:] = False
+    for causal, m in ((True, None), (False, None), (True, mask), (True, mask.flip(1))):
+        layout = resolve_layout(B, N, N, torch.device("cpu"), attention_mask=m)
+        check_backend(dilated_attention_reference, q, k, v, ((8, 1), (16, 2)), layout, TOL[dtype],
+                      is_causal=causal, global_tokens=3, head_offset=1)
+        assert last_path() == ("fused_buckets", ""), last_path()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_fused_buckets_padding_causal(rng, dtype, side):
+    """A causal right-padded batch (Transformers' default for training) or left-padded one (generation) is exact on
+    the fused path: real tokens' outputs, lse and every gradient match the oracle (positions counted from each row's
+    first real token); padding rows give 0 and lse -inf, and send no gradient."""
+    B, N = 3, 41
+    q, k, v = make_qkv(rng, B, 6, 2, N, N, 8, dtype)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, 30:] = False
+    mask[2, 3:] = False
+    if side == "left":
+        mask = mask.flip(1)
+    layout = resolve_layout(B, N, N, torch.device("cpu"), attention_mask=mask)
+    assert not layout.contiguous
+    for branches in (((8, 1), (16, 2), (32, 4)), ((DENSE_SEGMENT, 1),)):
+        out, lse = check_backend(dilated_attention_reference, q, k, v, branches, layout, TOL[dtype], head_offset=1)
+        assert last_path() == ("fused_buckets", ""), last_path()
+        assert (out[~mask[:, None, :].expand(-1, 6, -1)] == 0).all()
+        assert torch.isneginf(lse[~mask[:, None, :].expand(-1, 6, -1)]).all()
+
+
+def test_fused_kernel_missing_falls_back_with_the_reason(rng, monkeypatch):
+    """A private aten op that is missing or changed fails its probe: the call runs tiled and names the op."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("aten op changed its signature")
+
+    fake = fused_buckets.Kernel("broken_attention", broken, broken)
+    monkeypatch.setattr(fused_buckets, "_candidates", lambda device, dtype, head_dim: [fake])
+    q, k, v = make_qkv(rng, 1, 2, 2, 20, 20, 8, torch.float32)
+    check_backend(dilated_attention_reference, q, k, v, ((8, 1), (16, 2)), plain_layout(1, 20), 1e-5)
+    path, why = last_path()
+    assert path == "tiled" and "broken_attention" in why and "signature" in why, why
+
+
+@pytest.mark.parametrize("branches", [((DENSE_SEGMENT, 1),), ((256, 1), (512, 2), (1024, 4), (2048, 8))])
+def test_fused_buckets_no_intermediate_is_quadratic(rng, branches):
+    """The fused path, forward and backward, allocates nothing N x N (the buckets are gathered rows, O(N D))."""
+    N = 4096
+    q, k, v = make_qkv(rng, 1, 2, 1, N, N, 16, torch.float32)
+    with LargestAllocation() as watch:
+        out, lse = dilated_attention_reference(q, k, v, branches, plain_layout(1, N), True, 0.25)
+        (out.sum() + lse.sum()).backward()
+    assert last_path()[0] == "fused_buckets"
+    assert 0 < watch.largest < N * N // 16, watch.largest
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_fused_buckets_match_oracle(rng, dtype):
+    """On CUDA the fused path (flash or memory-efficient kernels) runs and matches the oracle, lse gradient too."""
+    _cuda()
+    for branches, N, D, causal in ((((64, 1), (128, 2), (512, 8)), 700, 128, True),
+                                   (((DENSE_SEGMENT, 1),), 333, 64, False),
+                                   (((100, 1), (300, 3)), 650, 256, True)):
+        q, k, v = (t.detach().cuda().requires_grad_() for t in make_qkv(rng, 2, 8, 2, N, N, D, dtype))
+        check_backend(dilated_attention_reference, q, k, v, branches, plain_layout(2, N, "cuda"), TOL[dtype],
+                      is_causal=causal, head_offset=3)
+        assert last_path() == ("fused_buckets", ""), last_path()
+
+
+def test_fused_buckets_under_no_grad_and_inference_mode(rng):
+    """The kernels' first probe may happen under no_grad / inference_mode (generation): it still decides right."""
+    fused_buckets._probe.cache_clear()
+    q, k, v = [t.detach() for t in make_qkv(rng, 1, 2, 2, 20, 20, 8, torch.float32)]
+    tiled, _ = tiled_attention_reference(q, k, v, ((8, 1), (16, 2)), make_layout(1, 20, 20), True, 0.3)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            out, _ = dilated_attention_reference(q, k, v, ((8, 1), (16, 2)), plain_layout(1, 20), True, 0.3)
+        assert last_path() == ("fused_buckets", "") and rel_err(out, tiled) < 1e-6
+        fused_buckets._probe.cache_clear()
+
+
+def test_probe_rejects_a_backward_that_ignores_the_given_lse():
+    """The ring-trick backward needs a kernel that uses the merged lse and output it is given: one that keeps its
+    own (as SDPA's autograd would) fails the probe."""
+
+    def bwd(do, q, k, v, out, lse, causal, scale):  # recomputes its own output and lse
+        own_out, own_lse = fused_buckets._FLASH_CPU.fwd(q, k, v, causal, scale)
+        return fused_buckets._FLASH_CPU.bwd(do, q, k, v, own_out, own_lse, causal, scale)
+
+    own = fused_buckets.Kernel("own_lse_attention", fused_buckets._FLASH_CPU.fwd, bwd)
+    why = fused_buckets._probe(own, "cpu", torch.float32, 16)
+    assert why is not None and "differs" in why, why
+    assert fused_buckets._probe(fused_buckets._FLASH_CPU, "cpu", torch.float32, 16) is None
+
+
+def test_fused_buckets_under_torch_func_vjp(rng):
+    """The Triton op's fallback takes the reference's gradient with torch.func.vjp (functorch): the fused path's
+    autograd.Function supports it, and gives the gradients of plain autograd."""
+    q, k, v = [t.detach() for t in make_qkv(rng, 2, 4, 2, 30, 30, 8, torch.float32)]
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[1, :4] = False  # left padding: the rotation is inside the transform too
+    layout = resolve_layout(2, 30, 30, torch.device("cpu"), attention_mask=mask)
+    fn = lambda a, b, c: dilated_attention_reference(a, b, c, ((8, 1), (16, 2)), layout, True, 0.3)  # noqa: E731
+    (out, lse), vjp = torch.func.vjp(fn, q, k, v)
+    assert last_path() == ("fused_buckets", "")
+    g_out, g_lse = torch.randn_like(out), torch.randn_like(lse).masked_fill(~mask[:, None], 0)
+    got = vjp((g_out, g_lse))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, l = fn(*leaves)
+    want = torch.autograd.grad((o * g_out).sum() + (torch.where(torch.isfinite(l), l, 0) * g_lse).sum(), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -14,6 +14,11 @@ flash-attention backward per branch with the *merged* ``p = exp((s - m) - log l)
 (``dL`` the gradient through the returned lse), scores recomputed, nothing ``N x N`` stored. Half-precision inputs
 keep half tiles and float32 scores / accumulators (flash-attention precision); dS is never rounded to half. Dropout (SPEC.md) draws its keep
 decisions from ``ops/dropout.py`` by tensor column (local head index), in the forward and again in the backward.
+
+The common case, a plain layout (one sequence per row, unpadded or, causal, right- or left-padded; no window or
+dropout) in float16, bfloat16 or float32, runs instead on PyTorch's fused attention kernels, segment buckets batched
+per branch (``ops/fused_buckets.py``; global tokens are this path's one tiled branch, merged by lse);
+:func:`last_path` tells which path the last call took and why.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import fused_buckets
 from .dropout import keep_mask, keep_threshold
 from .layout import TokenLayout, _IdentityMemo
 
@@ -466,6 +472,26 @@ def _check_options(window, global_tokens, dropout_p, seed) -> None:
         raise ValueError(f"dropout_p > 0 needs seed, an integer scalar tensor, got {seed!r}")
 
 
+def _merge_by_lse(out_a, lse_a, out_b, lse_b, valid):
+    """Two branch sets' ``(out, lse)`` merged as SPEC's branches are (differentiable). Every valid query has finite
+    lse in both (the fused set has an ``r = 1`` branch, the global one the key at position 0); padding rows get 0 and
+    -inf, without NaN in the gradient."""
+    rows = valid[:, None, :].to(lse_a.device)
+    a, b = (torch.where(rows, x, torch.zeros_like(x)) for x in (lse_a, lse_b))
+    lse = torch.logaddexp(a, b)
+    out = out_a.float() * torch.exp(a - lse)[..., None] + out_b.float() * torch.exp(b - lse)[..., None]
+    out = torch.where(rows[..., None], out, torch.zeros_like(out))
+    return out.to(out_a.dtype), torch.where(rows, lse, torch.full_like(lse, -math.inf))
+
+
+_LAST_PATH = ["", ""]  # (path, why the fused one was not taken) of the last call
+
+
+def last_path() -> tuple[str, str]:
+    """``("fused_buckets", "")`` or ``("tiled", reason)``: the path the last reference call took, and why."""
+    return _LAST_PATH[0], _LAST_PATH[1]
+
+
 def dilated_attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -486,8 +512,41 @@ def dilated_attention_reference(
     The lse is float32 (float64 for float64 inputs); rows that attend nowhere (padding) give 0 and lse -inf.
     ``window``: sliding window over positions (every branch); ``global_tokens``: SPEC's global branch;
     ``dropout_p`` with ``seed`` (an int64 scalar tensor): SPEC's dropout. Differentiable w.r.t. query, key, value,
-    also through the lse.
+    also through the lse. Plain layouts run on the fused kernels (:mod:`.fused_buckets`), the rest tiled.
     """
+    _check_options(window, global_tokens, dropout_p, seed)
+    why, valid, shift = fused_buckets.route(query, key, value, layout, bool(is_causal), window=window,
+                                            dropout_p=float(dropout_p))
+    if why is None:
+        _LAST_PATH[:] = ["fused_buckets", ""]
+        out, lse = fused_buckets.bucketed_attention(query, key, value, branches, bool(is_causal), float(scale),
+                                                    head_offset, valid, shift)
+        if global_tokens:  # SPEC's global branch, tiled (each query sees g keys), merged like any branch
+            g_out, g_lse = tiled_attention_reference(query, key, value, (), layout, is_causal, scale, head_offset,
+                                                     global_tokens=global_tokens)
+            out, lse = _merge_by_lse(out, lse, g_out, g_lse, layout.q_valid)
+        return out, lse
+    _LAST_PATH[:] = ["tiled", why]
+    return tiled_attention_reference(query, key, value, branches, layout, is_causal, scale, head_offset,
+                                     window=window, global_tokens=global_tokens, dropout_p=dropout_p, seed=seed)
+
+
+def tiled_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    branches: tuple[tuple[int, int], ...],
+    layout: TokenLayout,
+    is_causal: bool,
+    scale: float,
+    head_offset: int = 0,
+    *,
+    window: int | None = None,
+    global_tokens: int = 0,
+    dropout_p: float = 0.0,
+    seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dilated_attention_reference` on the tiled path, whatever the layout: every case, any dtype."""
     _check_options(window, global_tokens, dropout_p, seed)
     dropout_p = float(dropout_p)
     if dropout_p:
