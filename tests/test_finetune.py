@@ -78,10 +78,11 @@ def _rows(lengths, seq_len, packing):
 
 
 def _token_sum(model, batch):
-    """Sum of token NLLs and number of targets of one batch (the model's own loss, un-averaged)."""
+    """Sum of token NLLs and number of targets of one batch (the model's own loss, un-averaged). A one-token piece
+    has no target: its sum is 0 (the model's mean over no tokens is NaN)."""
     out = model(**batch, use_cache=False)  # with a cache Transformers' sdpa masks ignore packing
     n = (torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:] != -100).sum()
-    return out.loss * n, int(n)
+    return (out.loss * n if n else torch.zeros((), dtype=out.loss.dtype)), int(n)
 
 
 def _run(tmp_path, *argv):
