@@ -21,7 +21,8 @@ def _hopper() -> bool:
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim. Re-measured 2026-11-22 (H100, N = 32K, tune_triton.py):
 # D=256 forward 8.67 -> 4.70 ms, D=256 dk/dv 47.1 -> 34.9 ms, D=128 dk/dv 7.24 -> 6.72 ms; the rest were already best.
-_FWD_HOPPER = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (128, 64, 8, 1)}
+# D=128 forward with TMA loads (N = 64K, LongNet branches): (64, 64, 4, 3) 3.56 ms against (128, 64, 8, 3) 3.77 ms.
+_FWD_HOPPER = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (128, 64, 8, 1)}
 _FWD_OTHER = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
 # dk/dv kernel (BLOCK_M queries streamed, BLOCK_N keys held) and dq kernel (BLOCK_M queries held, BLOCK_N keys streamed).
 _BWD_KV_HOPPER = {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (32, 64, 8, 2)}
