@@ -313,6 +313,24 @@ def build_datasets(script: ScriptArguments, tokenizer):
 # ---------------------------------------------------------------------------------------------------------------------
 # Trainer: the chunked loss, and a callback measuring tokens/s under a time budget
 # ---------------------------------------------------------------------------------------------------------------------
+def _wrapped(model, unwrapped) -> bool:
+    """Whether Trainer handed ``compute_loss`` a DDP / FSDP wrapper of the model (data parallel over several processes).
+    The chunked NLL calls the decoder body directly, which would skip the wrapper's forward and with it the gradient
+    synchronization, so there the model's own loss runs (its full logits cost memory; said once)."""
+    if model is unwrapped or not hasattr(model, "module"):
+        return False
+    if not _WARNED_WRAPPED:
+        _WARNED_WRAPPED.append(True)
+        import warnings
+
+        warnings.warn(f"{type(model).__name__} wraps the model: the training loss is the model's own (full logits), not "
+                      "the chunked NLL, so that the wrapper synchronizes gradients", stacklevel=2)
+    return True
+
+
+_WARNED_WRAPPED: list = []
+
+
 def make_trainer(model, training, train_dataset=None, eval_dataset=None, *, loss_chunk_size: int = 4096,
                  tokens_per_step: int = 0, warmup_steps: int = 0, max_seconds: float | None = None, callbacks=(),
                  sequence_parallel: int = 1):
@@ -336,7 +354,7 @@ def make_trainer(model, training, train_dataset=None, eval_dataset=None, *, loss
                 return causal_lm_nll(model, inputs, loss_chunk_size)[0]
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            if not loss_chunk_size or self.args.use_liger_kernel:
+            if not loss_chunk_size or self.args.use_liger_kernel or _wrapped(model, self.model):
                 return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
             with self.accelerator.autocast():  # it wraps the top-level forward; the NLL calls the decoder body
                 total, count = causal_lm_nll(model, inputs, loss_chunk_size)

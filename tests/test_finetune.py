@@ -337,6 +337,30 @@ def test_cli_runs_the_programs(capsys):
         assert exit_info.value.code == 0 and option in capsys.readouterr().out
 
 
+def test_data_parallel_wrapper_takes_the_models_own_loss(tmp_path, rng):
+    """Under DDP (several processes, no sequence parallelism) the loss goes through the wrapper's forward, so DDP
+    synchronizes the gradients; the chunked NLL would call the decoder body past it (it crashed: no LM head on DDP)."""
+    import torch.distributed as dist
+    from transformers import TrainingArguments
+
+    model = _small(seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
+    prepare_attention(model, "dilated", hf_dilated.DilatedAttentionConfig(segment_lengths=[32, 64], dilation_rates=[1, 2]))
+    batch = ft.PackedRowsCollator()(list(_rows([50, 70], 96, "documents")))
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, disable_tqdm=True)
+    trainer, _ = ft.make_trainer(model, args, loss_chunk_size=32)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        with pytest.warns(UserWarning, match="wraps the model"):
+            loss = trainer.compute_loss(wrapped, batch)
+        own = model(**batch).loss
+        torch.testing.assert_close(loss, own, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(trainer.compute_loss(model, batch), own, rtol=1e-5, atol=1e-6)  # unwrapped: chunked
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Real checkpoint (SmolLM2-135M), one row of 128 tokens
 # ---------------------------------------------------------------------------------------------------------------------
