@@ -278,6 +278,17 @@ def shakespeare_text(max_chars: int | None = None) -> str | None:
     return text[:max_chars] if max_chars else text
 
 
+def text_file_or_shakespeare(path: str | None) -> str:
+    """The text of the file at ``path`` (undecodable bytes replaced), or the bundled Shakespeare when ``None``;
+    ``ValueError`` saying how to get Shakespeare when it is missing. The programs' one text source."""
+    if path is not None:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    text = shakespeare_text()
+    if text is None:
+        raise ValueError(f"no text file given and {SHAKESPEARE_MISSING}")
+    return text
+
+
 SHAKESPEARE_EDITIONS = ("modern", "folio", "all")
 
 

@@ -83,6 +83,16 @@ class Variant:
         return True
 
 
+def read_text_arg(path: str | None) -> str:
+    """``--text`` or the bundled Shakespeare; a missing asset ends the program with the reason."""
+    from hf_dilated import assets
+
+    try:
+        return assets.text_file_or_shakespeare(path)
+    except ValueError as err:
+        raise SystemExit(f"fidelity_study: {err}") from None
+
+
 def branches(w0: int, schedule: str, cover: int) -> tuple[list[int], list[int]]:
     """Segment lengths from ``w0``, doubling until one covers ``cover``, and their rates by ``schedule``:
     ``geometric`` (r doubles with w: every branch costs ``w0`` keys), ``slow`` (1, 1, 2, 4, ...), ``fast``
@@ -308,18 +318,6 @@ def text_windows(tokenizer, text: str, windows: int, longest: int) -> tuple[list
     return out, starts
 
 
-def read_text(path: str | None) -> str:
-    """The text of ``path``, or the bundled Shakespeare when ``None``."""
-    if path is not None:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
-    from hf_dilated import assets
-
-    text = assets.shakespeare_text()
-    if text is None:
-        raise SystemExit(f"fidelity_study: no --text given and {assets.SHAKESPEARE_MISSING}")
-    return text
-
-
 def window_nll(model, ids, score_from: int, chunk: int) -> tuple[float, int]:
     import torch
 
@@ -381,7 +379,7 @@ def run(args, model=None, tokenizer=None, name: str | None = None) -> dict[str, 
     if trained is None:
         raise SystemExit("fidelity_study: the model config states no trained context (max_position_embeddings)")
     lengths = sorted(set(args.lengths or default_lengths(trained)))
-    text = read_text(args.text)
+    text = read_text_arg(args.text)
     windows, starts = text_windows(tokenizer, text, args.windows, lengths[-1])
     variants = grid(args.first_segments, args.global_tokens)
     if args.variants:

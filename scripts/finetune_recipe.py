@@ -51,6 +51,16 @@ ATTENTIONS = ("dense", "dilated", "dense+rope", "dilated+rope")
 METHODS = ("lora", "full")
 
 
+def read_text_arg(path: str | None) -> str:
+    """``--text`` or the bundled Shakespeare; a missing asset ends the program with the reason."""
+    from hf_dilated import assets
+
+    try:
+        return assets.text_file_or_shakespeare(path)
+    except ValueError as err:
+        raise SystemExit(f"finetune_recipe: {err}") from None
+
+
 def log(msg: str) -> None:
     print(f"[finetune_recipe {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -292,17 +302,6 @@ def prepare_model_dir(args, scratch: Path) -> tuple[str, Any]:
     return str(scratch), tokenizer
 
 
-def read_text(path: str | None) -> str:
-    if path is not None:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
-    from hf_dilated import assets
-
-    text = assets.shakespeare_text()
-    if text is None:
-        raise SystemExit(f"finetune_recipe: no --text given and {assets.SHAKESPEARE_MISSING}")
-    return text
-
-
 def run(args) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig
@@ -320,7 +319,7 @@ def run(args) -> dict[str, Any]:
         jobs = plan(args, trained)
         longest = max(c for c, *_ in jobs)
         need = max(c * s for c, _, _, s in jobs)
-        train_text, eval_text = split_text(read_text(args.text), args.eval_fraction)
+        train_text, eval_text = split_text(read_text_arg(args.text), args.eval_fraction)
         train_ids = token_stream(tokenizer, train_text, need)
         eval_ids = token_stream(tokenizer, eval_text, max(args.eval_tokens, longest))
         if len(eval_ids) < longest:
