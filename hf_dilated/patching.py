@@ -96,6 +96,8 @@ class Recipe:
         rope_type: RoPE scaling applied for a context past the trained one: ``"linear"``, ``"dynamic"``, ``"yarn"``
             or ``None``.
         rope_layer_types: for nested ``rope_parameters`` (one entry per layer type), the entries to scale.
+        fidelity: what the recipe's dilated defaults measured without fine-tuning (one sentence, with its source),
+            quoted in the model card.
         block_sparse: defaults of ``attention="block_sparse"`` (``BlockSparseConfig`` fields but ``layers`` and
             ``backend``); see :meth:`block_sparse_config` for what is derived when left out.
     """
@@ -115,6 +117,7 @@ class Recipe:
     rope_type: str | None = "yarn"
     rope_layer_types: tuple[str, ...] = ("full_attention",)
     block_sparse: dict = field(default_factory=dict)
+    fidelity: str = ""
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -914,6 +917,10 @@ def render_model_card(model: Any, eval_results: dict | None = None, load_path: s
         auto_class=_auto_class_name(model),
         load_path=str(load_path),
         evaluation=format_eval_table(eval_results),
+        recipe_fidelity=(f"Quality of the `{recipe.name}` recipe's dilated defaults without fine-tuning, as measured by "
+                         f"`hf_dilated`: {recipe.fidelity.strip()}" if recipe.fidelity else
+                         f"No measurement of the `{recipe.name}` recipe's defaults without fine-tuning is recorded "
+                         "yet: evaluate before use (`hf-dilated eval`), or fine-tune (`hf-dilated finetune`)."),
         config_json=json.dumps({CONFIG_KEYS[attention]: config.to_dict(), PATCH_KEY: record}, indent=2),
     )
     return str(card)

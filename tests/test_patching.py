@@ -514,3 +514,15 @@ def test_gpu_block_sparse_patch_triton_matches_reference(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to("cuda").eval()
     again, want = run(reloaded, ids).float(), run(model, ids).float()
     assert ((again - want).norm() / want.norm()).item() < 1e-3  # the same computation (GPU matmuls may reorder)
+
+
+def test_model_card_quotes_the_recipes_measured_fidelity():
+    """The card says how the recipe's defaults measured without fine-tuning, or that nothing is recorded."""
+    from hf_dilated.patching import render_model_card
+
+    model = tiny("llama")
+    patch(model, context_length=1024)
+    card = render_model_card(model)
+    assert "without fine-tuning" in card and load_recipe("llama").fidelity.split()[0] in card
+    assert "smollm2_fidelity.json" in card
+    assert not load_recipe("qwen2").fidelity  # unmeasured families say so
