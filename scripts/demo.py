@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 RECORDED = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "smollm2_long_context.json"
+STUDY = RECORDED.parent / "smollm2_fidelity.json"
 CPU_CONTEXTS = (1024, 2048, 4096)
 GPU_CONTEXTS = (2048, 8192, 16384, 32768)
 
@@ -143,6 +144,26 @@ def recorded_rows() -> tuple[list[dict], dict] | None:
     return rows, result
 
 
+def recipe_in_study(trained: int) -> str | None:
+    """One sentence: how the current Llama recipe's defaults measured at the trained context in the fidelity study
+    (``benchmarks/results/smollm2_fidelity.json``), found by their exact config; ``None`` if the study lacks them."""
+    if not STUDY.is_file():
+        return None
+    from hf_dilated.patching import load_recipe
+
+    recipe = load_recipe("llama")
+    ws, rs = recipe.branches(trained)
+    for row in json.loads(STUDY.read_text(encoding="utf-8"))["rows"]:
+        cfg = row.get("config") or {}
+        if (row["length"] == trained and cfg.get("segment_lengths") == ws and cfg.get("dilation_rates") == rs
+                and cfg.get("global_tokens", 0) == recipe.global_tokens and cfg.get("layers") is None):
+            return (f"Those were the first release's branches (r doubling from the first branch, no global tokens). "
+                    f"The recipe's defaults now, w={ws} r={rs} with {recipe.global_tokens} global tokens, measured "
+                    f"{row['vs_dense']:.2f}x dense perplexity at {trained} tokens in the fidelity study "
+                    f"({STUDY.relative_to(STUDY.parent.parent.parent)}, 4 windows, H100).")
+    return None
+
+
 GPU_NOTE = ("What a GPU changes: the Triton kernels replace the PyTorch reference (used on a CPU), so dilated "
             "attention runs at dense flash attention's speed per useful FLOP while doing a constant amount of work per "
             "token; on one H100 a 64K-token window of this model takes well under a second for either attention, "
@@ -170,7 +191,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     contexts = sorted(set(args.contexts or (GPU_CONTEXTS if device.type == "cuda" else CPU_CONTEXTS)))
     if not assets.smollm2_available() or assets.shakespeare_text() is None:
-        parser.exit(2, f"demo: needs SmolLM2 and Shakespeare: run `python -m hf_dilated.assets` first\n")
+        parser.exit(2, "demo: needs SmolLM2 and Shakespeare: run `python -m hf_dilated.assets` first\n")
 
     print(f"loading SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to {str(dtype).removeprefix('torch.')}) ...", flush=True)
     model, tokenizer = assets.load_smollm2(dtype=dtype)
@@ -200,8 +221,15 @@ def main(argv=None) -> int:
         env = result.get("environment", {})
         print(f"\n2. Recorded by `hf-dilated eval` on {env.get('gpu', env.get('device', '?'))} ({env.get('dtype', '?')}), "
               f"{RECORDED.relative_to(RECORDED.parent.parent.parent)}:\n")
+        dilated = (result.get("patches") or {}).get("dilated") or {}
+        if dilated.get("segment_lengths"):
+            print(f"dilated: w={dilated['segment_lengths']} r={dilated['dilation_rates']}, "
+                  f"{dilated.get('global_tokens', 0)} global tokens\n")
         print(table(rec_rows, trained))
         print("\n" + reading(rec_rows, trained, "Recorded on the GPU"))
+        study = recipe_in_study(trained)
+        if study:
+            print("\n" + study)
     print("\n" + GPU_NOTE)
     return 0
 
