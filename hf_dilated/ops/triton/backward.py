@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .tiles import (
     LOG2E, allowed, drop_keep, drop_rows, first_selected, key_range, load_item, load_rows, mm, n_rows,
-    query_range, tile_mask,
+    query_range, tile_mask, unmasked_key_rows,
 )
 
 
@@ -236,14 +236,7 @@ def dilated_bwd_dq_kernel(
     cols_base = tl.arange(0, BLOCK_N)
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
-    # Key tiles that every query row sees whole need no mask (plain causal or bidirectional layouts only).
-    if WINDOW or HOLES:
-        n_full = 0
-    elif IS_CAUSAL:
-        n_full = tl.minimum(tl.where(p_min >= k_first, (p_min - k_first) // r + 1, 0), n_k)
-    else:
-        n_full = n_k
-    n_full = (n_full // BLOCK_N) * BLOCK_N
+    n_full = unmasked_key_rows(p_min, k_first, n_k, r, BLOCK_N, IS_CAUSAL, WINDOW, HOLES)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start in range(0, n_full, BLOCK_N):
         dq = dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_first, r, n_k, kbase, b, Nk, KV,

@@ -22,11 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import mm
-
-LOG2E_F = 1.4426950408889634
-LOG2E = tl.constexpr(LOG2E_F)
-LN2 = tl.constexpr(0.6931471805599453)
+from .tiles import LOG2E, LOG2E_F, finish, mm, softmax_step
 
 # Kernel launches by name; tests read it to assert that the kernels (not a fallback) ran.
 LAUNCHES: collections.Counter = collections.Counter()
@@ -132,17 +128,9 @@ def bs_fwd_kernel(
         if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
             ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
             qk = tl.where(ok, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
-    has = l_i > 0
-    l_safe = tl.where(has, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(has, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qc, kc, 0, 1.0, False, UPCAST)
+    out, lse = finish(acc, l_i, m_i)
     qr64 = qr.to(tl.int64)
     tl.store(O + b * stride_ob + h64 * stride_oh + qr64[:, None] * stride_on + d[None, :],
              out.to(O.dtype.element_ty), mask=qmask[:, None])

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    allowed, drop_keep, drop_rows, finish, first_selected, load_rows, mm, n_rows, softmax_step, tile_mask,
+    allowed, drop_rows, finish, first_selected, load_rows, mm, n_rows, softmax_step, tile_mask,
 )
 
 
@@ -98,10 +98,8 @@ def dilated_decode_kernel(
                 ok = sel[:, None] & kmask[None, :] & ((kp // w)[None, :] == seg[:, None])
                 ok = allowed(ok, qp[:, None] - kp[None, :], window, IS_CAUSAL, WINDOW)
                 qk = tl.where(ok, qk, float("-inf"))
-                keep = 0
-                if DROPOUT:
-                    keep = drop_keep(row_hash[:, None], kc[None, :], drop_threshold)
-                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, keep, inv_keep, DROPOUT, UPCAST)
+                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, row_hash, kc, drop_threshold, inv_keep, DROPOUT,
+                                             UPCAST)
     out, lse = finish(acc, l_i, m_i)
     tl.store(O + b * stride_ob + h64 * stride_oh + r64[:, None] * stride_on + d[None, :],
              out.to(O.dtype.element_ty), mask=tile_mask(rows < Nq, dmask, EVEN_D))

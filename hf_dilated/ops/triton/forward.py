@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    allowed, drop_keep, drop_rows, finish, first_selected, key_range, load_item, load_rows, mm, n_rows,
-    softmax_step, tile_mask,
+    allowed, drop_rows, finish, first_selected, key_range, load_item, load_rows, mm, n_rows, softmax_step, tile_mask,
+    unmasked_key_rows,
 )
 
 
@@ -73,14 +73,7 @@ def dilated_fwd_branch_kernel(
     lo, hi = key_range(p_min, p_max, k_lo, k_hi, window, IS_CAUSAL, WINDOW)
     k_first = first_selected(lo, off, r)
     n_k = n_rows(k_first, hi, r)
-    # Key tiles that every query row sees whole need no mask (plain causal or bidirectional layouts only).
-    if WINDOW or HOLES:
-        n_full = 0
-    elif IS_CAUSAL:
-        n_full = tl.minimum(tl.where(p_min >= k_first, (p_min - k_first) // r + 1, 0), n_k)
-    else:
-        n_full = n_k
-    n_full = (n_full // BLOCK_N) * BLOCK_N
+    n_full = unmasked_key_rows(p_min, k_first, n_k, r, BLOCK_N, IS_CAUSAL, WINDOW, HOLES)
 
     cols = tl.arange(0, BLOCK_N)
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
@@ -104,10 +97,7 @@ def dilated_fwd_branch_kernel(
             k = load_rows(k_row + kc.to(tl.int64)[:, None] * stride_kn, cols, dmask, False, EVEN_D)
             v = load_rows(v_row + kc.to(tl.int64)[:, None] * stride_vn, cols, dmask, False, EVEN_D)
         qk = mm(q, tl.trans(k), UPCAST) * qk_scale
-        keep = 0
-        if DROPOUT:
-            keep = drop_keep(row_hash[:, None], kc[None, :], drop_threshold)
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, keep, inv_keep, DROPOUT, UPCAST)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, row_hash, kc, drop_threshold, inv_keep, DROPOUT, UPCAST)
     for start in range(n_full, n_k, BLOCK_N):
         kp = k_first + (start + cols) * r
         kc = kbase + kp
@@ -126,10 +116,7 @@ def dilated_fwd_branch_kernel(
             ok = ok & qmask[:, None]
         ok = allowed(ok, qp[:, None] - kp[None, :], window, IS_CAUSAL, WINDOW)
         qk = tl.where(ok, qk, float("-inf"))
-        keep = 0
-        if DROPOUT:
-            keep = drop_keep(row_hash[:, None], kc[None, :], drop_threshold)
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, keep, inv_keep, DROPOUT, UPCAST)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, row_hash, kc, drop_threshold, inv_keep, DROPOUT, UPCAST)
 
     o_b, lse_b = finish(acc, l_i, m_i)
     o_ptrs = O + b * stride_ob + h64 * stride_oh + qc.to(tl.int64)[:, None] * stride_on + d[None, :]

@@ -1,6 +1,7 @@
-"""``@triton.jit`` helpers shared by the forward, backward and decode kernels: reading a work item, the dilated row
-grid, the key (or query) range a tile may see, the (query, key) pair mask, the online-softmax step, and the dropout
-draw (the same uint32 arithmetic as ``ops/dropout.py``)."""
+"""``@triton.jit`` helpers shared by the forward, backward, decode and block-sparse kernels: reading a work item, the
+dilated row grid, the key (or query) range a tile may see and how much of it needs no mask, the (query, key) pair
+mask, the online-softmax step and its finish, and the dropout draw (the same uint32 arithmetic as
+``ops/dropout.py``)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,20 @@ def first_selected(lo, off, r):
 def n_rows(first, hi, r):
     """How many dilated rows ``first, first + r, ...`` lie below ``hi``."""
     return tl.maximum((hi - first + r - 1) // r, 0)
+
+
+@triton.jit
+def unmasked_key_rows(p_min, k_first, n_k, r, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                      HOLES: tl.constexpr):
+    """How many of a query tile's first key rows (a multiple of ``BLOCK_N``) every query of the tile, the first at
+    position ``p_min``, sees whole: their tiles need no mask (plain causal or bidirectional layouts only)."""
+    if WINDOW or HOLES:
+        n_full = 0
+    elif IS_CAUSAL:
+        n_full = tl.minimum(tl.where(p_min >= k_first, (p_min - k_first) // r + 1, 0), n_k)
+    else:
+        n_full = n_k
+    return (n_full // BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -125,15 +140,18 @@ def tile_mask(rmask, dmask, EVEN_D: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(acc, l_i, m_i, qk, v, keep, inv_keep, DROPOUT: tl.constexpr, UPCAST: tl.constexpr):
+def softmax_step(acc, l_i, m_i, qk, v, row_hash, k_col, drop_threshold, inv_keep, DROPOUT: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """One online-softmax step over a key tile (``qk`` in log2 units, -inf where masked). The normaliser ``l_i`` sums
-    the undropped probabilities; with ``DROPOUT`` the output accumulates only the kept ones, scaled by ``inv_keep``."""
+    the undropped probabilities; with ``DROPOUT`` the keep decisions are drawn here (``drop_keep`` of the rows'
+    ``row_hash`` and the keys' columns ``k_col``) and the output accumulates only the kept ones, scaled by
+    ``inv_keep``."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.math.exp2(qk - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
-        p = tl.where(keep, p * inv_keep, 0.0)
+        p = tl.where(drop_keep(row_hash[:, None], k_col[None, :], drop_threshold), p * inv_keep, 0.0)
     acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, UPCAST)
     return acc, l_i, m_new
 
