@@ -141,6 +141,8 @@ class Recipe:
                 raise ValueError(f"recipe {self.name!r}: {key} must be a positive integer, got {value!r}")
         if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int) or self.global_tokens < 0:
             raise ValueError(f"recipe {self.name!r}: global_tokens must be an integer >= 0, got {self.global_tokens!r}")
+        if not isinstance(self.fidelity, str):
+            raise ValueError(f"recipe {self.name!r}: fidelity must be a string, got {self.fidelity!r}")
         if not isinstance(self.block_sparse, dict):
             raise ValueError(f"recipe {self.name!r}: block_sparse must be a mapping, got {self.block_sparse!r}")
         unknown = sorted(set(self.block_sparse) - set(RECIPE_BLOCK_SPARSE_FIELDS))

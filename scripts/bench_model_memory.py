@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
+    if any(n < 2 for n in args.lengths):
+        parser.error(f"--lengths must be integers >= 2, got {args.lengths}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     rows = []

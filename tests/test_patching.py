@@ -216,6 +216,8 @@ def test_recipes_load_and_validate():
         Recipe.from_dict({"name": "x", "model_types": ["x"], "branches": {"undilated_branches": 0}})
     with pytest.raises(ValueError, match="global_tokens must be an integer >= 0"):
         Recipe.from_dict({"name": "x", "model_types": ["x"], "global_tokens": -1})
+    with pytest.raises(ValueError, match="fidelity must be a string"):
+        Recipe.from_dict({"name": "x", "model_types": ["x"], "fidelity": 1.09})
     with pytest.raises(ValueError, match="unknown keys.*softcapping"):  # recipe fields nothing read are gone
         Recipe.from_dict({"name": "x", "model_types": ["x"], "softcapping": "refuse"})
     with pytest.raises(ValueError, match="sliding_window must be one of"):
