@@ -91,6 +91,25 @@ def _efficient_bwd(do, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
+_CUDNN_LSE_4D: dict = {}
+
+
+def _cudnn_fwd(q, k, v, causal, scale):
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention.default(q, k, v, None, True, 0.0, causal, False,
+                                                                      scale=scale)
+    _RNG[("cudnn", str(q.device))] = (res[6], res[7])
+    lse = res[1]
+    _CUDNN_LSE_4D[str(q.device)] = lse.dim() == 4  # [B, H, L, 1] on some versions: the backward takes it back so
+    return res[0], lse[..., 0] if lse.dim() == 4 else lse
+
+
+def _cudnn_bwd(do, q, k, v, out, lse, causal, scale):
+    L = q.shape[2]
+    seed, offset = _rng("cudnn", q.device)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default(
+        do, q, k, v, out, lse[..., None] if _CUDNN_LSE_4D.get(str(q.device), True) else lse, seed, offset, None, None, None, L, L, 0.0, causal, scale=scale)
+
+
 @dataclass(frozen=True)
 class Kernel:
     """A fused attention kernel: ``fwd(q, k, v, causal, scale) -> (out, lse [.., L] float32)`` and
@@ -104,6 +123,7 @@ class Kernel:
 _FLASH_CPU = Kernel("flash_attention_for_cpu", _flash_cpu_fwd, _flash_cpu_bwd)
 _FLASH_CUDA = Kernel("flash_attention", _flash_cuda_fwd, _flash_cuda_bwd)
 _EFFICIENT = Kernel("efficient_attention", _efficient_fwd, _efficient_bwd)
+_CUDNN = Kernel("cudnn_attention", _cudnn_fwd, _cudnn_bwd)
 
 
 def _candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[Kernel]:
@@ -114,7 +134,7 @@ def _candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> list
         return []
     out = []
     if dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256:
-        out.append(_FLASH_CUDA)
+        out += [_CUDNN, _FLASH_CUDA]  # cuDNN: about 1.8x flash on Hopper (benchmarks/results, bench_attention)
     if head_dim % (8 if dtype in _HALF else 4) == 0:
         out.append(_EFFICIENT)
     return out
@@ -137,7 +157,7 @@ def _probe(kernel: Kernel, device: str, dtype: torch.dtype, head_dim: int) -> st
 
 def _probe_call(kernel: Kernel, device: str, dtype: torch.dtype, head_dim: int) -> str | None:
     g = torch.Generator().manual_seed(0)
-    n, scale = 5, 0.3
+    n, scale = 150, 0.3  # more rows than one tile of any of the kernels: their tiling is part of what is checked
     x = [torch.randn(2, 2, n, head_dim, generator=g, dtype=torch.float64).to(device, dtype) for _ in range(5)]
     q, k, v, do, other = x
     out, lse = kernel.fwd(q, k, v, True, scale)
