@@ -730,7 +730,11 @@ def test_gpu_fused_buckets_match_oracle(rng, dtype):
         q, k, v = (t.detach().cuda().requires_grad_() for t in make_qkv(rng, 2, 8, 2, N, N, D, dtype))
         check_backend(dilated_attention_reference, q, k, v, branches, plain_layout(2, N, "cuda"), TOL[dtype],
                       is_causal=causal, head_offset=3)
-        assert last_path() == ("fused_buckets", ""), last_path()
+        if D == 256 and dtype != torch.float32:  # the lse-gradient columns make it 264: no trusted half kernel there
+            path, why = last_path()
+            assert path == "tiled" and "backward through the lse" in why, (path, why)
+        else:
+            assert last_path() == ("fused_buckets", ""), last_path()
 
 
 def test_fused_buckets_under_no_grad_and_inference_mode(rng):

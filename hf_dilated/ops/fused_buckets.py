@@ -135,7 +135,9 @@ def _candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> list
     out = []
     if dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256:
         out += [_CUDNN, _FLASH_CUDA]  # cuDNN: about 1.8x flash on Hopper (benchmarks/results, bench_attention)
-    if head_dim % (8 if dtype in _HALF else 4) == 0:
+    # The memory-efficient kernel past head dim 256 in half precision (the lse-gradient columns of D = 256) gave wrong
+    # dq / dk on an H100 (torch 2.11) at bucket shapes where the probe's call was right: not used there.
+    if head_dim % (8 if dtype in _HALF else 4) == 0 and (head_dim <= 256 or dtype == torch.float32):
         out.append(_EFFICIENT)
     return out
 
