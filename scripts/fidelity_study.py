@@ -158,6 +158,10 @@ def grid(first_segments: Sequence[int], global_tokens: Sequence[int]) -> list[Va
                            w0=w_first, global_tokens=g_mid, layers=which))
     for pattern, label in (("adaptive", "adaptive"), ("local", "local+sink"), ("dilated", "dilated")):
         out.append(Variant(f"bs {label}", "block_sparse", "block-sparse", w0=w_first, global_tokens=1, pattern=pattern))
+    # What a user gets: hf_dilated.patch(model, attention=..., context_length=n) with the model's recipe defaults
+    # (block-sparse: adaptive, as many keys per query as the recipe's dilated default).
+    out.append(Variant("recipe dilated", "dilated", "recipe", pattern="recipe"))
+    out.append(Variant("recipe bs adaptive", "block_sparse", "recipe", pattern="recipe"))
     return out
 
 
@@ -211,7 +215,12 @@ def applied(model, v: Variant, n: int, trained: int, dense_impl: str = "sdpa"):
     previous = mc._attn_implementation
     cfg = None
     try:
-        if v.kind == "dense" and dense_impl == "kernels":
+        if v.pattern == "recipe":  # the recipe's defaults through the public patch call
+            from hf_dilated import BlockSparseConfig, DilatedAttentionConfig
+
+            patch(model, attention=v.kind, context_length=target)
+            cfg = (DilatedAttentionConfig if v.kind == "dilated" else BlockSparseConfig).from_model_config(mc)
+        elif v.kind == "dense" and dense_impl == "kernels":
             patch(model, layers=[], rope="none")
         elif v.kind == "dense+rope":
             patch(model, layers=[], context_length=target)
@@ -419,7 +428,8 @@ def run(args, model=None, tokenizer=None, name: str | None = None) -> dict[str, 
                 keys, how = attended_keys(v, cfg, n, model)
                 measured: list[float] = []
                 per_window = []
-                record = recorded_layouts(n, measured) if v.pattern == "adaptive" else contextlib.nullcontext()
+                adaptive = v.kind == "block_sparse" and getattr(cfg, "pattern", None) == "adaptive"
+                record = recorded_layouts(n, measured) if adaptive else contextlib.nullcontext()
                 with record:
                     for tokens in windows:
                         ids = tokens[:n].unsqueeze(0).to(device)

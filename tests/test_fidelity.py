@@ -173,11 +173,17 @@ def test_study_on_smollm2(smollm2, shakespeare, tmp_path, one_thread):
     text.write_text(shakespeare[:20000], encoding="utf-8")
     args = fs.parse_args(["--text", str(text), "--out", str(tmp_path / "out"), "--device", "cpu", "--dtype", "float32",
                           "--lengths", "32", "64", "--windows", "1", "--no-progress",
-                          "--variants", "dense", "dilated w0=2048 g=4"])
+                          "--variants", "dense", "dilated w0=2048 g=4", "recipe dilated", "recipe bs adaptive"])
     result = fs.run(args, model, tok, "smollm2")
     assert model.config._attn_implementation == "sdpa" and not hasattr(model.config, "dilated_attention_patch")
     rows = {(r["variant"], r["length"]): r for r in result["rows"]}
-    assert set(rows) == {("dense", 32), ("dense", 64), ("dilated w0=2048 g=4", 32), ("dilated w0=2048 g=4", 64)}
+    assert set(rows) == {(v, n) for v in ("dense", "dilated w0=2048 g=4", "recipe dilated", "recipe bs adaptive")
+                         for n in (32, 64)}
+    recipe = rows[("recipe dilated", 64)]["config"]  # the Llama recipe's defaults, through patch()
+    assert (recipe["segment_lengths"], recipe["dilation_rates"], recipe["global_tokens"]) == ([2048, 4096, 8192],
+                                                                                              [1, 1, 2], 4)
+    assert rows[("recipe bs adaptive", 64)]["config"]["pattern"] == "adaptive"
+    assert rows[("recipe bs adaptive", 64)]["attended_keys_counted"] == "exact (measured layouts)"
     ids = tok(shakespeare[:20000], add_special_tokens=False)["input_ids"][:64]
     ids = torch.tensor([ids])
     labels = ids.clone()
