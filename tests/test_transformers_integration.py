@@ -177,6 +177,23 @@ def test_generate_with_left_padding_matches_unpadded(rng):
     assert (batched[0, 9 + n :] == 0).all()
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_generate_with_a_static_cache_matches_dynamic(rng, padded):
+    """generate() with a static (compileable) cache prepares the mask once per step with the registered mask function
+    and passes the result back in as ``attention_mask`` (Transformers >= 5.2x): the ``[B]`` key lengths and the
+    ``[B, Nk]`` key mask must both be taken back. Same tokens as with the dynamic cache."""
+    model = switch(tiny_llama(), LONGNET)
+    ids = torch.randint(3, 128, (2, 24), generator=rng)
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    if padded:  # row 0 left-padded by 5
+        ids[0, :5] = 0
+        kw["attention_mask"] = torch.ones_like(ids)
+        kw["attention_mask"][0, :5] = 0
+    dynamic = model.generate(ids, **kw)
+    static = model.generate(ids, cache_implementation="static", **kw)
+    assert torch.equal(static, dynamic)
+
+
 def test_per_layer_choice_leaves_other_layers_dense(rng):
     ids = torch.randint(0, 128, (1, 48), generator=rng)
     model = tiny_llama()

@@ -59,6 +59,8 @@ def dilated_mask(
             return None
         filled = torch.as_tensor(q_offset + q_length - kv_offset, device=device).reshape(1)
         return filled.to(torch.int64).clamp(0, kv_length).expand(batch_size)
+    if attention_mask.ndim == 1:  # this function's own [B] key lengths, prepared once per step by generate() for a
+        return attention_mask.to(device=device, dtype=torch.int64)  # static cache and passed back in as the mask
     attention_mask = attention_mask.to(device=device, dtype=torch.bool)
     width = attention_mask.shape[-1]
     if whole and kv_offset == 0 and width == kv_length:
