@@ -98,6 +98,7 @@ class Recipe:
         rope_layer_types: for nested ``rope_parameters`` (one entry per layer type), the entries to scale.
         fidelity: what the recipe's dilated defaults measured without fine-tuning (one sentence, with its source),
             quoted in the model card.
+        block_sparse_fidelity: the same for ``attention="block_sparse"`` with the recipe's block-sparse defaults.
         block_sparse: defaults of ``attention="block_sparse"`` (``BlockSparseConfig`` fields but ``layers`` and
             ``backend``); see :meth:`block_sparse_config` for what is derived when left out.
     """
@@ -118,6 +119,7 @@ class Recipe:
     rope_layer_types: tuple[str, ...] = ("full_attention",)
     block_sparse: dict = field(default_factory=dict)
     fidelity: str = ""
+    block_sparse_fidelity: str = ""
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -141,8 +143,9 @@ class Recipe:
                 raise ValueError(f"recipe {self.name!r}: {key} must be a positive integer, got {value!r}")
         if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int) or self.global_tokens < 0:
             raise ValueError(f"recipe {self.name!r}: global_tokens must be an integer >= 0, got {self.global_tokens!r}")
-        if not isinstance(self.fidelity, str):
-            raise ValueError(f"recipe {self.name!r}: fidelity must be a string, got {self.fidelity!r}")
+        for key in ("fidelity", "block_sparse_fidelity"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"recipe {self.name!r}: {key} must be a string, got {getattr(self, key)!r}")
         if not isinstance(self.block_sparse, dict):
             raise ValueError(f"recipe {self.name!r}: block_sparse must be a mapping, got {self.block_sparse!r}")
         unknown = sorted(set(self.block_sparse) - set(RECIPE_BLOCK_SPARSE_FIELDS))
@@ -919,13 +922,21 @@ def render_model_card(model: Any, eval_results: dict | None = None, load_path: s
         auto_class=_auto_class_name(model),
         load_path=str(load_path),
         evaluation=format_eval_table(eval_results),
-        recipe_fidelity=(f"Quality of the `{recipe.name}` recipe's dilated defaults without fine-tuning, as measured by "
-                         f"`hf_dilated`: {recipe.fidelity.strip()}" if recipe.fidelity else
-                         f"No measurement of the `{recipe.name}` recipe's defaults without fine-tuning is recorded "
-                         "yet: evaluate before use (`hf-dilated eval`), or fine-tune (`hf-dilated finetune`)."),
+        recipe_fidelity=_card_fidelity(recipe, attention),
         config_json=json.dumps({CONFIG_KEYS[attention]: config.to_dict(), PATCH_KEY: record}, indent=2),
     )
     return str(card)
+
+
+def _card_fidelity(recipe: Recipe, attention: str) -> str:
+    """The model card's sentence on how the recipe's defaults of ``attention`` measured without fine-tuning."""
+    measured = recipe.block_sparse_fidelity if attention == "block_sparse" else recipe.fidelity
+    kind = "block-sparse" if attention == "block_sparse" else "dilated"
+    if measured:
+        return (f"Quality of the `{recipe.name}` recipe's {kind} defaults without fine-tuning, as measured by "
+                f"`hf_dilated`: {measured.strip()}")
+    return (f"No measurement of the `{recipe.name}` recipe's {kind} defaults without fine-tuning is recorded yet: "
+            "evaluate before use (`hf-dilated eval`), or fine-tune (`hf-dilated finetune`).")
 
 
 def _auto_class_name(model: Any) -> str:

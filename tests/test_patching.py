@@ -528,3 +528,8 @@ def test_model_card_quotes_the_recipes_measured_fidelity():
     assert "without fine-tuning" in card and load_recipe("llama").fidelity.split()[0] in card
     assert "smollm2_fidelity.json" in card
     assert not load_recipe("qwen2").fidelity  # unmeasured families say so
+    unpatch(model)
+    patch(model, attention="block_sparse", context_length=1024)  # the block-sparse defaults' own measurement
+    card = render_model_card(model)
+    assert "block-sparse defaults without fine-tuning" in card and "smollm2_recipe_fidelity-cpu.json" in card
+    assert "smollm2_fidelity.json" not in card
