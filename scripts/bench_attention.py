@@ -29,6 +29,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+try:
+    from .timing import cuda_median_ms as bench
+except ImportError:  # run as a file: python scripts/<name>.py
+    from timing import cuda_median_ms as bench  # noqa: E402
 import hf_dilated  # noqa: E402
 
 LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
@@ -53,22 +57,6 @@ def dilated_flops(N, branches, D, H, B, causal=True):
 
 def dense_flops(N, D, H, B, causal=True):
     return 4 * D * (N * (N + 1) // 2 if causal else N * N) * H * B
-
-
-def bench(fn, reps, warmup=1):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def reps_for(ms_guess):

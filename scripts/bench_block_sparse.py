@@ -26,6 +26,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+try:
+    from .timing import cuda_median_ms as bench
+except ImportError:  # run as a file: python scripts/<name>.py
+    from timing import cuda_median_ms as bench  # noqa: E402
 from hf_dilated.ops.block_sparse import (  # noqa: E402
     BlockLayout,
     adaptive_blocks,
@@ -46,20 +50,6 @@ B, H, D = 1, 16, 128
 def rel_err(a, b):
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-def bench(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
 
 
 def timed_ms(fn):
