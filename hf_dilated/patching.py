@@ -99,6 +99,8 @@ class Recipe:
         fidelity: what the recipe's dilated defaults measured without fine-tuning (one sentence, with its source),
             quoted in the model card.
         block_sparse_fidelity: the same for ``attention="block_sparse"`` with the recipe's block-sparse defaults.
+        finetuned_fidelity: what a short fine-tune of the patched model measured against the dense model fine-tuned
+            the same way (``scripts/finetune_recipe.py``), quoted in the model card beside the zero-shot number.
         block_sparse: defaults of ``attention="block_sparse"`` (``BlockSparseConfig`` fields but ``layers`` and
             ``backend``); see :meth:`block_sparse_config` for what is derived when left out.
     """
@@ -120,6 +122,7 @@ class Recipe:
     block_sparse: dict = field(default_factory=dict)
     fidelity: str = ""
     block_sparse_fidelity: str = ""
+    finetuned_fidelity: str = ""
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -143,7 +146,7 @@ class Recipe:
                 raise ValueError(f"recipe {self.name!r}: {key} must be a positive integer, got {value!r}")
         if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int) or self.global_tokens < 0:
             raise ValueError(f"recipe {self.name!r}: global_tokens must be an integer >= 0, got {self.global_tokens!r}")
-        for key in ("fidelity", "block_sparse_fidelity"):
+        for key in ("fidelity", "block_sparse_fidelity", "finetuned_fidelity"):
             if not isinstance(getattr(self, key), str):
                 raise ValueError(f"recipe {self.name!r}: {key} must be a string, got {getattr(self, key)!r}")
         if not isinstance(self.block_sparse, dict):
@@ -933,10 +936,14 @@ def _card_fidelity(recipe: Recipe, attention: str) -> str:
     measured = recipe.block_sparse_fidelity if attention == "block_sparse" else recipe.fidelity
     kind = "block-sparse" if attention == "block_sparse" else "dilated"
     if measured:
-        return (f"Quality of the `{recipe.name}` recipe's {kind} defaults without fine-tuning, as measured by "
+        text = (f"Quality of the `{recipe.name}` recipe's {kind} defaults without fine-tuning, as measured by "
                 f"`hf_dilated`: {measured.strip()}")
-    return (f"No measurement of the `{recipe.name}` recipe's {kind} defaults without fine-tuning is recorded yet: "
-            "evaluate before use (`hf-dilated eval`), or fine-tune (`hf-dilated finetune`).")
+    else:
+        text = (f"No measurement of the `{recipe.name}` recipe's {kind} defaults without fine-tuning is recorded yet: "
+                "evaluate before use (`hf-dilated eval`), or fine-tune (`hf-dilated finetune`).")
+    if attention != "block_sparse" and recipe.finetuned_fidelity:
+        text += f"\n\nAfter a short fine-tune (`hf-dilated finetune`): {recipe.finetuned_fidelity.strip()}"
+    return text
 
 
 def _auto_class_name(model: Any) -> str:

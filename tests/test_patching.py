@@ -527,9 +527,10 @@ def test_model_card_quotes_the_recipes_measured_fidelity():
     card = render_model_card(model)
     assert "without fine-tuning" in card and load_recipe("llama").fidelity.split()[0] in card
     assert "smollm2_fidelity.json" in card
+    assert "After a short fine-tune" in card and "finetune_recipe-smollm2-H100" in card
     assert not load_recipe("qwen2").fidelity  # unmeasured families say so
     unpatch(model)
     patch(model, attention="block_sparse", context_length=1024)  # the block-sparse defaults' own measurement
     card = render_model_card(model)
     assert "block-sparse defaults without fine-tuning" in card and "smollm2_recipe_fidelity-cpu.json" in card
-    assert "smollm2_fidelity.json" not in card
+    assert "smollm2_fidelity.json" not in card and "After a short fine-tune" not in card
