@@ -99,15 +99,17 @@ def _cudnn_fwd(q, k, v, causal, scale):
                                                                       scale=scale)
     _RNG[("cudnn", str(q.device))] = (res[6], res[7])
     lse = res[1]
-    _CUDNN_LSE_4D[str(q.device)] = lse.dim() == 4  # [B, H, L, 1] on some versions: the backward takes it back so
+    _CUDNN_LSE_4D[str(q.device)] = lse.dim() == 4  # [B, H, L, 1] on some versions; the backward wants it back so
     return res[0], lse[..., 0] if lse.dim() == 4 else lse
 
 
 def _cudnn_bwd(do, q, k, v, out, lse, causal, scale):
     L = q.shape[2]
     seed, offset = _rng("cudnn", q.device)
+    if _CUDNN_LSE_4D.get(str(q.device), True):
+        lse = lse[..., None]
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default(
-        do, q, k, v, out, lse[..., None] if _CUDNN_LSE_4D.get(str(q.device), True) else lse, seed, offset, None, None, None, L, L, 0.0, causal, scale=scale)
+        do, q, k, v, out, lse, seed, offset, None, None, None, L, L, 0.0, causal, scale=scale)
 
 
 @dataclass(frozen=True)
