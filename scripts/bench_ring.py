@@ -7,17 +7,32 @@ causal, one long document whose shards cut every segment (positions start at 163
 - check: the ring's output and every gradient against the single-device op on the gathered sequence (before timing);
 - weak scaling: forward+backward time at a fixed shard per GPU; efficiency = time(1 GPU) / time(P GPUs);
 - bytes: the rows each rank received (the plan's) against the cost model (hf_dilated.distributed.cost_model);
-- against Ulysses (all-to-all to a slice of heads, "dilated" with the global head offset) and a dense SDPA
-  context-parallel baseline (all-gather of K/V, flash attention on the local queries), at a smaller shard;
+- against Ulysses (all-to-all to a slice of heads, "dilated" with the global head offset), a dense SDPA
+  context-parallel baseline (all-gather of K/V, flash attention on the local queries) and PyTorch's own context
+  parallelism on dense causal SDPA, the one accelerate runs with ``ParallelismConfig(cp_size=P, cp_backend="torch")``
+  (``torch_context_parallel_sdpa``, checked against dense SDPA too), at a smaller shard;
 - the largest N that runs forward+backward on 1, 2, 4, ... GPUs: the shard doubles from --largest-start until a
   step runs out of memory (caught, memory released) or the linear fit of peak memory predicts > 95% of the GPU.
 Writes ``<out>/ring-<gpu>-<date>.json`` (rows, GPU, versions, command) and a PNG beside it after every phase.
 ``--device cpu`` (gloo, the reference backend, tiny sizes) checks the script itself.
+
+``torch_context_parallel_sdpa`` calls what accelerate's ``maybe_context_parallel`` calls: ``set_rotate_method`` (the
+rotate method of ``$PARALLELISM_CONFIG_CP_COMM_STRATEGY``, accelerate's default "allgather"), then
+``torch.distributed.tensor.experimental.context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2] * 4,
+no_restore_buffers=...)`` on whole-sequence buffers, which it shards in place (load balanced for causal attention:
+rank r keeps chunks r and 2P-1-r of 2P) while it swaps ``F.scaled_dot_product_attention`` for its ring attention.
+It calls torch's API for every P (rows say ``"api": "torch.context_parallel"``), not accelerate's: an ``Accelerator``
+with ``cp_size`` > 1 wants an FSDP2 plugin and the whole world (no P < W), ``maybe_context_parallel`` needs a
+``prepare()`` first, and its state is a process-wide singleton that the trainer phase's Trainer would inherit. The
+mesh is accelerate's ``init_device_mesh(device, (P,), mesh_dim_names=("cp",))`` for the whole world, and the existing
+sub-group (``DeviceMesh.from_group``, no collective) for P < W. Its ring has kernels for the CUDA SDPA backends only:
+on CPU (no sharding rule for CPU SDPA) its rows say ``skipped`` with torch's reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -38,6 +53,9 @@ from hf_dilated.distributed.sharding import shard_range  # noqa: E402
 
 LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 SHIFT = 16384  # positions start here: every shard boundary cuts a segment of every branch
+TORCH_CP = "torch_context_parallel_sdpa"
+METHODS = ("dilated_ring", "ulysses_dilated", "dense_sdpa_allgather", TORCH_CP)
+LABELS = {TORCH_CP: 'torch context_parallel (accelerate cp_backend="torch")'}
 
 
 def rel_err(a, b):
@@ -75,6 +93,8 @@ class Bench:
         self.shift = SHIFT if not args.tiny else 24
         self.sizes = [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= self.world]
         self.groups = {p: dist.new_group(list(range(p))) for p in self.sizes}
+        self.meshes = {}  # P -> DeviceMesh of ranks 0..P-1 for torch_context_parallel_sdpa, made on first use
+        self.cp_rotate = os.environ.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "allgather")  # as accelerate
         self.rows, self.t0 = [], time.monotonic()
         self.out = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "benchmarks",
                                                                     "results")
@@ -82,6 +102,7 @@ class Bench:
         self.meta = {
             "gpu": gpu, "gpus": self.world, "torch": torch.__version__, "cuda": torch.version.cuda,
             "triton": _version("triton"), "transformers": _version("transformers"), "python": platform.python_version(),
+            "accelerate": _version("accelerate"),
             "command": "torchrun --nproc-per-node %d %s" % (self.world, " ".join(sys.argv)),
             "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"), "dtype": str(self.dtype), "heads": self.H,
             "kv_heads": self.Hk, "head_dim": self.D, "branches": self.branches, "causal": True,
@@ -214,40 +235,133 @@ class Bench:
 
         return step
 
+    def cp_mesh(self, p):
+        """The DeviceMesh of ranks 0..p-1: for the whole world accelerate's (``init_device_mesh``, which every rank
+        calls: here every rank is in it), else the existing sub-group's (``from_group`` creates no process group, so
+        the ranks outside need not call anything)."""
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        if p not in self.meshes:
+            self.meshes[p] = (init_device_mesh(self.device.type, (p,), mesh_dim_names=("cp",))["cp"]
+                              if p == self.world else
+                              DeviceMesh.from_group(self.groups[p], self.device.type, mesh_dim_names=("cp",)))
+        return self.meshes[p]
+
+    @contextlib.contextmanager
+    def cp_step(self, p, buffers):
+        """PyTorch's context parallelism as accelerate's ``maybe_context_parallel`` runs it (module docstring) on
+        ``buffers`` = whole-sequence q, k, v, dout and any more tensors to shard alike, which it shards in place (they
+        are the caller's, not needed after, none requiring grad: ``resize_`` refuses those). Yields a step on this
+        rank's shard, and the further buffers' shards."""
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+        q, k, v, do = buffers[:4]
+        rep = self.H // self.Hk
+        sdpa = F.scaled_dot_product_attention
+        set_rotate_method(self.cp_rotate)
+        try:
+            with context_parallel(self.cp_mesh(p), buffers=buffers, buffer_seq_dims=[2] * len(buffers),
+                                  no_restore_buffers=set(buffers)):
+                for t in (q, k, v):
+                    t.requires_grad_()
+
+                def step():
+                    for t in (q, k, v):
+                        t.grad = None
+                    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                         is_causal=True)
+                    out.backward(do)
+                    return out.detach(), q.grad, k.grad, v.grad
+
+                yield step, buffers[4:]
+        finally:
+            F.scaled_dot_product_attention = sdpa  # torch 2.11's context leaves its ring in place after an exception
+
+    def agreed(self, p, err):
+        """``{}``, or the failure of this rank or another of the group (the same verdict on all): ``skipped`` where
+        torch has no context-parallel kernel (NotImplementedError: CPU), ``error`` otherwise (out of memory, ...)."""
+        code = 0 if err is None else 2 if isinstance(err, NotImplementedError) else 1
+        flag = torch.tensor([code], device=self.device, dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups[p])
+        if not flag.item():
+            return {}
+        message = f"{type(err).__name__}: {err}"[:400] if err is not None else "failed on another rank"
+        return {"skipped" if flag.item() == 2 else "error": message}
+
+    def cp_check(self, p, full, want):
+        """The relative errors of this rank's shard of the output and gradients against ``want`` (the single-device
+        ones, sharded alike by the context), and the agreed failure."""
+        errs, failure = [float("nan")] * 4, None
+        try:
+            with self.cp_step(p, [*full, *(t.detach().clone() for t in want)]) as (step, shards):
+                errs = [rel_err(a, b) for a, b in zip(step(), shards)]
+        except Exception as err:  # recorded (a rank that fails inside a collective leaves the others waiting)
+            failure = err
+        return errs, self.agreed(p, failure)
+
+    def cp_timed(self, p, n):
+        """``{"ms", "peak_gib"}`` of forward+backward, or the agreed failure (memory released). The peak counts from
+        the sharded buffers on: ``resize_`` keeps each one's whole-sequence storage (as under accelerate)."""
+        cuda = self.device.type == "cuda"
+        row, failure = {}, None
+        try:
+            with self.cp_step(p, list(self.tensors(n, seed=3))) as (step, _):
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                row["ms"] = self.timed(step, self.groups[p], 1)
+                row["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None
+        except Exception as err:  # out of memory or no kernel: recorded, the other methods go on
+            failure = err
+        if cuda:
+            torch.cuda.empty_cache()
+        return self.agreed(p, failure) or row
+
     # ---- phases --------------------------------------------------------------------------------------------------
     def check(self):
         """Every timed method against its single-device computation on the gathered sequence: output and every
-        gradient (the ring and Ulysses against the dilated op, the dense baseline against causal SDPA)."""
+        gradient (the ring and Ulysses against the dilated op, the dense baseline and torch's context parallelism
+        against causal SDPA)."""
         for p in self.sizes[1:]:
             if self.rank < p:
-                for method in ("dilated_ring", "ulysses_dilated", "dense_sdpa_allgather"):
+                for method in METHODS:
                     ragged = method == "dilated_ring"
                     if method == "ulysses_dilated" and (self.H % p or self.Hk % p):
                         continue
                     n = self.args.check_shard * p + (3 if ragged else 0)
                     full = self.tensors(n, seed=1)
                     q, k, v, do = (t.detach().clone().requires_grad_(i < 3) for i, t in enumerate(full))
-                    if method == "dense_sdpa_allgather":
+                    if method in ("dense_sdpa_allgather", TORCH_CP):
                         rep = self.H // self.Hk
-                        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                                             is_causal=True)
+                        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
+                                                             v.repeat_interleave(rep, 1), is_causal=True)
                     else:
                         ws, rs = self.ws_rs()
                         ref = hf_dilated.dilated_attention(q, k, v, ws, rs, position_ids=self.positions(n),
                                                            backend=self.backend)
                     ref.backward(do)
-                    got = self.step_of(method)(p, n, self.shard(full, p, n))()
-                    s, e = shard_range(n, p, self.rank)
-                    errs = torch.tensor([rel_err(a, b[:, :, s:e]) for a, b in zip(got, (ref, q.grad, k.grad, v.grad))],
-                                        device=self.device, dtype=torch.float64)
+                    want, failed = (ref, q.grad, k.grad, v.grad), {}
+                    if method == TORCH_CP:  # its shards are load balanced: the context shards ``want`` alike
+                        errs, failed = self.cp_check(p, full, want)
+                    else:
+                        got = self.step_of(method)(p, n, self.shard(full, p, n))()
+                        s, e = shard_range(n, p, self.rank)
+                        errs = [rel_err(a, b[:, :, s:e]) for a, b in zip(got, want)]
+                        del got
+                    errs = torch.tensor(errs, device=self.device, dtype=torch.float64)
                     dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=self.groups[p])
-                    self.record(phase="check", method=method, gpus=p, N=n, rel_err_out=float(errs[0]),
-                                rel_err_dq=float(errs[1]), rel_err_dk=float(errs[2]), rel_err_dv=float(errs[3]),
-                                ok=bool(errs.max() < 1e-2))
-                    del full, q, k, v, do, ref, got
+                    api = {"api": "torch.context_parallel", "rotate": self.cp_rotate} if method == TORCH_CP else {}
+                    if failed:
+                        self.record(phase="check", method=method, gpus=p, N=n, **api, **failed)
+                    else:
+                        self.record(phase="check", method=method, gpus=p, N=n, rel_err_out=float(errs[0]),
+                                    rel_err_dq=float(errs[1]), rel_err_dk=float(errs[2]), rel_err_dv=float(errs[3]),
+                                    ok=bool(errs.max() < 1e-2), **api)
+                    del full, q, k, v, do, ref, want
             dist.barrier()
 
     def step_of(self, method):
+        """The step builder of a method on a contiguous shard (all but TORCH_CP, whose context shards for itself)."""
         return {"dilated_ring": self.ring_step, "ulysses_dilated": self.ulysses_step,
                 "dense_sdpa_allgather": self.dense_step}[method]
 
@@ -286,21 +400,26 @@ class Bench:
     def compare(self):
         S = self.args.compare_shard
         for p in self.sizes:
-            for method in ("dilated_ring", "ulysses_dilated", "dense_sdpa_allgather"):
+            for method in METHODS:
                 if self.over_budget():
                     return
                 if method == "ulysses_dilated" and (self.H % p or self.Hk % p):
                     continue
                 if self.rank < p:
                     n = S * p
-                    shard = self.local(p, n, seed=3)
-                    if self.device.type == "cuda":
-                        torch.cuda.reset_peak_memory_stats(self.device)
-                    reps = 1 if method == "dense_sdpa_allgather" else self.args.reps
-                    ms = self.timed(self.step_of(method)(p, n, shard), self.groups[p], reps)
-                    del shard
-                    peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-                    self.record(phase="compare", method=method, gpus=p, N=n, shard=S, ms=ms, peak_gib=peak)
+                    if method == TORCH_CP:  # dense, like the all-gather baseline: one timed step
+                        row = {"api": "torch.context_parallel", "rotate": self.cp_rotate, **self.cp_timed(p, n)}
+                    else:
+                        cuda = self.device.type == "cuda"
+                        shard = self.local(p, n, seed=3)
+                        if cuda:
+                            torch.cuda.reset_peak_memory_stats(self.device)
+                        reps = 1 if method == "dense_sdpa_allgather" else self.args.reps
+                        ms = self.timed(self.step_of(method)(p, n, shard), self.groups[p], reps)
+                        del shard
+                        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None
+                        row = {"ms": ms, "peak_gib": peak}
+                    self.record(phase="compare", method=method, gpus=p, N=n, shard=S, **row)
                 dist.barrier()
 
     def _probe_step(self, p, S):
@@ -483,16 +602,16 @@ class Bench:
         comp = [r for r in self.rows if r["phase"] == "compare"]
         if comp:
             ax = axes[2]
-            for method in ("dilated_ring", "ulysses_dilated", "dense_sdpa_allgather"):
-                rs = [r for r in comp if r["method"] == method]
+            for method in METHODS:
+                rs = [r for r in comp if r["method"] == method and r.get("ms") is not None]  # not skipped or failed
                 if rs:
-                    ax.plot([r["gpus"] for r in rs], [r["ms"] for r in rs], "o-", label=method)
+                    ax.plot([r["gpus"] for r in rs], [r["ms"] for r in rs], "o-", label=LABELS.get(method, method))
             ax.set_xlabel("GPUs")
             ax.set_ylabel("fwd+bwd ms")
             ax.set_yscale("log")
             ax.set_xscale("log", base=2)
             ax.set_title(f"{comp[0]['shard'] // 1024}K tokens per GPU")
-            ax.legend()
+            ax.legend(fontsize="small")
         big = [r for r in self.rows if r["phase"] == "largest"]
         largest = ("; largest N (fwd+bwd): " + ", ".join(f"{r['gpus']} GPU {r['N'] / 2**20:g}M" for r in big)
                    if big else "")
