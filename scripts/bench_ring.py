@@ -365,9 +365,31 @@ class Bench:
         return {"dilated_ring": self.ring_step, "ulysses_dilated": self.ulysses_step,
                 "dense_sdpa_allgather": self.dense_step}[method]
 
+    def alone_on_every_gpu(self, S):
+        """Every rank runs the one-GPU step on its own ``S`` tokens at the same time, without communicating: the
+        slowest GPU's time, which separates the spread of the GPUs (clocks, the node's shared power) from the ring's
+        own cost in the weak-scaling efficiency (measured on GPU 0 alone)."""
+        g = torch.Generator(device=self.device).manual_seed(7 + self.rank)
+        mk = lambda h, grad: torch.randn(1, h, S, self.D, generator=g, device=self.device, dtype=self.dtype,  # noqa
+                                         requires_grad=grad)
+        q, k, v, do = mk(self.H, True), mk(self.Hk, True), mk(self.Hk, True), mk(self.H, False)
+        pos, (ws, rs) = self.positions(S), self.ws_rs()
+
+        def step():
+            for t in (q, k, v):
+                t.grad = None
+            hf_dilated.dilated_attention(q, k, v, ws, rs, position_ids=pos, backend=self.backend).backward(do)
+
+        ms = self.timed(step, None, self.args.reps)
+        self.record(phase="weak_scaling", method="one_gpu_step_on_every_gpu_at_once", gpus=self.world, N=S, shard=S,
+                    ms=ms)
+        del q, k, v, do
+
     def weak_scaling(self):
         S = self.args.shard
         base = rate = None
+        if self.world > 1 and not self.over_budget():
+            self.alone_on_every_gpu(S)
         for p in self.sizes:
             if self.over_budget():
                 return
@@ -581,10 +603,14 @@ class Bench:
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-        weak = [r for r in self.rows if r["phase"] == "weak_scaling"]
+        weak = [r for r in self.rows if r["phase"] == "weak_scaling" and r["method"] == "dilated_ring"]
+        alone = [r for r in self.rows if r["phase"] == "weak_scaling" and r["method"] != "dilated_ring"]
         if weak:
             ax = axes[0]
             ax.plot([r["gpus"] for r in weak], [r["ms"] for r in weak], "o-", label="dilated_ring")
+            for r in alone:
+                ax.axhline(r["ms"], color="gray", ls="--", label=f"1-GPU step on all {r['gpus']} GPUs at once (slowest)")
+            ax.legend(fontsize="small")
             ax.set_xlabel("GPUs")
             ax.set_ylabel("fwd+bwd ms")
             ax.set_title(f"weak scaling, {weak[0]['shard'] // 1024}K tokens per GPU")
