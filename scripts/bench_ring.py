@@ -103,7 +103,9 @@ class Bench:
             "gpu": gpu, "gpus": self.world, "torch": torch.__version__, "cuda": torch.version.cuda,
             "triton": _version("triton"), "transformers": _version("transformers"), "python": platform.python_version(),
             "accelerate": _version("accelerate"),
-            "command": "torchrun --nproc-per-node %d %s" % (self.world, " ".join(sys.argv)),
+            "command": "%s %d %s" % ("accelerate launch --multi_gpu --num_processes" if any(
+                k.startswith("ACCELERATE_") for k in os.environ) else "torchrun --nproc-per-node", self.world,
+                " ".join(sys.argv)),
             "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"), "dtype": str(self.dtype), "heads": self.H,
             "kv_heads": self.Hk, "head_dim": self.D, "branches": self.branches, "causal": True,
             "positions_start": self.shift, "date": datetime.datetime.now().isoformat(timespec="seconds"),
