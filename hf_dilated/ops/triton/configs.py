@@ -26,7 +26,9 @@ _FWD_HOPPER = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (128, 64, 8, 1)}
 _FWD_OTHER = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
 # dk/dv kernel (BLOCK_M queries streamed, BLOCK_N keys held) and dq kernel (BLOCK_M queries held, BLOCK_N keys streamed).
 _BWD_KV_HOPPER = {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (32, 64, 8, 2)}
-_BWD_Q_HOPPER = {64: (64, 64, 4, 3), 128: (128, 64, 8, 2), 256: (32, 32, 8, 1)}
+# D=128 dq: 3 stages, 13.19 ms against 13.84 backward at 64K (2026-11-22, session 5; dk/dv stays: 8-warp configs
+# that end its register spills ran 35-60% slower).
+_BWD_Q_HOPPER = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (32, 32, 8, 1)}
 _BWD_OTHER = {64: (32, 64, 4, 2), 128: (32, 32, 4, 1), 256: (16, 32, 4, 1)}
 
 
