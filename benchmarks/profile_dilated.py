@@ -1,0 +1,26 @@
+"""One forward and one forward+backward of the dilated op (64K tokens, H = 16, D = 128, bf16, LongNet branches)
+inside a CUDA profiler range, after a warm-up, for Nsight Compute:
+
+    ncu --profile-from-start off --section SpeedOfLight --section Occupancy python benchmarks/profile_dilated.py
+    ncu -k regex:dilated_bwd --launch-count 4 --section SpeedOfLight ... python benchmarks/profile_dilated.py
+
+(run from the repository root with ``PYTHONPATH=$PWD`` unless the package is installed). The readings are in
+``benchmarks/NOTES_triton.md``."""
+
+import torch
+
+from hf_dilated import dilated_attention
+
+torch.manual_seed(0)
+N, H, D = 65536, 16, 128
+q, k, v = (torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+w, r = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
+for _ in range(2):  # warm-up (compile) outside the profiled range
+    out = dilated_attention(q, k, v, w, r, is_causal=True)
+    out.sum().backward()
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStart()
+out = dilated_attention(q, k, v, w, r, is_causal=True)
+out.sum().backward()
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStop()
