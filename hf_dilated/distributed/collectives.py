@@ -1,5 +1,6 @@
-"""Collectives the sequence-parallel op needs: a differentiable uneven all-to-all, a variable-length all-gather, and
-an agreement check that turns mismatched ranks into a ``ValueError`` instead of a hang or a wrong answer."""
+"""Collectives of sequence parallelism: a differentiable uneven all-to-all (head-parallel layouts, gathering a
+sequence; the ring's key window runs its own inside one autograd function), a variable-length all-gather, and an
+agreement check that turns mismatched ranks into a ``ValueError`` instead of a hang or a wrong answer."""
 
 from __future__ import annotations
 

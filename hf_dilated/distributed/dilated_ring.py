@@ -27,6 +27,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..config import validate_branches
 from ..ops.layout import TokenLayout, resolve_layout
@@ -250,8 +251,6 @@ class _KeyWindow(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, key, value, plan: RingPlan, group):
-        import torch.distributed as dist
-
         B, hk, n, dk = key.shape
         dv = value.shape[-1]
         sb, sh, sc = _coords(plan.send_index, hk, n)
@@ -276,8 +275,6 @@ class _KeyWindow(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dk_all, dv_all):
-        import torch.distributed as dist
-
         plan, n = ctx.plan, ctx.n
         sb, sh, sc, rb, rh, col = ctx.saved_tensors
         lo = plan.prefix + plan.left
