@@ -599,6 +599,10 @@ class Bench:
             print(f"plot failed: {err!r}", flush=True)
 
     def plot(self, path):
+        """Weak scaling, bytes per rank, the methods compared and the largest N; nothing for phases without a panel
+        (check, trainer: their numbers are in the JSON)."""
+        if not any(r["phase"] in ("weak_scaling", "compare", "largest") for r in self.rows):
+            return
         import matplotlib
 
         matplotlib.use("Agg")
@@ -617,8 +621,10 @@ class Bench:
             ax.set_ylabel("fwd+bwd ms")
             ax.set_title(f"weak scaling, {weak[0]['shard'] // 1024}K tokens per GPU")
             for r in weak:
-                ax.annotate(f"eff {r['efficiency']:.2f}", (r["gpus"], r["ms"]))
+                ax.annotate(f"eff {r['efficiency']:.2f}", (r["gpus"], r["ms"]), textcoords="offset points",
+                            xytext=(0, -14), ha="center")
             ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)  # from zero: the efficiency is a ratio of times
             ax = axes[1]
             ax.bar([str(r["gpus"]) for r in weak], [r["bytes_per_rank_measured"] / 1e6 for r in weak], alpha=0.6,
                    label="measured (plan)")
