@@ -1,5 +1,5 @@
 """Sweep the block-sparse kernels' launch configurations on the GPU at hand and print the fastest, to copy into
-``hf_dilated/ops/triton/block_sparse.py`` (``_HOPPER_FWD`` / ``_HOPPER_BWD``). bf16, causal, B = 1, H = 16,
+``hf_dilated/ops/triton/block_sparse.py`` (``_fwd_config`` / ``_bwd_config``). bf16, causal, B = 1, H = 16,
 block 128, the layout of ``scripts/bench_block_sparse.py`` (local 2K window, sink block, dilated blocks per head) and
 an all-dense layout. Each candidate's output (and gradients) is checked against the default config's before timing.
 
