@@ -89,7 +89,7 @@ def qkv(rng, B, H, Hk, Nq, Nk, D, dtype):
 
 
 def check(q, k, v, layout, block_mask, rng, backend, *, causal=True, attention_mask=None, position_ids=None,
-          valid_rows=None):
+          valid_rows=None, check_tma=True):
     """Output, lse and dq, dk, dv (loss through out and lse) of the op against :func:`naive`."""
     from hf_dilated.ops.triton.block_sparse import LAUNCHES
 
@@ -115,6 +115,8 @@ def check(q, k, v, layout, block_mask, rng, backend, *, causal=True, attention_m
         assert rel(a.grad, r.grad) < tol, name
     if backend == "triton":
         assert LAUNCHES["forward"] > before.get("forward", 0) and LAUNCHES["backward"] > before.get("backward", 0)
+        if check_tma and q.shape[2] == k.shape[2] and (q.shape[-1] * q.element_size()) % 16 == 0:  # the tensor-descriptor path ran
+            assert LAUNCHES["tma"] >= before.get("tma", 0) + 2  # forward and backward
 
 
 # ---- patterns against their definitions ------------------------------------------------------------------------------
@@ -196,6 +198,21 @@ def test_random_block_mask_gqa(rng, backend, causal):
     mask = torch.rand(1, Hk, n, n, generator=rng) < 0.5  # per kv head; some rows empty
     q, k, v = qkv(rng, B, H, Hk, N, N, D, torch.float32)
     check(q, k, v, from_mask(mask, b), mask, rng, backend, causal=causal)
+
+
+@kernel
+def test_pointer_loads_without_descriptors(rng, monkeypatch):
+    """The kernels' pointer loads (GPUs before Hopper, unaligned strides) on the same problem as the TMA path."""
+    from hf_dilated.ops.triton import block_sparse as kernels
+
+    monkeypatch.setattr(kernels, "use_tma", lambda *a, **k: False)
+    B, H, Hk, N, D, b = 1, 4, 2, 75, 16, 16
+    n = math.ceil(N / b)
+    mask = torch.rand(1, Hk, n, n, generator=rng) < 0.5
+    q, k, v = qkv(rng, B, H, Hk, N, N, D, torch.float32)
+    before = kernels.LAUNCHES["tma"]
+    check(q, k, v, from_mask(mask, b), mask, rng, "triton", check_tma=False)
+    assert kernels.LAUNCHES["tma"] == before
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import _hopper
+from .configs import _hopper, descriptor_scratch, use_tma
+from .backward import delta_kernel
 from .tiles import LOG2E, LOG2E_F, finish, mm, softmax_step
 
 # Kernel launches by name; tests read it to assert that the kernels (not a fallback) ran.
@@ -69,6 +70,13 @@ def _edge(k0, q0, q_whole, Nk, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, C
 
 
 @triton.jit
+def _rows_desc(base, n_rows, stride_n, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A tensor descriptor (TMA) over one head's ``[n_rows, HEAD_DIM]`` rows: tiles past the last row read zeros."""
+    return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_n, 1],
+                                     block_shape=[BLOCK_ROWS, HEAD_DIM])
+
+
+@triton.jit
 def _query_meta(QPOS, QSEQ, QOK, qbase, qr, qc, qmask, CONTIG: tl.constexpr):
     """Positions, sequence ids and validity of a query tile (rows outside the queries are invalid)."""
     if CONTIG:
@@ -93,7 +101,7 @@ def bs_fwd_kernel(
     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
     Nq, Nk, q_offset, tile0, group, ratio, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     t = tl.program_id(0) + tile0
     h = tl.program_id(1)
@@ -107,8 +115,13 @@ def bs_fwd_kernel(
     kvh = (h // group).to(tl.int64)
     h64 = h.to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + h64 * stride_qh + qr.to(tl.int64)[:, None] * stride_qn + d[None, :],
-                mask=qmask[:, None], other=0.0)
+    if TMA:  # q_offset == 0; rows past Nq come back as zeros
+        q = _rows_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM).load([t * BLOCK_M, 0])
+        k_desc = _rows_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM)
+        v_desc = _rows_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM)
+    else:
+        q = tl.load(Q + b * stride_qb + h64 * stride_qh + qr.to(tl.int64)[:, None] * stride_qn + d[None, :],
+                    mask=qmask[:, None], other=0.0)
     cnt = tl.load(CNT + b * stride_cb + lh * stride_ch + i)
     idx_row = IDX + b * stride_ib + lh * stride_ih + i * stride_iq
     q_first = t * BLOCK_M
@@ -124,12 +137,18 @@ def bs_fwd_kernel(
         kc = k0 + cols
         kmask = kc < Nk
         kc64 = kc.to(tl.int64)[:, None]
-        k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
+        if TMA:
+            k = k_desc.load([k0, 0])
+        else:
+            k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
         qk = mm(q, tl.trans(k), UPCAST) * qk_scale
         if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
             ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
             qk = tl.where(ok, qk, float("-inf"))
-        v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
+        if TMA:
+            v = v_desc.load([k0, 0])
+        else:
+            v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qc, kc, 0, 1.0, False, UPCAST)
     out, lse = finish(acc, l_i, m_i)
     qr64 = qr.to(tl.int64)
@@ -150,7 +169,7 @@ def bs_bwd_dq_kernel(
     stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
     Nq, Nk, q_offset, tile0, group, ratio, scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     t = tl.program_id(0) + tile0
     h = tl.program_id(1)
@@ -165,10 +184,16 @@ def bs_bwd_dq_kernel(
     h64 = h.to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
     qr64 = qr.to(tl.int64)
-    q = tl.load(Q + b * stride_qb + h64 * stride_qh + qr64[:, None] * stride_qn + d[None, :],
-                mask=qmask[:, None], other=0.0)
-    do = tl.load(DO + b * stride_db + h64 * stride_dh + qr64[:, None] * stride_dn + d[None, :],
-                 mask=qmask[:, None], other=0.0)
+    if TMA:  # q_offset == 0; rows past Nq come back as zeros
+        q = _rows_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM).load([t * BLOCK_M, 0])
+        do = _rows_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, BLOCK_M, HEAD_DIM).load([t * BLOCK_M, 0])
+        k_desc = _rows_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM)
+        v_desc = _rows_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM)
+    else:
+        q = tl.load(Q + b * stride_qb + h64 * stride_qh + qr64[:, None] * stride_qn + d[None, :],
+                    mask=qmask[:, None], other=0.0)
+        do = tl.load(DO + b * stride_db + h64 * stride_dh + qr64[:, None] * stride_dn + d[None, :],
+                     mask=qmask[:, None], other=0.0)
     lse = tl.load(L + b * stride_lb + h64 * stride_lh + qr64, mask=qmask, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
     delta = tl.load(Delta + b * stride_lb + h64 * stride_lh + qr64, mask=qmask, other=0.0)
@@ -185,8 +210,12 @@ def bs_bwd_dq_kernel(
         kc = k0 + cols
         kmask = kc < Nk
         kc64 = kc.to(tl.int64)[:, None]
-        k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
-        v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
+        if TMA:
+            k = k_desc.load([k0, 0])
+            v = v_desc.load([k0, 0])
+        else:
+            k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
+            v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
         qk = mm(q, tl.trans(k), UPCAST) * qk_scale
         p = tl.math.exp2(qk - lse[:, None])
         if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
@@ -213,7 +242,7 @@ def bs_bwd_dkdv_kernel(
     stride_cb, stride_ch, stride_ib, stride_ih,
     Nq, Nk, q_offset, group, ratio, scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     kt = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -242,14 +271,21 @@ def bs_bwd_dkdv_kernel(
         do_row = DO + b * stride_db + h64 * stride_dh + d[None, :]
         l_row = L + b * stride_lb + h64 * stride_lh
         dl_row = Delta + b * stride_lb + h64 * stride_lh
+        if TMA:  # q_offset == 0
+            q_desc = _rows_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM)
+            do_desc = _rows_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, BLOCK_M, HEAD_DIM)
         for s in range(0, cnt * (BLOCK // BLOCK_M)):
             q0 = tl.load(idx_row + s // (BLOCK // BLOCK_M)) * BLOCK + (s % (BLOCK // BLOCK_M)) * BLOCK_M
             qc = q0 + rows
             qr = qc - q_offset
             qmask = (qr >= 0) & (qr < Nq)
             qr64 = qr.to(tl.int64)
-            q = tl.load(q_row + qr64[:, None] * stride_qn, mask=qmask[:, None], other=0.0)
-            do = tl.load(do_row + qr64[:, None] * stride_dn, mask=qmask[:, None], other=0.0)
+            if TMA:
+                q = q_desc.load([q0, 0])
+                do = do_desc.load([q0, 0])
+            else:
+                q = tl.load(q_row + qr64[:, None] * stride_qn, mask=qmask[:, None], other=0.0)
+                do = tl.load(do_row + qr64[:, None] * stride_dn, mask=qmask[:, None], other=0.0)
             lse = tl.load(l_row + qr64, mask=qmask, other=0.0)
             lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
             delta = tl.load(dl_row + qr64, mask=qmask, other=0.0)
@@ -286,18 +322,21 @@ def _upcast(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.float32 else 0
 
 
-def _fwd_config(block: int, d: int, dtype: torch.dtype, nq: int) -> dict:
+def _fwd_config(block: int, d: int, dtype: torch.dtype, nq: int, tma: bool = False) -> dict:
     if _interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if nq <= 16:  # decoding: a few queries per program
         return dict(BLOCK_M=16, BLOCK_N=min(block, 64), num_warps=4, num_stages=2)
     wide = dtype == torch.float32 or d > 128
+    if tma and not wide:  # benchmarks/tune_block_sparse.py --tma on off, H100, 64K: 4.09 ms, (128, 64, 8, 3) 4.44
+        m, n = min(block, 128), min(block, 128)
+        return dict(BLOCK_M=m, BLOCK_N=n, num_warps=8 if m * n >= 16384 else 4, num_stages=3)
     m = min(block, 64 if wide else 128)
     n = min(block, 32 if wide else 64)
     return dict(BLOCK_M=m, BLOCK_N=n, num_warps=8 if m * n >= 8192 else 4, num_stages=2 if wide else 3)
 
 
-def _bwd_config(block: int, d: int, dtype: torch.dtype) -> tuple[dict, dict]:
+def _bwd_config(block: int, d: int, dtype: torch.dtype, tma: bool = False) -> tuple[dict, dict]:
     """(dq config, dk/dv config)."""
     if _interpreting():
         c = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -308,13 +347,26 @@ def _bwd_config(block: int, d: int, dtype: torch.dtype) -> tuple[dict, dict]:
     else:
         dq = dict(BLOCK_M=min(block, 64), BLOCK_N=min(block, 32 if wide else 64), num_warps=4 if wide else 8,
                   num_stages=1 if wide else 2)
-    dkdv = dict(BLOCK_M=min(block, 32 if wide else 64), BLOCK_N=min(block, 64 if wide else 128),
-                num_warps=4 if wide else 8, num_stages=1 if wide else 2)
+    if tma and not wide:  # the same sweep with TMA loads: backward 13.4 ms, 14.4 with (64, 128, 8, 2)
+        dkdv = dict(BLOCK_M=min(block, 32), BLOCK_N=min(block, 64), num_warps=4, num_stages=3)
+    else:
+        dkdv = dict(BLOCK_M=min(block, 32 if wide else 64), BLOCK_N=min(block, 64 if wide else 128),
+                    num_warps=4 if wide else 8, num_stages=1 if wide else 2)
     return dq, dkdv
 
 
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _tma(tensors, q_offset: int) -> bool:
+    """Whether the kernels read Q/K/V (and dO) through tensor descriptors: where ``use_tma`` allows it and queries
+    and keys are the same rows (``q_offset == 0``; decoding keeps pointer loads)."""
+    if q_offset != 0 or not use_tma(tensors, False, False):
+        return False
+    descriptor_scratch(tensors[0].device)
+    LAUNCHES["tma"] += 1
+    return True
 
 
 def _layout_strides(count: torch.Tensor, index: torch.Tensor, batch: int):
@@ -343,8 +395,9 @@ def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, i
     lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
     if Nq == 0:
         return o, lse
-    cfg = _fwd_config(block, D, q.dtype, Nq)
     q_offset = Nk - Nq
+    tma = _tma((q, k, v), q_offset)
+    cfg = _fwd_config(block, D, q.dtype, Nq, tma)
     tile0 = q_offset // cfg["BLOCK_M"]
     grid = (triton.cdiv(Nk, cfg["BLOCK_M"]) - tile0, H, B)
     meta = _meta(tokens, contiguous)
@@ -353,7 +406,7 @@ def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, i
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         *_layout_strides(kv_count, kv_index, B),
         Nq, Nk, q_offset, tile0, H // k.shape[1], H // kv_index.shape[1], scale * LOG2E_F,
-        HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, CONTIG=contiguous, UPCAST=_upcast(q.dtype), **cfg,
+        HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, CONTIG=contiguous, UPCAST=_upcast(q.dtype), TMA=tma, **cfg,
     )
     LAUNCHES["forward"] += 1
     return o, lse
@@ -367,20 +420,24 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
     lse = lse.contiguous()
     B, H, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
-    delta = (o.float() * do.float()).sum(-1)
+    delta = torch.empty_like(lse)
+    if Nq:
+        delta_kernel[(triton.cdiv(Nq, 64), B * H)](
+            o, do, delta, *o.stride()[:3], *do.stride()[:3], H, Nq, HEAD_DIM=D, D=D, BLOCK=64
+        )
     if dlse is not None:
         delta = delta - dlse.float()
-    delta = delta.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if Nq == 0:
         return dq, dk.zero_(), dv.zero_()
     meta = _meta(tokens, contiguous)
-    q_cfg, kv_cfg = _bwd_config(block, D, q.dtype)
     q_offset = Nk - Nq
+    tma = _tma((q, k, v, do), q_offset)
+    q_cfg, kv_cfg = _bwd_config(block, D, q.dtype, tma)
     group, ratio = H // Hk, H // kv_index.shape[1]
     tile0 = q_offset // q_cfg["BLOCK_M"]
     grid = (triton.cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)
-    common = dict(HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, CONTIG=contiguous, UPCAST=_upcast(q.dtype))
+    common = dict(HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, CONTIG=contiguous, UPCAST=_upcast(q.dtype), TMA=tma)
     bs_bwd_dq_kernel[grid](
         q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *dq.stride()[:3],
