@@ -3,6 +3,7 @@ fastest per head dim, to copy into ``hf_dilated/ops/triton/configs.py``. Each ca
 baseline config's before it is timed.
 
     python benchmarks/tune_triton.py --n 65536 --dims 64 128 256
+    python benchmarks/tune_triton.py --dims 128 --kernels dkdv dq --tma on off   # backward, TMA loads against pointers
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ def main():
     ap.add_argument("--n", type=int, default=65536)
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
+    ap.add_argument("--tma", nargs="+", default=["on"], choices=["on", "off"],
+                    help="backward sweeps with tensor-descriptor loads (where the GPU has them) and / or pointer loads")
     args = ap.parse_args()
+    use_tma = launch.use_tma
     dev = torch.device("cuda")
     N, H = args.n, args.heads
     layout = resolve_layout(1, N, N, dev)
@@ -56,7 +61,7 @@ def main():
         fwd = lambda: launch.forward(q, k, v, launch.Problem(LONGNET, True, scale, 0), plan, valid, key)  # noqa: E731
         base_o, lse = fwd()
         best = None
-        for c in FWD_C:
+        for c in FWD_C if "fwd" in args.kernels else ():
             configs._FWD_HOPPER[D] = c
             try:
                 o, _ = fwd()
@@ -68,12 +73,19 @@ def main():
             print(f"D={D} fwd {c}: {ms:.3f} ms (err {err:.1e})")
             if ms == ms and (best is None or ms < best[0]):
                 best = (ms, c)
-        print(f"BEST D={D} fwd {best}")
-        configs._FWD_HOPPER[D] = best[1]
+        if best:
+            print(f"BEST D={D} fwd {best}")
+            configs._FWD_HOPPER[D] = best[1]
         o, lse = fwd()
         bwd = lambda: launch.backward(do, q, k, v, o, lse, launch.Problem(LONGNET, True, scale, 0), plan, valid, key)  # noqa: E731
         base = bwd()
-        for name, table, cands in (("dkdv", configs._BWD_KV_HOPPER, KV_C), ("dq", configs._BWD_Q_HOPPER, DQ_C)):
+        defaults = dict(configs._BWD_KV_HOPPER), dict(configs._BWD_Q_HOPPER)
+        for tma, name, table, cands in [(t, *x) for t in args.tma for x in (
+                ("dkdv", configs._BWD_KV_HOPPER, KV_C), ("dq", configs._BWD_Q_HOPPER, DQ_C)) if x[0] in args.kernels]:
+            launch.use_tma = use_tma if tma == "on" else (lambda *a, **k: False)
+            configs._BWD_KV_HOPPER.update(defaults[0])
+            configs._BWD_Q_HOPPER.update(defaults[1])
+            print(f"D={D} tma={tma} default bwd {triton.testing.do_bench(bwd, warmup=50, rep=300):.3f} ms")
             best = None
             for c in cands:
                 table[D] = c
@@ -84,11 +96,14 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     print(f"D={D} {name} {c}: {type(e).__name__}")
                     continue
-                print(f"D={D} bwd {name} {c}: {ms:.3f} ms (err {err:.1e})")
+                print(f"D={D} tma={tma} bwd {name} {c}: {ms:.3f} ms (err {err:.1e})")
                 if ms == ms and (best is None or ms < best[0]):
                     best = (ms, c)
-            print(f"BEST D={D} {name} {best}")
+            print(f"BEST D={D} tma={tma} {name} {best}")
             table[D] = best[1]
+        launch.use_tma = use_tma
+        configs._BWD_KV_HOPPER.update(defaults[0])
+        configs._BWD_Q_HOPPER.update(defaults[1])
 
 
 if __name__ == "__main__":

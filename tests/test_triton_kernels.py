@@ -139,17 +139,19 @@ def test_random_configs_contiguous(rng, causal, gqa):
 
 @cpu
 @pytest.mark.parametrize("tma", [True, False])
-def test_forward_tensor_descriptors_and_pointers(rng, tma, monkeypatch):
-    """The forward reads Q/K/V through TMA tensor descriptors (strided by r rows) where it may, else through
-    pointers; both paths against the oracle, and the counter proves which one ran."""
+def test_tensor_descriptors_and_pointers(rng, tma, monkeypatch):
+    """The forward (Q/K/V) and the backward (Q/dO in dK/dV, K/V in dQ) read through TMA tensor descriptors (strided
+    by r rows) where they may, else through pointers; both paths against the oracle, outputs and gradients, and the
+    counters prove which one ran."""
     if not tma:
         monkeypatch.setattr(launch, "use_tma", lambda *a, **k: False)
     pyrng = pyrng_of(rng)
     branches = random_branches(pyrng)
     q, k, v = make_qkv(rng, 2, 4, 2, pyrng.randint(30, 70), pyrng.randint(70, 90), 16, torch.float32, "cpu")
-    before = launch.LAUNCHES["forward_tma"]
+    before = launch.LAUNCHES["forward_tma"], launch.LAUNCHES["backward_tma"]
     check(q, k[:, :, -q.shape[2]:], v[:, :, -q.shape[2]:], branches, TOL[torch.float32], is_causal=True)
-    assert (launch.LAUNCHES["forward_tma"] > before) == tma
+    assert (launch.LAUNCHES["forward_tma"] > before[0]) == tma
+    assert (launch.LAUNCHES["backward_tma"] > before[1]) == tma
 
 
 @cpu

@@ -49,9 +49,11 @@ def delta_kernel(O, DO, Delta, stride_ob, stride_oh, stride_on, stride_db, strid
 def dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, qbase, b, h, h64, H, Nq, QV,
               q_row, do_row, l_row, dl_row, S, stride_qn, stride_dn, dmask, window, qk_scale, drop_threshold, inv_keep,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr,
-              DROPOUT: tl.constexpr, UPCAST: tl.constexpr, EVEN_D: tl.constexpr):
+              DROPOUT: tl.constexpr, UPCAST: tl.constexpr, EVEN_D: tl.constexpr, q_desc, do_desc, TMA: tl.constexpr):
     """One query tile's share of a key tile's dK and dV. Unmasked (``MASKED`` false) where every query of the tile
-    is valid and sees every key: rows past the tile's last key were loaded as zeros and are never stored."""
+    is valid and sees every key: rows past the tile's last key were loaded as zeros and are never stored. With
+    ``TMA`` the query and dO rows come through the descriptors over the head's dilated query rows (zeros past the
+    last)."""
     rows = start + rows_base
     qp = q_first + rows * r
     qc = qbase + qp
@@ -60,13 +62,21 @@ def dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, q
         qmask = qp < q_hi
         if HOLES:
             qmask = qmask & (tl.load(QV + b * Nq + qc, mask=qmask, other=0) != 0)
-        q = load_rows(q_row + qc64[:, None] * stride_qn, qmask, dmask, True, EVEN_D)
-        do = load_rows(do_row + qc64[:, None] * stride_dn, qmask, dmask, True, EVEN_D)
+        if TMA:
+            q = q_desc.load([start, 0])
+            do = do_desc.load([start, 0])
+        else:
+            q = load_rows(q_row + qc64[:, None] * stride_qn, qmask, dmask, True, EVEN_D)
+            do = load_rows(do_row + qc64[:, None] * stride_dn, qmask, dmask, True, EVEN_D)
         lse = tl.load(l_row + qc64, mask=qmask, other=0.0)
         delta = tl.load(dl_row + qc64, mask=qmask, other=0.0)
     else:
-        q = load_rows(q_row + qc64[:, None] * stride_qn, qc, dmask, False, EVEN_D)
-        do = load_rows(do_row + qc64[:, None] * stride_dn, qc, dmask, False, EVEN_D)
+        if TMA:
+            q = q_desc.load([start, 0])
+            do = do_desc.load([start, 0])
+        else:
+            q = load_rows(q_row + qc64[:, None] * stride_qn, qc, dmask, False, EVEN_D)
+            do = load_rows(do_row + qc64[:, None] * stride_dn, qc, dmask, False, EVEN_D)
         lse = tl.load(l_row + qc64)
         delta = tl.load(dl_row + qc64)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
@@ -101,7 +111,7 @@ def dilated_bwd_dkdv_kernel(
     Nq, Nk, H, head_offset, group, n_classes, r, scale, qk_scale, window, drop_threshold, inv_keep,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-    FIRST: tl.constexpr, UPCAST: tl.constexpr,
+    FIRST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     item = tl.program_id(0)
     tile = tl.program_id(1)
@@ -145,6 +155,17 @@ def dilated_bwd_dkdv_kernel(
         do_row = DO + b * stride_db + h64 * stride_dh + d[None, :]
         l_row = L + b * stride_lb + h64 * stride_lh
         dl_row = Delta + b * stride_lb + h64 * stride_lh
+        q_desc = q_row
+        do_desc = do_row
+        if TMA:  # the head's dilated query rows, row stride r (at least one row: no tile is read when there is none)
+            q0 = (qbase + q_first).to(tl.int64)
+            n_all = tl.maximum(n_rows(q_first, q_hi, r), 1)
+            q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh + q0 * stride_qn,
+                                               shape=[n_all, HEAD_DIM], strides=[r * stride_qn, 1],
+                                               block_shape=[BLOCK_M, HEAD_DIM])
+            do_desc = tl.make_tensor_descriptor(DO + b * stride_db + h64 * stride_dh + q0 * stride_dn,
+                                                shape=[n_all, HEAD_DIM], strides=[r * stride_dn, 1],
+                                                block_shape=[BLOCK_M, HEAD_DIM])
         # Query tiles that see every key of this tile need no mask (plain causal or bidirectional layouts only):
         # [start_q, start_full) masked, [start_full, end_full) unmasked, [end_full, n_q) masked (the partial tail).
         if WINDOW or HOLES:
@@ -159,17 +180,17 @@ def dilated_bwd_dkdv_kernel(
             dk, dv = dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, qbase, b, h, h64, H,
                                Nq, QV, q_row, do_row, l_row, dl_row, S, stride_qn, stride_dn, dmask, window,
                                qk_scale, drop_threshold, inv_keep, True, IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST,
-                               EVEN_D)
+                               EVEN_D, q_desc, do_desc, TMA)
         for start in range(start_full, end_full, BLOCK_M):
             dk, dv = dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, qbase, b, h, h64, H,
                                Nq, QV, q_row, do_row, l_row, dl_row, S, stride_qn, stride_dn, dmask, window,
                                qk_scale, drop_threshold, inv_keep, False, IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST,
-                               EVEN_D)
+                               EVEN_D, q_desc, do_desc, TMA)
         for start in range(end_full, n_q, BLOCK_M):
             dk, dv = dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, qbase, b, h, h64, H,
                                Nq, QV, q_row, do_row, l_row, dl_row, S, stride_qn, stride_dn, dmask, window,
                                qk_scale, drop_threshold, inv_keep, True, IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST,
-                               EVEN_D)
+                               EVEN_D, q_desc, do_desc, TMA)
     dk = dk * scale
     smask = tile_mask(in_range, dmask, EVEN_D)
     dk_ptrs = DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :]
@@ -193,7 +214,7 @@ def dilated_bwd_dq_kernel(
     Nq, Nk, H, head_offset, group, r, scale, qk_scale, window, drop_threshold, inv_keep,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-    FIRST: tl.constexpr, UPCAST: tl.constexpr,
+    FIRST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     item = tl.program_id(0)
     tile = tl.program_id(1)
@@ -237,15 +258,26 @@ def dilated_bwd_dq_kernel(
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
     n_full = unmasked_key_rows(p_min, k_first, n_k, r, BLOCK_N, IS_CAUSAL, WINDOW, HOLES)
+    k_desc = k_row
+    v_desc = v_row
+    if TMA:  # the tile's dilated key rows, row stride r (at least one row: no tile is read when there is none)
+        k0 = (kbase + k_first).to(tl.int64)
+        n_all = tl.maximum(n_k, 1)
+        k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh + k0 * stride_kn,
+                                           shape=[n_all, HEAD_DIM], strides=[r * stride_kn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh + k0 * stride_vn,
+                                           shape=[n_all, HEAD_DIM], strides=[r * stride_vn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start in range(0, n_full, BLOCK_N):
         dq = dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_first, r, n_k, kbase, b, Nk, KV,
                      k_row, v_row, stride_kn, stride_vn, dmask, window, qk_scale, drop_threshold, inv_keep, False,
-                     IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST, EVEN_D)
+                     IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST, EVEN_D, k_desc, v_desc, TMA)
     for start in range(n_full, n_k, BLOCK_N):
         dq = dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_first, r, n_k, kbase, b, Nk, KV,
                      k_row, v_row, stride_kn, stride_vn, dmask, window, qk_scale, drop_threshold, inv_keep, True,
-                     IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST, EVEN_D)
+                     IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST, EVEN_D, k_desc, v_desc, TMA)
     dq = dq * scale
     smask = tile_mask(in_range, dmask, EVEN_D)
     dq_ptrs = DQ + b * stride_dqb + h64 * stride_dqh + qc64[:, None] * stride_dqn + d[None, :]
@@ -258,20 +290,25 @@ def dilated_bwd_dq_kernel(
 def dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_first, r, n_k, kbase, b, Nk, KV, k_row,
             v_row, stride_kn, stride_vn, dmask, window, qk_scale, drop_threshold, inv_keep, MASKED: tl.constexpr,
             IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-            UPCAST: tl.constexpr, EVEN_D: tl.constexpr):
+            UPCAST: tl.constexpr, EVEN_D: tl.constexpr, k_desc, v_desc, TMA: tl.constexpr):
     """One key tile's share of a query tile's dQ. Unmasked (``MASKED`` false) where every key of the tile is valid
-    and seen by every query: rows past the tile's last query were loaded as zeros and are never stored."""
+    and seen by every query: rows past the tile's last query were loaded as zeros and are never stored. With ``TMA``
+    the key and value rows come through the descriptors over the tile's dilated key rows (zeros past the last)."""
     cols = start + cols_base
     kp = k_first + cols * r
     kc = kbase + kp
     kc64 = kc.to(tl.int64)[:, None]
+    if TMA:
+        k = k_desc.load([start, 0])
+        v = v_desc.load([start, 0])
     if MASKED:
         kmask = cols < n_k
         if HOLES:
             kmask = kmask & (tl.load(KV + b * Nk + kc, mask=kmask, other=0) != 0)
-        k = load_rows(k_row + kc64 * stride_kn, kmask, dmask, True, EVEN_D)
-        v = load_rows(v_row + kc64 * stride_vn, kmask, dmask, True, EVEN_D)
-    else:
+        if not TMA:
+            k = load_rows(k_row + kc64 * stride_kn, kmask, dmask, True, EVEN_D)
+            v = load_rows(v_row + kc64 * stride_vn, kmask, dmask, True, EVEN_D)
+    elif not TMA:
         k = load_rows(k_row + kc64 * stride_kn, cols, dmask, False, EVEN_D)
         v = load_rows(v_row + kc64 * stride_vn, cols, dmask, False, EVEN_D)
     qk = mm(q, tl.trans(k), UPCAST) * qk_scale

@@ -212,6 +212,10 @@ def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, h0, items, pb: Problem,
     group = H // Hk
     qv, kv, streams, window, thr, inv_keep, flags = extras
     hd = head_dim_block(D)
+    tma = use_tma((q, k, v, do), hd != D, flags["HOLES"])
+    if tma:
+        descriptor_scratch(q.device)
+        LAUNCHES["backward_tma"] += 1
     first = True
     for i, r, it in items:
         s = streams[i, :, h0:] if flags["DROPOUT"] else streams[i]
@@ -223,7 +227,7 @@ def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, h0, items, pb: Problem,
             *dk.stride()[:3], *dv.stride()[:3],
             Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
             inv_keep,
-            HEAD_DIM=hd, D=D, FIRST=first, UPCAST=_upcast(q), **flags, **kv_cfg,
+            HEAD_DIM=hd, D=D, FIRST=first, UPCAST=_upcast(q), TMA=tma, **flags, **kv_cfg,
         )
         grid = (it.n_items, triton.cdiv(it.max_q_rows, q_cfg["BLOCK_M"]), H)
         dilated_bwd_dq_kernel[grid](
@@ -231,7 +235,7 @@ def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, h0, items, pb: Problem,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
             *dq.stride()[:3],
             Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr, inv_keep,
-            HEAD_DIM=hd, D=D, FIRST=first, UPCAST=_upcast(q), **flags, **q_cfg,
+            HEAD_DIM=hd, D=D, FIRST=first, UPCAST=_upcast(q), TMA=tma, **flags, **q_cfg,
         )
         first = False
 
