@@ -365,6 +365,11 @@ def write_results(rows, args, gpu):
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print("wrote", path)
+    plot(rows, gpu, os.path.join(args.out, stem + ".png"))
+
+
+def plot(rows: list, gpu: str, png: str) -> None:
+    """Time and peak memory against N (log-log), one column per mode that ran."""
     try:
         import matplotlib
 
@@ -373,8 +378,11 @@ def write_results(rows, args, gpu):
     except ImportError:
         print("matplotlib missing: no plot")
         return
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
-    for j, mode in enumerate(["fwd", "fwdbwd", "decode"]):
+    modes = [m for m in ("fwd", "fwdbwd", "decode") if any(r["mode"] == m and "ms" in r for r in rows)]
+    if not modes:
+        return
+    fig, axes = plt.subplots(2, len(modes), figsize=(5.5 * len(modes), 9), squeeze=False)
+    for j, mode in enumerate(modes):
         for method, style in [("sdpa", "o-"), ("cudnn", "v-"), ("flex", "s-"), ("reference", "^-"), ("triton", "D-")]:
             for D in sorted({r["D"] for r in rows}):
                 for Hk in sorted({r["Hk"] for r in rows}):
@@ -393,7 +401,6 @@ def write_results(rows, args, gpu):
     axes[0, 0].legend(fontsize=6)
     fig.suptitle(f"Dilated attention (LongNet branches), bf16, causal, B=1, H=16 - {gpu}")
     fig.tight_layout()
-    png = os.path.join(args.out, stem + ".png")
     fig.savefig(png, dpi=110)
     print("wrote", png)
 
