@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .tiles import (
     LOG2E, allowed, drop_keep, drop_rows, first_selected, key_range, load_item, load_rows, mm, n_rows,
-    query_range, tile_mask, unmasked_key_rows,
+    query_range, row_desc, tile_mask, unmasked_key_rows,
 )
 
 
@@ -160,12 +160,10 @@ def dilated_bwd_dkdv_kernel(
         if TMA:  # the head's dilated query rows, row stride r (at least one row: no tile is read when there is none)
             q0 = (qbase + q_first).to(tl.int64)
             n_all = tl.maximum(n_rows(q_first, q_hi, r), 1)
-            q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh + q0 * stride_qn,
-                                               shape=[n_all, HEAD_DIM], strides=[r * stride_qn, 1],
-                                               block_shape=[BLOCK_M, HEAD_DIM])
-            do_desc = tl.make_tensor_descriptor(DO + b * stride_db + h64 * stride_dh + q0 * stride_dn,
-                                                shape=[n_all, HEAD_DIM], strides=[r * stride_dn, 1],
-                                                block_shape=[BLOCK_M, HEAD_DIM])
+            q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh + q0 * stride_qn, n_all, r * stride_qn, BLOCK_M,
+                              HEAD_DIM)
+            do_desc = row_desc(DO + b * stride_db + h64 * stride_dh + q0 * stride_dn, n_all, r * stride_dn, BLOCK_M,
+                               HEAD_DIM)
         # Query tiles that see every key of this tile need no mask (plain causal or bidirectional layouts only):
         # [start_q, start_full) masked, [start_full, end_full) unmasked, [end_full, n_q) masked (the partial tail).
         if WINDOW or HOLES:
@@ -263,12 +261,8 @@ def dilated_bwd_dq_kernel(
     if TMA:  # the tile's dilated key rows, row stride r (at least one row: no tile is read when there is none)
         k0 = (kbase + k_first).to(tl.int64)
         n_all = tl.maximum(n_k, 1)
-        k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh + k0 * stride_kn,
-                                           shape=[n_all, HEAD_DIM], strides=[r * stride_kn, 1],
-                                           block_shape=[BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh + k0 * stride_vn,
-                                           shape=[n_all, HEAD_DIM], strides=[r * stride_vn, 1],
-                                           block_shape=[BLOCK_N, HEAD_DIM])
+        k_desc = row_desc(K + b * stride_kb + kvh * stride_kh + k0 * stride_kn, n_all, r * stride_kn, BLOCK_N, HEAD_DIM)
+        v_desc = row_desc(V + b * stride_vb + kvh * stride_vh + k0 * stride_vn, n_all, r * stride_vn, BLOCK_N, HEAD_DIM)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start in range(0, n_full, BLOCK_N):
         dq = dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_first, r, n_k, kbase, b, Nk, KV,

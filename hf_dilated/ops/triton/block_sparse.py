@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .configs import _hopper, descriptor_scratch, use_tma
 from .backward import delta_kernel
-from .tiles import LOG2E, LOG2E_F, finish, mm, softmax_step
+from .tiles import LOG2E, LOG2E_F, finish, mm, row_desc, softmax_step
 
 # Kernel launches by name; tests read it to assert that the kernels (not a fallback) ran.
 LAUNCHES: collections.Counter = collections.Counter()
@@ -70,13 +70,6 @@ def _edge(k0, q0, q_whole, Nk, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, C
 
 
 @triton.jit
-def _rows_desc(base, n_rows, stride_n, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A tensor descriptor (TMA) over one head's ``[n_rows, HEAD_DIM]`` rows: tiles past the last row read zeros."""
-    return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_n, 1],
-                                     block_shape=[BLOCK_ROWS, HEAD_DIM])
-
-
-@triton.jit
 def _query_meta(QPOS, QSEQ, QOK, qbase, qr, qc, qmask, CONTIG: tl.constexpr):
     """Positions, sequence ids and validity of a query tile (rows outside the queries are invalid)."""
     if CONTIG:
@@ -116,9 +109,9 @@ def bs_fwd_kernel(
     h64 = h.to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
     if TMA:  # q_offset == 0; rows past Nq come back as zeros
-        q = _rows_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM).load([t * BLOCK_M, 0])
-        k_desc = _rows_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM)
-        v_desc = _rows_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM)
+        q = row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM).load([t * BLOCK_M, 0])
+        k_desc = row_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM)
+        v_desc = row_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM)
     else:
         q = tl.load(Q + b * stride_qb + h64 * stride_qh + qr.to(tl.int64)[:, None] * stride_qn + d[None, :],
                     mask=qmask[:, None], other=0.0)
@@ -185,10 +178,10 @@ def bs_bwd_dq_kernel(
     d = tl.arange(0, HEAD_DIM)
     qr64 = qr.to(tl.int64)
     if TMA:  # q_offset == 0; rows past Nq come back as zeros
-        q = _rows_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM).load([t * BLOCK_M, 0])
-        do = _rows_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, BLOCK_M, HEAD_DIM).load([t * BLOCK_M, 0])
-        k_desc = _rows_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM)
-        v_desc = _rows_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM)
+        q = row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM).load([t * BLOCK_M, 0])
+        do = row_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, BLOCK_M, HEAD_DIM).load([t * BLOCK_M, 0])
+        k_desc = row_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM)
+        v_desc = row_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM)
     else:
         q = tl.load(Q + b * stride_qb + h64 * stride_qh + qr64[:, None] * stride_qn + d[None, :],
                     mask=qmask[:, None], other=0.0)
@@ -272,8 +265,8 @@ def bs_bwd_dkdv_kernel(
         l_row = L + b * stride_lb + h64 * stride_lh
         dl_row = Delta + b * stride_lb + h64 * stride_lh
         if TMA:  # q_offset == 0
-            q_desc = _rows_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM)
-            do_desc = _rows_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, BLOCK_M, HEAD_DIM)
+            q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM)
+            do_desc = row_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, BLOCK_M, HEAD_DIM)
         for s in range(0, cnt * (BLOCK // BLOCK_M)):
             q0 = tl.load(idx_row + s // (BLOCK // BLOCK_M)) * BLOCK + (s % (BLOCK // BLOCK_M)) * BLOCK_M
             qc = q0 + rows

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    allowed, drop_rows, finish, first_selected, key_range, load_item, load_rows, mm, n_rows, softmax_step, tile_mask,
-    unmasked_key_rows,
+    allowed, drop_rows, finish, first_selected, key_range, load_item, load_rows, mm, n_rows, row_desc, softmax_step,
+    tile_mask, unmasked_key_rows,
 )
 
 
@@ -58,9 +58,8 @@ def dilated_fwd_branch_kernel(
     kvh = (h // group).to(tl.int64)
     h64 = h.to(tl.int64)
     if TMA:
-        q_desc = tl.make_tensor_descriptor(
-            Q + b * stride_qb + h64 * stride_qh + (qbase + q_first).to(tl.int64) * stride_qn,
-            shape=[n_rows(q_first, q_hi, r), HEAD_DIM], strides=[r * stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh + (qbase + q_first).to(tl.int64) * stride_qn,
+                          n_rows(q_first, q_hi, r), r * stride_qn, BLOCK_M, HEAD_DIM)
         q = q_desc.load([row0, 0])
     else:
         q_ptrs = Q + b * stride_qb + h64 * stride_qh + qc.to(tl.int64)[:, None] * stride_qn + d[None, :]
@@ -80,10 +79,8 @@ def dilated_fwd_branch_kernel(
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
     if TMA:
         k0 = (kbase + k_first).to(tl.int64)
-        k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh + k0 * stride_kn, shape=[n_k, HEAD_DIM],
-                                           strides=[r * stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh + k0 * stride_vn, shape=[n_k, HEAD_DIM],
-                                           strides=[r * stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        k_desc = row_desc(K + b * stride_kb + kvh * stride_kh + k0 * stride_kn, n_k, r * stride_kn, BLOCK_N, HEAD_DIM)
+        v_desc = row_desc(V + b * stride_vb + kvh * stride_vh + k0 * stride_vn, n_k, r * stride_vn, BLOCK_N, HEAD_DIM)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)

@@ -1,7 +1,7 @@
 """``@triton.jit`` helpers shared by the forward, backward, decode and block-sparse kernels: reading a work item, the
 dilated row grid, the key (or query) range a tile may see and how much of it needs no mask, the (query, key) pair
-mask, the online-softmax step and its finish, and the dropout draw (the same uint32 arithmetic as
-``ops/dropout.py``)."""
+mask, the online-softmax step and its finish, the tensor descriptor over a head's (dilated) rows, and the dropout
+draw (the same uint32 arithmetic as ``ops/dropout.py``)."""
 
 from __future__ import annotations
 
@@ -111,6 +111,14 @@ def allowed(ok, dist, window, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
         if not IS_CAUSAL:
             ok = ok & (dist > -window)
     return ok
+
+
+@triton.jit
+def row_desc(base, n, row_stride, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A TMA tensor descriptor over ``n`` rows of ``HEAD_DIM`` elements ``row_stride`` elements apart (a head's rows,
+    or its dilated rows with ``r * stride_n``), read ``BLOCK_ROWS`` at a time; tiles past the last row read zeros."""
+    return tl.make_tensor_descriptor(base, shape=[n, HEAD_DIM], strides=[row_stride, 1],
+                                     block_shape=[BLOCK_ROWS, HEAD_DIM])
 
 
 @triton.jit
