@@ -117,6 +117,18 @@ def test_bad_options_exit_2_with_the_option_named(tmp_path, capsys, extra, messa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("extra, lr", [([], 1e-4), (["--lora-r", "8"], 1e-3), (["--learning-rate", "3e-5"], 3e-5),
+                                       (["--lora-r", "8", "--learning_rate=2e-4"], 2e-4)])
+def test_defaults_are_the_measured_recipe(tmp_path, extra, lr):
+    """Without --learning-rate the rate is the fine-tune recipe's (LoRA 1e-3, full 1e-4), constant after 10 warm-up
+    steps; an explicit rate wins."""
+    _, training = ft.parse_args(["--output-dir", str(tmp_path / "run"), *extra])
+    assert training.learning_rate == lr
+    assert transformers.SchedulerType(training.lr_scheduler_type).value == "constant_with_warmup"
+    assert training.warmup_steps == 10
+    assert training.weight_decay == 0.0
+
+
 def test_missing_plotting_package_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
