@@ -58,25 +58,21 @@ def dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, q
     qp = q_first + rows * r
     qc = qbase + qp
     qc64 = qc.to(tl.int64)
+    qmask = qc  # unused by unmasked loads
     if MASKED:
         qmask = qp < q_hi
         if HOLES:
             qmask = qmask & (tl.load(QV + b * Nq + qc, mask=qmask, other=0) != 0)
-        if TMA:
-            q = q_desc.load([start, 0])
-            do = do_desc.load([start, 0])
-        else:
-            q = load_rows(q_row + qc64[:, None] * stride_qn, qmask, dmask, True, EVEN_D)
-            do = load_rows(do_row + qc64[:, None] * stride_dn, qmask, dmask, True, EVEN_D)
+    if TMA:
+        q = q_desc.load([start, 0])
+        do = do_desc.load([start, 0])
+    else:
+        q = load_rows(q_row + qc64[:, None] * stride_qn, qmask, dmask, MASKED, EVEN_D)
+        do = load_rows(do_row + qc64[:, None] * stride_dn, qmask, dmask, MASKED, EVEN_D)
+    if MASKED:
         lse = tl.load(l_row + qc64, mask=qmask, other=0.0)
         delta = tl.load(dl_row + qc64, mask=qmask, other=0.0)
     else:
-        if TMA:
-            q = q_desc.load([start, 0])
-            do = do_desc.load([start, 0])
-        else:
-            q = load_rows(q_row + qc64[:, None] * stride_qn, qc, dmask, False, EVEN_D)
-            do = load_rows(do_row + qc64[:, None] * stride_dn, qc, dmask, False, EVEN_D)
         lse = tl.load(l_row + qc64)
         delta = tl.load(dl_row + qc64)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
