@@ -419,7 +419,7 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
             o, do, delta, *o.stride()[:3], *do.stride()[:3], H, Nq, HEAD_DIM=D, D=D, BLOCK=64
         )
     if dlse is not None:
-        delta = delta - dlse.float()
+        delta = (delta - dlse.float()).contiguous()  # the kernels read it with the lse's strides
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if Nq == 0:
         return dq, dk.zero_(), dv.zero_()

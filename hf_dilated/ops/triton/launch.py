@@ -167,7 +167,7 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
         o, do, delta, *o.stride()[:3], *do.stride()[:3], H, Nq, HEAD_DIM=head_dim_block(D), D=D, BLOCK=BLOCK
     )
     if dlse is not None:
-        delta = delta - dlse.to(torch.float32)
+        delta = (delta - dlse.to(torch.float32)).contiguous()  # the kernels read it with the lse's strides
     extras = _extras(pb, plan.holes, layout_valid, B, H, q.device)
     kv_cfg, q_cfg = bwd_config(head_dim_block(D), q.dtype)
     items = [(i, r, branch_items(plan.runs, w, r, pb.is_causal, q.device, cache_key, cap))
