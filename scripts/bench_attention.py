@@ -11,6 +11,7 @@ attention for SDPA), the ratio of TFLOP/s to SDPA-flash at the same N, peak memo
 
     python scripts/bench_attention.py                  # the full sweep (about 8 minutes on an H100)
     python scripts/bench_attention.py --quick          # 16K and 64K only
+    python scripts/bench_attention.py --shapes 16/16/128 32/8/128 9/3/64 8/2/256   # model-shaped heads, one run
 """
 
 from __future__ import annotations
@@ -189,12 +190,30 @@ def check_sdpa(result, q, k, v, do):
 # --------------------------------------------------------------------------------------------------------------
 
 
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``"H/Hk/D"`` (query heads, kv heads, head dim) -> ``(H, Hk, D)``; ``ValueError`` naming ``--shapes``."""
+    try:
+        h, hk, d = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shapes takes H/Hk/D triples such as 16/16/128 or 9/3/64, got {text!r}") from None
+    if min(h, hk, d) < 1 or h % hk:
+        raise ValueError(f"--shapes {text!r}: heads must be positive and H a multiple of Hk")
+    return h, hk, d
+
+
+def bench_cases(modes, seqlens, shapes) -> list[tuple[str, int, int, int, int]]:
+    """``(mode, N, D, H, Hk)`` of every case, in the order they run (mode, shape, N)."""
+    return [(m, N, D, H, Hk) for m in modes for H, Hk, D in shapes for N in seqlens]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[16384, 65536, 262144, 1048576])
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--gqa", type=int, nargs="+", default=[1, 4], help="query heads per kv head")
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--shapes", nargs="+", metavar="H/Hk/D",
+                    help="head shapes to run instead of --heads x --gqa x --dims, e.g. 16/16/128 32/8/128 9/3/64 8/2/256")
     ap.add_argument("--modes", nargs="+", default=["decode", "fwd", "fwdbwd"])
     ap.add_argument("--methods", nargs="+", default=["triton", "reference", "sdpa", "cudnn", "flex"])
     ap.add_argument("--max-sdpa", type=int, default=262144, help="largest N for dense SDPA (1M takes ~15 s a call)")
@@ -206,6 +225,11 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    try:
+        shapes = ([parse_shape(x) for x in args.shapes] if args.shapes
+                  else [(args.heads, args.heads // g, d) for d in args.dims for g in args.gqa])
+    except ValueError as err:
+        ap.error(str(err))
     if args.quick:
         args.seqlens = [n for n in args.seqlens if n <= 65536]
     t_start = time.time()
@@ -213,15 +237,14 @@ def main():
     dtype = torch.bfloat16
     gpu = torch.cuda.get_device_name()
     branches = LONGNET
-    H, B = args.heads, 1
+    B = 1
     rows = []
-    cases = [(m, N, D, G) for m in args.modes for D in args.dims for G in args.gqa for N in args.seqlens]
-    bar = tqdm(cases, desc="bench", file=sys.stdout, mininterval=5)
-    for mode, N, D, G in bar:
+    bar = tqdm(bench_cases(args.modes, args.seqlens, shapes), desc="bench", file=sys.stdout, mininterval=5)
+    for mode, N, D, H, Hk in bar:
+        G = H // Hk
         if time.time() - t_start > args.budget_s:
-            print(f"time budget reached, skipping {mode} N={N} D={D} G={G}")
+            print(f"time budget reached, skipping {mode} N={N} H/Hk={H}/{Hk} D={D}")
             continue
-        Hk = H // G
         gen = torch.Generator(device=dev).manual_seed(N + D + G)
         nq = 1 if mode == "decode" else N
         q = torch.randn(B, H, nq, D, device=dev, dtype=dtype, generator=gen)
@@ -299,14 +322,16 @@ def main():
                 row["tflops"] = fl / (row["ms"] * 1e-3) / 1e12
             rows.append(row)
         del q, k, v, do
-    # ratio to SDPA at the same (mode, N, D, Hk); SDPA's 1M rate is taken from its largest measured N
-    sd = {(r["mode"], r["N"], r["D"], r["Hk"]): r for r in rows if r["method"] == "sdpa" and "ms" in r}
+    # ratio to SDPA at the same (mode, N, D, H, Hk); SDPA's 1M rate is taken from its largest measured N
+    key = lambda r: (r["mode"], r["N"], r["D"], r["H"], r["Hk"])  # noqa: E731
+    sd = {key(r): r for r in rows if r["method"] == "sdpa" and "ms" in r}
     for r in rows:
         if "ms" not in r:
             continue
-        s = sd.get((r["mode"], r["N"], r["D"], r["Hk"]))
+        s = sd.get(key(r))
         if s is None and r["mode"] != "decode":
-            cands = [x for x in sd.values() if (x["mode"], x["D"], x["Hk"]) == (r["mode"], r["D"], r["Hk"])]
+            shape = lambda x: (x["mode"], x["D"], x["H"], x["Hk"])  # noqa: E731
+            cands = [x for x in sd.values() if shape(x) == shape(r)]
             if cands:
                 s = max(cands, key=lambda x: x["N"])
                 r["sdpa_ratio_from_N"] = s["N"]
@@ -315,14 +340,14 @@ def main():
                 r["speedup_vs_sdpa"] = s["ms"] / r["ms"]
             else:
                 r["tflops_ratio_vs_sdpa"] = r["tflops"] / s["tflops"]
-    cudnn = {(r["mode"], r["N"], r["D"], r["Hk"]): r for r in rows if r["method"] == "cudnn" and "ms" in r}
+    cudnn = {key(r): r for r in rows if r["method"] == "cudnn" and "ms" in r}
     for r in rows:
-        c = cudnn.get((r["mode"], r["N"], r["D"], r["Hk"]))
+        c = cudnn.get(key(r))
         if r["method"] == "triton" and "ms" in r and c is not None:
             r["tflops_ratio_vs_cudnn"] = r["tflops"] / c["tflops"]
-    flex = {(r["mode"], r["N"], r["D"], r["Hk"]): r for r in rows if r["method"] == "flex" and "ms" in r}
+    flex = {key(r): r for r in rows if r["method"] == "flex" and "ms" in r}
     for r in rows:
-        f = flex.get((r["mode"], r["N"], r["D"], r["Hk"]))
+        f = flex.get(key(r))
         if r["method"] == "triton" and "ms" in r and f is not None:
             r["speedup_vs_flex"] = f["ms"] / r["ms"]
     print_table(rows)
@@ -384,22 +409,21 @@ def plot(rows: list, gpu: str, png: str) -> None:
     fig, axes = plt.subplots(2, len(modes), figsize=(5.5 * len(modes), 9), squeeze=False)
     for j, mode in enumerate(modes):
         for method, style in [("sdpa", "o-"), ("cudnn", "v-"), ("flex", "s-"), ("reference", "^-"), ("triton", "D-")]:
-            for D in sorted({r["D"] for r in rows}):
-                for Hk in sorted({r["Hk"] for r in rows}):
-                    pts = sorted((r["N"], r["ms"], r["peak_gib"]) for r in rows if r["mode"] == mode
-                                 and r["method"] == method and r["D"] == D and r["Hk"] == Hk and "ms" in r)
-                    if not pts:
-                        continue
-                    lab = f"{method} D={D} Hk={Hk}"
-                    axes[0, j].loglog([p[0] for p in pts], [p[1] for p in pts], style, label=lab, base=2)
-                    axes[1, j].loglog([p[0] for p in pts], [p[2] for p in pts], style, label=lab, base=2)
+            for D, H, Hk in sorted({(r["D"], r["H"], r["Hk"]) for r in rows}):
+                pts = sorted((r["N"], r["ms"], r["peak_gib"]) for r in rows if r["mode"] == mode
+                             and r["method"] == method and (r["D"], r["H"], r["Hk"]) == (D, H, Hk) and "ms" in r)
+                if not pts:
+                    continue
+                lab = f"{method} H/Hk={H}/{Hk} D={D}"
+                axes[0, j].loglog([p[0] for p in pts], [p[1] for p in pts], style, label=lab, base=2)
+                axes[1, j].loglog([p[0] for p in pts], [p[2] for p in pts], style, label=lab, base=2)
         axes[0, j].set_title(f"{mode}: time (ms)" + (" per token, N = cache length" if mode == "decode" else ""))
         axes[1, j].set_title(f"{mode}: peak memory (GiB)")
         for i in range(2):
             axes[i, j].set_xlabel("N (tokens)")
             axes[i, j].grid(True, which="both", alpha=0.3)
     axes[0, 0].legend(fontsize=6)
-    fig.suptitle(f"Dilated attention (LongNet branches), bf16, causal, B=1, H=16 - {gpu}")
+    fig.suptitle(f"Dilated attention (LongNet branches), bf16, causal, B=1 - {gpu}")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print("wrote", png)
