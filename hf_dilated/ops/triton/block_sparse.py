@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import _hopper, descriptor_scratch, use_tma
-from .backward import delta_kernel
+from .configs import _hopper, descriptor_scratch, interpreting, use_tma
+from .launch import row_deltas, rowmajor
 from .tiles import LOG2E, LOG2E_F, finish, mm, row_desc, softmax_step
 
 # Kernel launches by name; tests read it to assert that the kernels (not a fallback) ran.
@@ -303,20 +303,14 @@ def bs_bwd_dkdv_kernel(
 # ---- launchers -------------------------------------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _upcast(dtype: torch.dtype) -> int:
-    if _interpreting():
+    if interpreting():
         return int(dtype == torch.bfloat16)
     return 2 if dtype == torch.float32 else 0
 
 
 def _fwd_config(block: int, d: int, dtype: torch.dtype, nq: int, tma: bool = False) -> dict:
-    if _interpreting():
+    if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if nq <= 16:  # decoding: a few queries per program
         return dict(BLOCK_M=16, BLOCK_N=min(block, 64), num_warps=4, num_stages=2)
@@ -331,7 +325,7 @@ def _fwd_config(block: int, d: int, dtype: torch.dtype, nq: int, tma: bool = Fal
 
 def _bwd_config(block: int, d: int, dtype: torch.dtype, tma: bool = False) -> tuple[dict, dict]:
     """(dq config, dk/dv config)."""
-    if _interpreting():
+    if interpreting():
         c = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
         return c, dict(c)
     wide = dtype == torch.float32 or d > 128
@@ -346,10 +340,6 @@ def _bwd_config(block: int, d: int, dtype: torch.dtype, tma: bool = False) -> tu
         dkdv = dict(BLOCK_M=min(block, 32 if wide else 64), BLOCK_N=min(block, 64 if wide else 128),
                     num_warps=4 if wide else 8, num_stages=1 if wide else 2)
     return dq, dkdv
-
-
-def _rowmajor(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _tma(tensors, q_offset: int) -> bool:
@@ -381,7 +371,7 @@ def _meta(tokens, contiguous):
 def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, is_causal: bool, scale: float):
     """``(out [B, H, Nq, D] in q's dtype, lse [B, H, Nq] float32)``; ``tokens`` = (q_pos, q_seq, q_valid, k_pos,
     k_seq, k_valid) as ``[B, N]`` tensors on q's device."""
-    q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
+    q, k, v = rowmajor(q), rowmajor(k), rowmajor(v)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     o = torch.empty(B, H, Nq, D, device=q.device, dtype=q.dtype)
@@ -409,20 +399,14 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
              is_causal: bool, scale: float, dlse=None):
     """``(dq, dk, dv)`` in the dtypes of q, k, v; a gradient ``dlse`` on the lse enters as ``delta - dlse``.
     ``q_ptr, q_flat``: the layout's transpose in CSR form (``BlockLayout.transposed``)."""
-    q, k, v, o, do = (_rowmajor(t) for t in (q, k, v, o, do))
+    q, k, v, o, do = (rowmajor(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
     B, H, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
-    delta = torch.empty_like(lse)
-    if Nq:
-        delta_kernel[(triton.cdiv(Nq, 64), B * H)](
-            o, do, delta, *o.stride()[:3], *do.stride()[:3], H, Nq, HEAD_DIM=D, D=D, BLOCK=64
-        )
-    if dlse is not None:
-        delta = (delta - dlse.float()).contiguous()  # the kernels read it with the lse's strides
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if Nq == 0:
         return dq, dk.zero_(), dv.zero_()
+    delta = row_deltas(o, do, dlse)
     meta = _meta(tokens, contiguous)
     q_offset = Nk - Nq
     tma = _tma((q, k, v, do), q_offset)

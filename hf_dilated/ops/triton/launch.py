@@ -53,8 +53,23 @@ def head_dim_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _rowmajor(t: torch.Tensor) -> torch.Tensor:
+def rowmajor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit stride in its last dim (the kernels' row loads), copied only when it has not."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def row_deltas(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None = None) -> torch.Tensor:
+    """``delta = rowsum(dO * O)`` in float32, contiguous ``[B, H, N]`` (one Triton pass, no float copies of O and dO),
+    minus ``dlse`` when the lse gets a gradient; the backward kernels read it with the contiguous lse's strides."""
+    B, H, N, D = o.shape
+    delta = torch.empty(B, H, N, device=o.device, dtype=torch.float32)
+    if N:
+        delta_kernel[(triton.cdiv(N, 64), B * H)](
+            o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N, HEAD_DIM=head_dim_block(D), D=D, BLOCK=64
+        )
+    if dlse is not None:
+        delta = (delta - dlse.to(torch.float32)).contiguous()
+    return delta
 
 
 def _upcast(q: torch.Tensor) -> int:
@@ -124,7 +139,7 @@ def _merge_buffers(B, H, Nq, D, device, covered: bool):
 def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     """Merged output ``[B, H, Nq, D]`` (query dtype) and float32 lse ``[B, H, Nq]`` over all branches."""
     LAUNCHES["forward"] += 1
-    q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
+    q, k, v = rowmajor(q), rowmajor(k), rowmajor(v)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     group = H // k.shape[1]
@@ -156,18 +171,12 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
 
     A gradient ``dlse`` on the lse adds ``dlse * P`` to ``dS``: it enters as ``delta - dlse``."""
     LAUNCHES["backward"] += 1
-    q, k, v, o, do = (_rowmajor(t) for t in (q, k, v, o, do))
+    q, k, v, o, do = (rowmajor(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
     B, H, Nq, D = q.shape
     Hk = k.shape[1]
     group = H // Hk
-    delta = torch.empty_like(lse)
-    BLOCK = 64
-    delta_kernel[(triton.cdiv(Nq, BLOCK), B * H)](
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, Nq, HEAD_DIM=head_dim_block(D), D=D, BLOCK=BLOCK
-    )
-    if dlse is not None:
-        delta = (delta - dlse.to(torch.float32)).contiguous()  # the kernels read it with the lse's strides
+    delta = row_deltas(o, do, dlse)
     extras = _extras(pb, plan.holes, layout_valid, B, H, q.device)
     kv_cfg, q_cfg = bwd_config(head_dim_block(D), q.dtype)
     items = [(i, r, branch_items(plan.runs, w, r, pb.is_causal, q.device, cache_key, cap))
@@ -246,7 +255,7 @@ def decode(q, k, v, pb: Problem, q_pos, q_valid, k_valid, kdesc):
     ``q_pos`` ``[B, Nq]``; ``q_valid`` ``[B, Nq]`` (None: every query is real); ``k_valid`` ``[B, Nk]`` (None: every
     key in ``[k_lo, k_hi)`` is real, and nothing of the cache's length is read or allocated)."""
     LAUNCHES["decode"] += 1
-    q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
+    q, k, v = rowmajor(q), rowmajor(k), rowmajor(v)
     B, H, Nq, D = q.shape
     group = H // k.shape[1]
     o = torch.empty(B, H, Nq, D, device=q.device, dtype=q.dtype)
