@@ -22,7 +22,7 @@ def _hopper() -> bool:
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim. Re-measured 2026-11-22 (H100, N = 32K, tune_triton.py):
 # D=256 forward 8.67 -> 4.70 ms, D=256 dk/dv 47.1 -> 34.9 ms, D=128 dk/dv 7.24 -> 6.72 ms; the rest were already best.
 # D=128 forward with TMA loads (N = 64K, LongNet branches): (64, 64, 4, 3) 3.56 ms against (128, 64, 8, 3) 3.77 ms.
-_FWD_HOPPER = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (128, 64, 8, 1)}
+_FWD_HOPPER = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (128, 64, 8, 2)}
 # From LONG_ROWS query rows on (batch x sequence), 128-row query tiles (two warpgroups): at D=128 16.4 against 21.5 ms
 # at 256K and 69 against 104 ms at 1M (D=64: 8.4 / 9.2 and 37 / 51), while (64, 64, 4, 3) stays faster at 16K and
 # 64K (1.00 / 1.19 and 3.41 / 3.90 ms). H100, TMA loads, LongNet branches, 2026-11-22 session 6 (.exp sweep, the
@@ -34,7 +34,7 @@ _FWD_OTHER = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
 _BWD_KV_HOPPER = {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (32, 64, 8, 2)}
 # D=128 dq: 3 stages, 13.19 ms against 13.84 backward at 64K (2026-11-22, session 5; dk/dv stays: 8-warp configs
 # that end its register spills ran 35-60% slower).
-_BWD_Q_HOPPER = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (32, 32, 8, 1)}
+_BWD_Q_HOPPER = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)}
 _BWD_OTHER = {64: (32, 64, 4, 2), 128: (32, 32, 4, 1), 256: (16, 32, 4, 1)}
 
 
