@@ -9,10 +9,11 @@ of the (dropped) output; a gradient ``dlse`` on the lse enters as ``delta - dlse
 Launches run one branch after another and add into ``dq`` / ``dk`` / ``dv`` (read, add in float32, write); within a
 launch no two programs touch the same row, so the sums need no atomics and are deterministic.
 
-- ``dkdv``: one program per (segment item, tile of dilated key rows, kv head x offset class). Query heads of a GQA
-  group with the same offset ``(h + head_offset) % r`` read the same key rows; one program loops over them all, so
-  K / V are never repeated and no two programs write one key row.
-- ``dq``: one program per (segment item, tile of dilated query rows, query head), like the forward.
+- ``dkdv``: one program per (segment item, tile of dilated key rows, kv head x offset class), the tiles of an item
+  consecutive (``tiles.item_tile``). Query heads of a GQA group with the same offset ``(h + head_offset) % r`` read
+  the same key rows; one program loops over them all, so K / V are never repeated and no two programs write one key
+  row.
+- ``dq``: one program per (segment item, tile of dilated query rows, query head), ordered like the forward.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    LOG2E, allowed, drop_keep, drop_rows, first_selected, key_range, load_item, load_rows, mm, n_rows,
+    LOG2E, allowed, drop_keep, drop_rows, first_selected, item_tile, key_range, load_item, load_rows, mm, n_rows,
     query_range, row_desc, tile_mask, unmasked_key_rows,
 )
 
@@ -104,14 +105,13 @@ def dilated_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    Nq, Nk, H, head_offset, group, n_classes, r, scale, qk_scale, window, drop_threshold, inv_keep,
+    Nq, Nk, H, head_offset, group, n_classes, r, scale, qk_scale, window, drop_threshold, inv_keep, n_tiles,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
     FIRST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    item = tl.program_id(0)
-    tile = tl.program_id(1)
-    hc = tl.program_id(2)
+    item, tile = item_tile(n_tiles, False)  # under causal attention the first key tile is the heaviest already
+    hc = tl.program_id(1)
     kvh = hc // n_classes
     h0 = kvh * group + hc % n_classes
     b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
@@ -205,14 +205,13 @@ def dilated_bwd_dq_kernel(
     stride_db, stride_dh, stride_dn,
     stride_lb, stride_lh,
     stride_dqb, stride_dqh, stride_dqn,
-    Nq, Nk, H, head_offset, group, r, scale, qk_scale, window, drop_threshold, inv_keep,
+    Nq, Nk, H, head_offset, group, r, scale, qk_scale, window, drop_threshold, inv_keep, n_tiles,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
     FIRST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    item = tl.program_id(0)
-    tile = tl.program_id(1)
-    h = tl.program_id(2)
+    item, tile = item_tile(n_tiles, IS_CAUSAL)
+    h = tl.program_id(1)
     b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
     off = (h + head_offset) % r
     q_first = first_selected(q_lo, off, r)

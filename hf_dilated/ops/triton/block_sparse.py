@@ -84,6 +84,15 @@ def _query_meta(QPOS, QSEQ, QOK, qbase, qr, qc, qmask, CONTIG: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(tile0, IS_CAUSAL: tl.constexpr):
+    """This program's query tile: under causal attention last-first, so that the tiles with the most active key blocks
+    (late in the sequence) start first and the launch ends on light ones (longest-first scheduling)."""
+    if IS_CAUSAL:
+        return tl.num_programs(0) - 1 - tl.program_id(0) + tile0
+    return tl.program_id(0) + tile0
+
+
+@triton.jit
 def bs_fwd_kernel(
     Q, K, V, O, L, CNT, IDX, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK,
     stride_qb, stride_qh, stride_qn,
@@ -96,7 +105,7 @@ def bs_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    t = tl.program_id(0) + tile0
+    t = _query_tile(tile0, IS_CAUSAL)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     qc = t * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -164,7 +173,7 @@ def bs_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    t = tl.program_id(0) + tile0
+    t = _query_tile(tile0, IS_CAUSAL)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     qc = t * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -1,4 +1,5 @@
-"""Forward kernel: one launch per branch, one program per (segment item, tile of dilated query rows, query head).
+"""Forward kernel: one launch per branch, one program per (segment item, tile of dilated query rows, query head), the
+tiles of an item consecutive and last-first (``tiles.item_tile``).
 
 A segment item (``schedule.py``) is the part of one sequence's segment that holds queries: positions ``[q_lo, q_hi)``
 of the queries, ``[k_lo, k_hi)`` of the keys; position ``p`` sits at column ``base + p``. For head ``h`` the branch
@@ -17,8 +18,8 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    allowed, drop_rows, finish, first_selected, key_range, load_item, load_rows, mm, n_rows, row_desc, softmax_step,
-    tile_mask, unmasked_key_rows,
+    allowed, drop_rows, finish, first_selected, item_tile, key_range, load_item, load_rows, mm, n_rows, row_desc,
+    softmax_step, tile_mask, unmasked_key_rows,
 )
 
 
@@ -30,14 +31,13 @@ def dilated_fwd_branch_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     stride_lb, stride_lh,
-    Nq, Nk, H, head_offset, group, r, qk_scale, window, drop_threshold, inv_keep,
+    Nq, Nk, H, head_offset, group, r, qk_scale, window, drop_threshold, inv_keep, n_tiles,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
     FIRST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    item = tl.program_id(0)
-    tile = tl.program_id(1)
-    h = tl.program_id(2)
+    item, tile = item_tile(n_tiles, IS_CAUSAL)
+    h = tl.program_id(1)
     b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
     off = (h + head_offset) % r
     q_first = first_selected(q_lo, off, r)

@@ -79,6 +79,16 @@ def _upcast(q: torch.Tensor) -> int:
     return 2 if q.dtype == torch.float32 else 0
 
 
+def items_grid(n_items: int, max_rows: int, block: int, heads: int) -> tuple[tuple[int, int], int]:
+    """``((n_items * n_tiles, heads), n_tiles)``: the grid of a branch launch, every item's ``n_tiles`` row tiles as
+    consecutive programs on axis 0 (``tiles.item_tile`` maps a program back; axis 0 admits 2**31 - 1 programs, the
+    other axes 65535)."""
+    n_tiles = triton.cdiv(max_rows, block)
+    if n_items * n_tiles >= 2**31 or heads > 65535:
+        raise ValueError(f"too many work items for one launch: {n_items} items x {n_tiles} tiles x {heads} heads")
+    return (n_items * n_tiles, heads), n_tiles
+
+
 _CONSTANTS: dict = {}
 
 
@@ -155,11 +165,11 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
         it = branch_items(plan.runs, w, r, pb.is_causal, q.device, cache_key, cap)
         if it.n_items == 0:
             continue
-        grid = (it.n_items, triton.cdiv(it.max_q_rows, cfg["BLOCK_M"]), H)
+        grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], H)
         dilated_fwd_branch_kernel[grid](
             q, k, v, o, lse, it.items, qv, kv, streams[i],
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
-            Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep,
+            Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles,
             HEAD_DIM=head_dim_block(D), D=D, FIRST=first, UPCAST=_upcast(q), TMA=tma, **flags, **cfg,
         )
         first = False
@@ -229,21 +239,21 @@ def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, h0, items, pb: Problem,
     for i, r, it in items:
         s = streams[i, :, h0:] if flags["DROPOUT"] else streams[i]
         n_classes = min(group, r)
-        grid = (it.n_items, triton.cdiv(it.max_k_rows, kv_cfg["BLOCK_N"]), Hk * n_classes)
+        grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
         dilated_bwd_dkdv_kernel[grid](
             q, k, v, do, lse, delta, dk, dv, it.items, qv, kv, s,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
             *dk.stride()[:3], *dv.stride()[:3],
             Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
-            inv_keep,
+            inv_keep, n_tiles,
             HEAD_DIM=hd, D=D, FIRST=first, UPCAST=_upcast(q), TMA=tma, **flags, **kv_cfg,
         )
-        grid = (it.n_items, triton.cdiv(it.max_q_rows, q_cfg["BLOCK_M"]), H)
+        grid, n_tiles = items_grid(it.n_items, it.max_q_rows, q_cfg["BLOCK_M"], H)
         dilated_bwd_dq_kernel[grid](
             q, k, v, do, lse, delta, dq, it.items, qv, kv, s,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
             *dq.stride()[:3],
-            Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr, inv_keep,
+            Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr, inv_keep, n_tiles,
             HEAD_DIM=hd, D=D, FIRST=first, UPCAST=_upcast(q), TMA=tma, **flags, **q_cfg,
         )
         first = False

@@ -1,4 +1,5 @@
-"""``@triton.jit`` helpers shared by the forward, backward, decode and block-sparse kernels: reading a work item, the
+"""``@triton.jit`` helpers shared by the forward, backward, decode and block-sparse kernels: reading a work item and
+the order of its tiles, the
 dilated row grid, the key (or query) range a tile may see and how much of it needs no mask, the (query, key) pair
 mask, the online-softmax step and its finish, the tensor descriptor over a head's (dilated) rows, and the dropout
 draw (the same uint32 arithmetic as ``ops/dropout.py``)."""
@@ -30,6 +31,21 @@ def load_item(T, item):
     t = T + item * _ITEM_COLUMNS
     return (tl.load(t + _IT_B).to(tl.int64), tl.load(t + _IT_Q_BASE), tl.load(t + _IT_K_BASE),
             tl.load(t + _IT_Q_LO), tl.load(t + _IT_Q_HI), tl.load(t + _IT_K_LO), tl.load(t + _IT_K_HI))
+
+
+@triton.jit
+def item_tile(n_tiles, HEAVIEST_LAST: tl.constexpr):
+    """``(item, tile)`` of this program in a launch over ``n_items * n_tiles`` programs on axis 0 (the launchers'
+    ``items_grid``): the tiles of one segment item are consecutive programs, so the key/value rows they share are read
+    from L2 while they run (an item-major order keeps every segment of a long input in flight at once and streams
+    them from DRAM again and again). With ``HEAVIEST_LAST`` (query tiles under causal attention: the last tile sees
+    the most keys) the tiles run last-first, so the heaviest start first and the launch ends on light ones."""
+    pid = tl.program_id(0)
+    item = pid // n_tiles
+    tile = pid % n_tiles
+    if HEAVIEST_LAST:
+        tile = n_tiles - 1 - tile
+    return item, tile
 
 
 @triton.jit
