@@ -64,11 +64,8 @@ def main():
         fwd = lambda: launch.forward(q, k, v, launch.Problem(LONGNET, True, scale, 0), plan, valid, key)  # noqa: E731
         base_o, lse = fwd()
         best = None
-        long_table = configs._FWD_HOPPER_LONG if N >= configs.LONG_ROWS and D in configs._FWD_HOPPER_LONG else {}
         for c in FWD_C if "fwd" in args.kernels else ():
             configs._FWD_HOPPER[D] = c
-            if long_table:
-                long_table[D] = c
             try:
                 o, _ = fwd()
                 err = rel(o, base_o)

@@ -407,16 +407,19 @@ def plot(rows: list, gpu: str, png: str) -> None:
     if not modes:
         return
     fig, axes = plt.subplots(2, len(modes), figsize=(5.5 * len(modes), 9), squeeze=False)
+    shapes = sorted({(r["D"], r["H"], r["Hk"]) for r in rows})
     for j, mode in enumerate(modes):
-        for method, style in [("sdpa", "o-"), ("cudnn", "v-"), ("flex", "s-"), ("reference", "^-"), ("triton", "D-")]:
-            for D, H, Hk in sorted({(r["D"], r["H"], r["Hk"]) for r in rows}):
+        # one colour per head shape, one marker and line style per method (solid: ours)
+        for method, style in [("sdpa", "o--"), ("cudnn", "v:"), ("flex", "s-."), ("reference", "^-."), ("triton", "D-")]:
+            for c, (D, H, Hk) in enumerate(shapes):
                 pts = sorted((r["N"], r["ms"], r["peak_gib"]) for r in rows if r["mode"] == mode
                              and r["method"] == method and (r["D"], r["H"], r["Hk"]) == (D, H, Hk) and "ms" in r)
                 if not pts:
                     continue
                 lab = f"{method} H/Hk={H}/{Hk} D={D}"
-                axes[0, j].loglog([p[0] for p in pts], [p[1] for p in pts], style, label=lab, base=2)
-                axes[1, j].loglog([p[0] for p in pts], [p[2] for p in pts], style, label=lab, base=2)
+                for i, col in ((0, 1), (1, 2)):
+                    axes[i, j].loglog([p[0] for p in pts], [p[col] for p in pts], style, color=f"C{c % 10}",
+                                      label=lab, base=2)
         axes[0, j].set_title(f"{mode}: time (ms)" + (" per token, N = cache length" if mode == "decode" else ""))
         axes[1, j].set_title(f"{mode}: peak memory (GiB)")
         for i in range(2):

@@ -16,7 +16,8 @@ from collections import Counter
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 import hf_dilated  # noqa: E402
 from hf_dilated.config import DENSE_SEGMENT  # noqa: E402
@@ -25,6 +26,7 @@ from hf_dilated.ops.dropout import keep_mask  # noqa: E402
 from hf_dilated.ops.triton import dilated_attention_triton, fallback_reason, is_available  # noqa: E402
 from hf_dilated.ops.triton import launch, op  # noqa: E402
 from hf_dilated.ops.triton.schedule import layout_runs  # noqa: E402
+from hf_dilated.ops.triton.tiles import item_tile  # noqa: E402
 from naive import naive_dilated_attention, rel_err  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -437,6 +439,29 @@ def test_layout_runs():
     # Positions counted across the hole: not expressible in place.
     counted = torch.tensor([[0, 1, 1, 2, 3]])
     assert layout_runs(layout_of(counted[:, -1:], counted, hole, torch.ones(1, 1, dtype=torch.bool))) is None
+
+
+@triton.jit
+def _record_item_tile(OUT, n_tiles, HEAVIEST_LAST: tl.constexpr):
+    item, tile = item_tile(n_tiles, HEAVIEST_LAST)
+    pid = tl.program_id(0)
+    tl.store(OUT + 2 * pid, item)
+    tl.store(OUT + 2 * pid + 1, tile)
+
+
+@cpu
+@pytest.mark.parametrize("heaviest_last", [False, True])
+def test_item_tile_order(heaviest_last):
+    """The launch order of a branch: every (item, tile) exactly once, an item's tiles as consecutive programs, and
+    last-first when asked (longest first under causal attention)."""
+    (programs, heads), n_tiles = launch.items_grid(3, 70, 16, 2)
+    assert (programs, heads, n_tiles) == (15, 2, 5)
+    out = torch.full((programs, 2), -1, dtype=torch.int32)
+    _record_item_tile[(programs,)](out, n_tiles, HEAVIEST_LAST=heaviest_last)
+    tiles = list(range(n_tiles))[::-1] if heaviest_last else list(range(n_tiles))
+    assert out.tolist() == [[item, tile] for item in range(3) for tile in tiles]
+    with pytest.raises(ValueError, match="too many work items"):
+        launch.items_grid(2**20, 2**24, 16, 2)
 
 
 @cpu

@@ -23,12 +23,10 @@ def _hopper() -> bool:
 # D=256 forward 8.67 -> 4.70 ms, D=256 dk/dv 47.1 -> 34.9 ms, D=128 dk/dv 7.24 -> 6.72 ms; the rest were already best.
 # D=128 forward with TMA loads (N = 64K, LongNet branches): (64, 64, 4, 3) 3.56 ms against (128, 64, 8, 3) 3.77 ms.
 _FWD_HOPPER = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (128, 64, 8, 2)}
-# From LONG_ROWS query rows on (batch x sequence), 128-row query tiles (two warpgroups): at D=128 16.4 against 21.5 ms
-# at 256K and 69 against 104 ms at 1M (D=64: 8.4 / 9.2 and 37 / 51), while (64, 64, 4, 3) stays faster at 16K and
-# 64K (1.00 / 1.19 and 3.41 / 3.90 ms). H100, TMA loads, LongNet branches, 2026-11-22 session 6 (.exp sweep, the
-# numbers in benchmarks/NOTES_triton.md); the threshold lies somewhere between 64K and 256K, not measured closer.
-_FWD_HOPPER_LONG = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)}
-LONG_ROWS = 131072
+# Until 2026-11-24 long inputs (from 128K query rows) took 128-row tiles: with the programs in item-major order every
+# segment of a long input was in flight at once and 64-row tiles re-streamed K/V from DRAM (256K: 21.5 against
+# 16.4 ms). The kernels now run an item's tiles as consecutive programs (tiles.item_tile) and 64-row tiles are the
+# faster ones at 256K too: 13.0 against 13.8 ms forward (H100, D=128, benchmarks/NOTES_triton.md).
 _FWD_OTHER = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
 # dk/dv kernel (BLOCK_M queries streamed, BLOCK_N keys held) and dq kernel (BLOCK_M queries held, BLOCK_N keys streamed).
 _BWD_KV_HOPPER = {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (32, 64, 8, 2)}
@@ -47,14 +45,11 @@ def _pick(table: dict, d: int):
     return table[d] if d in table else table[max(k for k in table if k <= max(d, 64))]
 
 
-def fwd_config(d: int, dtype: torch.dtype, rows: int = 0) -> dict:
-    """Forward launch config for padded head dim ``d``; ``rows`` = batch x query length picks the long-input table."""
+def fwd_config(d: int, dtype: torch.dtype) -> dict:
+    """Forward launch config for padded head dim ``d``."""
     if interpreting():
         return _cfg((16, 16, 4, 1))
-    if _hopper() and rows >= LONG_ROWS and d in _FWD_HOPPER_LONG:
-        t = _FWD_HOPPER_LONG[d]
-    else:
-        t = _pick(_FWD_HOPPER if _hopper() else _FWD_OTHER, d)
+    t = _pick(_FWD_HOPPER if _hopper() else _FWD_OTHER, d)
     if dtype == torch.float32:  # twice the bytes per element: halve the tiles
         t = (max(t[0] // 2, 16), max(t[1] // 2, 16), t[2], max(t[3] - 1, 1))
     return _cfg(t)

@@ -155,7 +155,7 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     group = H // k.shape[1]
     o, lse = _merge_buffers(B, H, Nq, D, q.device, covered=_first_branch_covers_every_row(pb, plan, cache_key))
     qv, kv, streams, window, thr, inv_keep, flags = _extras(pb, plan.holes, layout_valid, B, H, q.device)
-    cfg = fwd_config(head_dim_block(D), q.dtype, B * Nq)
+    cfg = fwd_config(head_dim_block(D), q.dtype)
     tma = use_tma((q, k, v), head_dim_block(D) != D, plan.holes)
     if tma:
         descriptor_scratch(q.device)
