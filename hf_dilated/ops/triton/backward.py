@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .tiles import (
     LOG2E, allowed, drop_keep, drop_rows, first_selected, item_tile, key_range, load_item, load_rows, mm, n_rows,
-    query_range, row_desc, tile_mask, unmasked_key_rows,
+    query_range, row_desc, tile_mask, tile_rows, unmasked_key_rows,
 )
 
 
@@ -121,13 +121,7 @@ def dilated_bwd_dkdv_kernel(
     kp_min = k_first + col0 * r
     if kp_min >= k_hi:
         return
-    cols = col0 + tl.arange(0, BLOCK_N)
-    kp = k_first + cols * r
-    in_range = kp < k_hi
-    kc = kbase + kp
-    kmask = in_range
-    if HOLES:
-        kmask = kmask & (tl.load(KV + b * Nk + kc, mask=in_range, other=0) != 0)
+    kp, in_range, kc, kmask = tile_rows(k_first, tile, r, k_hi, kbase, KV, b * Nk, BLOCK_N, HOLES)
     d = tl.arange(0, HEAD_DIM)
     dmask = d < D
     EVEN_D: tl.constexpr = D == HEAD_DIM
@@ -219,13 +213,7 @@ def dilated_bwd_dq_kernel(
     p_min = q_first + row0 * r
     if p_min >= q_hi:
         return
-    rows = row0 + tl.arange(0, BLOCK_M)
-    qp = q_first + rows * r
-    in_range = qp < q_hi
-    qc = qbase + qp
-    qmask = in_range
-    if HOLES:
-        qmask = qmask & (tl.load(QV + b * Nq + qc, mask=in_range, other=0) != 0)
+    qp, in_range, qc, qmask = tile_rows(q_first, tile, r, q_hi, qbase, QV, b * Nq, BLOCK_M, HOLES)
     d = tl.arange(0, HEAD_DIM)
     dmask = d < D
     EVEN_D: tl.constexpr = D == HEAD_DIM

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .tiles import (
     allowed, drop_rows, finish, first_selected, item_tile, key_range, load_item, load_rows, mm, n_rows, row_desc,
-    softmax_step, tile_mask, unmasked_key_rows,
+    softmax_step, tile_mask, tile_rows, unmasked_key_rows,
 )
 
 
@@ -45,13 +45,7 @@ def dilated_fwd_branch_kernel(
     p_min = q_first + row0 * r
     if p_min >= q_hi:
         return
-    rows = row0 + tl.arange(0, BLOCK_M)
-    qp = q_first + rows * r
-    in_range = qp < q_hi
-    qc = qbase + qp
-    qmask = in_range
-    if HOLES:
-        qmask = qmask & (tl.load(QV + b * Nq + qc, mask=in_range, other=0) != 0)
+    qp, in_range, qc, qmask = tile_rows(q_first, tile, r, q_hi, qbase, QV, b * Nq, BLOCK_M, HOLES)
     d = tl.arange(0, HEAD_DIM)
     dmask = d < D
     EVEN_D: tl.constexpr = D == HEAD_DIM

@@ -75,6 +75,20 @@ def n_rows(first, hi, r):
 
 
 @triton.jit
+def tile_rows(first, tile, r, hi, base, VALID, valid_base, BLOCK: tl.constexpr, HOLES: tl.constexpr):
+    """Tile ``tile`` of a branch's dilated rows (positions ``first + j r``, below ``hi``; column ``base + p``):
+    ``(positions, in range, columns, mask)``, the mask being in range and, with ``HOLES``, valid
+    (``VALID[valid_base + column]``). Queries in the forward and dq, keys in dK/dV."""
+    p = first + (tile * BLOCK + tl.arange(0, BLOCK)) * r
+    in_range = p < hi
+    c = base + p
+    ok = in_range
+    if HOLES:
+        ok = ok & (tl.load(VALID + valid_base + c, mask=in_range, other=0) != 0)
+    return p, in_range, c, ok
+
+
+@triton.jit
 def unmasked_key_rows(p_min, k_first, n_k, r, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                       HOLES: tl.constexpr):
     """How many of a query tile's first key rows (a multiple of ``BLOCK_N``) every query of the tile, the first at
