@@ -5,6 +5,7 @@
     hf-dilated eval [--model smollm2] [--contexts 2048 8192 ...] [--variants dense dilated block_sparse] [--device cuda]
     hf-dilated recipes
     hf-dilated finetune ...   (runs scripts/finetune.py, installed as hf_dilated.scripts.finetune)
+    hf-dilated tune [--head-dims 64 128] [--dtypes bfloat16]   (launch configs measured on this GPU, kept on disk)
 
 One vocabulary across commands: ``--segment-lengths W W ...`` and ``--dilation-rates R R ...`` (space-separated
 integers), ``--layers all`` or ``--layers 0 2 4``, ``--rope recipe|none|linear|dynamic|yarn``, ``--overwrite``; for
@@ -364,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-dilated", description="LongNet dilated attention for Transformers checkpoints.",
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"hf-dilated {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{patch,eval,recipes,finetune}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{patch,eval,recipes,finetune,tune}")
 
     p = sub.add_parser("patch", help="patch a checkpoint to dilated attention and save it with a model card",
                        formatter_class=_HelpFormatter)
@@ -403,6 +404,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("recipes", help="list the shipped patch recipes")
     sub.add_parser("finetune", help="fine-tune a patched model (see `hf-dilated finetune --help`)", add_help=False)
+
+    t = sub.add_parser("tune", help="measure the Triton kernels' launch configs on this GPU and keep the fastest",
+                       formatter_class=_HelpFormatter,
+                       description="Times each candidate launch config of the dilated kernels (forward, dK/dV, dQ) "
+                       "on LongNet branches, checks its result against the current config's, and stores the fastest "
+                       "per head dim and dtype for this GPU and Triton version in $HF_DILATED_CACHE/"
+                       "triton-configs.json (default ~/.cache/hf_dilated), which the kernels read from then on.")
+    t.add_argument("--head-dims", type=_positive, nargs="+", default=[64, 128], metavar="D",
+                   help="head dims to tune (padded to a power of two, 16..256)")
+    t.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float16", "float32"), default=["bfloat16"],
+                   help="input dtypes to tune")
+    t.add_argument("--seq-len", type=_positive, default=65536, metavar="N", help="tokens per timed sequence")
+    t.add_argument("--heads", type=_positive, default=16, help="query (and key/value) heads")
+    t.add_argument("--kernels", nargs="+", choices=("fwd", "dkdv", "dq"), default=["fwd", "dkdv", "dq"],
+                   help="forward, backward dK/dV, backward dQ")
+    t.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
     return parser
 
 
@@ -645,6 +662,45 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    if args.seq_len < 16:
+        raise CLIError(f"--seq-len must be at least 16, got {args.seq_len}")
+    bad = [d for d in args.head_dims if d > 256]
+    if bad:
+        raise CLIError(f"--head-dims must be at most 256 (the kernels' largest head dim), got {' '.join(map(str, bad))}")
+    import torch
+
+    from .ops.triton import is_available
+
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise CLIError("tune times the Triton kernels on a CUDA GPU; none is available here "
+                       "(the kernels' built-in configs apply)")
+    if not is_available(torch.device("cuda")):
+        raise CLIError("tune needs Triton (pip install triton)")
+    from .ops.triton import tuned, tuning
+    from .ops.triton.launch import head_dim_block
+    dims = sorted({head_dim_block(d) for d in args.head_dims})
+    dtypes = [getattr(torch, name) for name in args.dtypes]
+    key = tuned.device_key()
+    print(f"tuning on {key}: head dims {dims}, {', '.join(args.dtypes)}, {args.seq_len} tokens, {args.heads} heads")
+    trials = tuning.tune(dims, dtypes, args.seq_len, args.heads, args.kernels, key=key, save=not args.dry_run)
+    print(f"{'kernel':<6} {'D':>4} {'dtype':<9} {'current ms':>10} {'best config':>18} {'best ms':>8} {'speed-up':>8}")
+    for d in dims:
+        for dtype in dtypes:
+            for kernel in (k for k in tuned.KERNELS if k in args.kernels):
+                rows = [t for t in trials if (t.kernel, t.head_dim, t.dtype) == (kernel, d, dtype)]
+                base = rows[0]
+                best = min((t for t in rows if t.ms is not None), key=lambda t: t.ms)
+                shown = "(current)" if best.config is None else str(best.config)
+                print(f"{kernel:<6} {d:>4} {str(dtype)[6:]:<9} {base.ms:>10.3f} {shown:>18} {best.ms:>8.3f} "
+                      f"{base.ms / best.ms:>7.2f}x")
+    skipped = [t for t in trials if t.error]
+    if skipped:
+        print(f"{len(skipped)} candidate(s) skipped, e.g. {skipped[0].config}: {skipped[0].error}")
+    print("stored nothing (--dry-run)" if args.dry_run else f"stored in {tuned.cache_file()}")
+    return 0
+
+
 def load_script(name: str):
     """The program ``scripts/<name>.py`` as a module: ``hf_dilated.scripts.<name>`` where the package is installed,
     else the ``scripts/`` directory beside the package (a checkout on ``sys.path``)."""
@@ -661,7 +717,7 @@ def load_script(name: str):
     return importlib.import_module(name)
 
 
-COMMANDS = {"patch": cmd_patch, "eval": cmd_eval, "recipes": cmd_recipes}
+COMMANDS = {"patch": cmd_patch, "eval": cmd_eval, "recipes": cmd_recipes, "tune": cmd_tune}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

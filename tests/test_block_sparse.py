@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from hf_dilated.ops.block_sparse import (
-    BlockLayout,
     BlockSparseConfig,
     adaptive_blocks,
     block_sparse_attention,
@@ -281,7 +280,6 @@ def test_float64_reference_every_pattern(rng):
 
 def test_adaptive_picks_the_blocks_that_match(rng):
     B, H, N, D, b = 1, 1, 128, 8, 16
-    n = N // b
     e = torch.zeros(D)
     e[0] = 1.0
     k = 0.01 * torch.randn(B, H, N, D, generator=rng)

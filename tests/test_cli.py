@@ -7,7 +7,6 @@ import re
 import os
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 

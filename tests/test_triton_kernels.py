@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import warnings
 from collections import Counter
 
 import pytest

@@ -1,7 +1,8 @@
 """Triton backend of dilated attention.
 
 Kernels (``forward.py``, ``backward.py``, ``decode.py``) share their tile helpers (``tiles.py``); ``schedule.py`` turns
-a layout into work lists, ``configs.py`` picks launch configurations, ``launch.py`` runs the kernels, and ``op.py``
+a layout into work lists, ``configs.py`` picks launch configurations (first those ``tuning.py`` measured on this GPU
+and ``tuned.py`` keeps on disk: ``hf-dilated tune``), ``launch.py`` runs the kernels, and ``op.py``
 wraps them as ``torch.library`` custom ops with autograd: :func:`dilated_attention_triton` is the entry point, and
 :func:`fallback_reason` says beforehand whether a call runs the kernels. Importing this package does not import
 Triton (only :func:`is_available` is defined here), so the package imports without it.

@@ -1,13 +1,18 @@
 """Launch configurations (block sizes, warps, pipeline stages) per head dim, measured on an H100 with
-``benchmarks/tune_triton.py`` (N = 64K, bf16, causal, LongNet branches; see ``benchmarks/NOTES_triton.md``), with conservative fallbacks for other GPUs. Under ``TRITON_INTERPRET=1`` the blocks
-are small so that tiny test problems still run several blocks per loop (and the masked and unmasked paths)."""
+``benchmarks/tune_triton.py`` (N = 64K, bf16, causal, LongNet branches; see ``benchmarks/NOTES_triton.md``), with
+conservative fallbacks for other GPUs; configs tuned on the GPU at hand (``hf-dilated tune``, :mod:`.tuned`) come
+first. Under ``TRITON_INTERPRET=1`` the blocks are small so that tiny test problems still run several blocks per loop
+(and the masked and unmasked paths)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
 import torch
+
+from . import tuned
 
 
 def interpreting() -> bool:
@@ -45,27 +50,54 @@ def _pick(table: dict, d: int):
     return table[d] if d in table else table[max(k for k in table if k <= max(d, 64))]
 
 
+# Configs forced by the tuner while it measures a candidate (kernel -> (BLOCK_M, BLOCK_N, num_warps, num_stages)).
+_FORCED: dict[str, tuple[int, int, int, int]] = {}
+
+
+@contextlib.contextmanager
+def forced(kernel: str, config: tuple[int, int, int, int]):
+    """Launch ``kernel`` (``"fwd"``, ``"dkdv"`` or ``"dq"``) with ``config`` inside the block, whatever the GPU and
+    the tables say (also under the interpreter): how :mod:`.tuning` runs a candidate."""
+    tuned.entry_key(kernel, 64, torch.float32)  # checks the kernel's name
+    before = _FORCED.get(kernel)
+    _FORCED[kernel] = tuple(config)
+    try:
+        yield
+    finally:
+        if before is None:
+            _FORCED.pop(kernel, None)
+        else:
+            _FORCED[kernel] = before
+
+
+def _chosen(kernel: str, d: int, dtype: torch.dtype, table: dict) -> tuple:
+    """A forced config, else one tuned on this GPU (``hf-dilated tune``), else the built-in table's, tiles halved
+    for float32 (twice the bytes per element)."""
+    if kernel in _FORCED:
+        return _FORCED[kernel]
+    t = tuned.lookup(kernel, d, dtype)
+    if t is not None:
+        return t
+    t = _pick(table, d)
+    if dtype == torch.float32:
+        t = (max(t[0] // 2, 16), max(t[1] // 2, 16), t[2], max(t[3] - 1, 1) if kernel == "fwd" else 1)
+    return t
+
+
 def fwd_config(d: int, dtype: torch.dtype) -> dict:
     """Forward launch config for padded head dim ``d``."""
     if interpreting():
-        return _cfg((16, 16, 4, 1))
-    t = _pick(_FWD_HOPPER if _hopper() else _FWD_OTHER, d)
-    if dtype == torch.float32:  # twice the bytes per element: halve the tiles
-        t = (max(t[0] // 2, 16), max(t[1] // 2, 16), t[2], max(t[3] - 1, 1))
-    return _cfg(t)
+        return _cfg(_FORCED.get("fwd", (16, 16, 4, 1)))
+    return _cfg(_chosen("fwd", d, dtype, _FWD_HOPPER if _hopper() else _FWD_OTHER))
 
 
 def bwd_config(d: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """``(dK/dV config, dQ config)`` for padded head dim ``d``."""
     if interpreting():
-        return _cfg((16, 16, 4, 1)), _cfg((16, 16, 4, 1))
-    if _hopper():
-        kv, q = _pick(_BWD_KV_HOPPER, d), _pick(_BWD_Q_HOPPER, d)
-    else:
-        kv = q = _pick(_BWD_OTHER, d)
-    if dtype == torch.float32:
-        kv = (max(kv[0] // 2, 16), max(kv[1] // 2, 16), kv[2], 1)
-        q = (max(q[0] // 2, 16), max(q[1] // 2, 16), q[2], 1)
-    return _cfg(kv), _cfg(q)
+        return _cfg(_FORCED.get("dkdv", (16, 16, 4, 1))), _cfg(_FORCED.get("dq", (16, 16, 4, 1)))
+    hopper = _hopper()
+    return (_cfg(_chosen("dkdv", d, dtype, _BWD_KV_HOPPER if hopper else _BWD_OTHER)),
+            _cfg(_chosen("dq", d, dtype, _BWD_Q_HOPPER if hopper else _BWD_OTHER)))
 
 
 def decode_config(d: int, dtype: torch.dtype) -> dict:

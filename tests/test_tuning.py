@@ -1,0 +1,122 @@
+"""Launch configs tuned on the GPU at hand (``hf-dilated tune``): the on-disk store, the order in which configs are
+chosen (forced, tuned, built-in), and the tuner itself, run on the CPU under the Triton interpreter at a tiny size
+with a stand-in timer (the real timing needs a GPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hf_dilated import cli  # noqa: E402
+from hf_dilated.ops.triton import configs, tuned, tuning  # noqa: E402
+
+KEY = "Test GPU|sm90|triton 0"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DILATED_CACHE", str(tmp_path))
+    tuned.reload()
+    yield tmp_path / tuned.FILE_NAME
+    tuned.reload()
+
+
+def test_store_and_lookup(cache):
+    fwd = tuned.entry_key("fwd", 128, torch.bfloat16)
+    assert fwd == "fwd|128|bfloat16"
+    tuned.store({fwd: (64, 64, 4, 3)}, KEY)
+    tuned.store({tuned.entry_key("dq", 128, torch.bfloat16): (128, 64, 8, 3)}, KEY)  # merged, not replaced
+    assert tuned.lookup("fwd", 128, torch.bfloat16, key=KEY) == (64, 64, 4, 3)
+    assert tuned.lookup("dq", 128, torch.bfloat16, key=KEY) == (128, 64, 8, 3)
+    assert tuned.lookup("fwd", 128, torch.float16, key=KEY) is None
+    assert tuned.lookup("fwd", 128, torch.bfloat16, key="Other GPU|sm80|triton 0") is None
+    assert json.loads(cache.read_text())[KEY][fwd] == [64, 64, 4, 3]
+    assert not list(cache.parent.glob(".triton-configs-*"))  # the temporary file was renamed into place
+
+
+def test_unreadable_file_is_ignored_with_a_warning(cache):
+    cache.write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring the tuned Triton configs"):
+        assert tuned.lookup("fwd", 64, torch.bfloat16, key=KEY) is None
+    cache.write_text(json.dumps({KEY: {"fwd|64|bfloat16": [64, "x", 4, 3]}}))
+    tuned.reload()
+    assert tuned.lookup("fwd", 64, torch.bfloat16, key=KEY) is None  # a malformed entry is no config
+
+
+def test_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="kernel must be one of fwd, dkdv, dq"):
+        tuned.entry_key("bwd", 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        with configs.forced("decode", (16, 16, 4, 1)):
+            pass
+
+
+def test_configs_choose_forced_then_tuned_then_table(monkeypatch):
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "_hopper", lambda: True)
+    found = {("fwd", 128, torch.bfloat16): (32, 32, 4, 2)}
+    monkeypatch.setattr(tuned, "lookup", lambda kernel, d, dtype: found.get((kernel, d, dtype)))
+    as_tuple = lambda c: (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"])  # noqa: E731
+    assert as_tuple(configs.fwd_config(128, torch.bfloat16)) == (32, 32, 4, 2)  # tuned
+    assert as_tuple(configs.fwd_config(64, torch.bfloat16)) == configs._FWD_HOPPER[64]  # built-in
+    m, n, w, s = configs._FWD_HOPPER[64]
+    assert as_tuple(configs.fwd_config(64, torch.float32)) == (max(m // 2, 16), max(n // 2, 16), w, max(s - 1, 1))
+    kv, q = configs.bwd_config(128, torch.bfloat16)
+    assert (as_tuple(kv), as_tuple(q)) == (configs._BWD_KV_HOPPER[128], configs._BWD_Q_HOPPER[128])
+    with configs.forced("fwd", (16, 32, 4, 1)), configs.forced("dq", (16, 16, 4, 1)):
+        assert as_tuple(configs.fwd_config(128, torch.bfloat16)) == (16, 32, 4, 1)
+        assert as_tuple(configs.bwd_config(128, torch.bfloat16)[1]) == (16, 16, 4, 1)
+    assert as_tuple(configs.fwd_config(128, torch.bfloat16)) == (32, 32, 4, 2)  # the override ended with the block
+
+
+def test_tune_measures_checks_and_stores(cache):
+    """Every candidate runs through the real kernels (interpreter), a broken one is skipped with its error, the
+    stand-in timer's fastest is stored and then chosen."""
+    speed = {None: 3.0, (16, 16, 4, 1): 2.0, (32, 16, 4, 1): 1.0, (16, 32, 4, 1): 1.5}
+    timed = []
+
+    def timer(fn):
+        fn()
+        config = next(iter(configs._FORCED.values()), None)  # the candidate being timed (None: the current config)
+        timed.append(config)
+        return speed[config]
+
+    def candidates_of(kernel, d):
+        return [(16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1), (16, 24, 4, 1)]  # 24: not a power of two
+
+    trials = tuning.tune((16,), (torch.float32,), seq_len=48, heads=2, key=KEY, timer=timer,
+                         candidates_of=candidates_of, progress=False)
+    assert [(t.kernel, t.config) for t in trials] == [
+        (k, c) for k in tuned.KERNELS for c in [None] + candidates_of(k, 16)]
+    broken = [t for t in trials if t.config == (16, 24, 4, 1)]
+    assert len(broken) == 3 and all(t.ms is None and t.error for t in broken)
+    assert all(t.error is None for t in trials if t.config != (16, 24, 4, 1))
+    assert (16, 24, 4, 1) not in timed  # refused before it was timed
+    for kernel in tuned.KERNELS:
+        assert tuned.lookup(kernel, 16, torch.float32, key=KEY) == (32, 16, 4, 1)
+
+
+def test_tune_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="head_dims must be"):
+        tuning.tune((48,), key=KEY)
+    with pytest.raises(ValueError, match="dtypes must be"):
+        tuning.tune((64,), (torch.int8,), key=KEY)
+    with pytest.raises(ValueError, match="kernels must be"):
+        tuning.tune((64,), kernels=("bwd",), key=KEY)
+    with pytest.raises(ValueError, match="seq_len must be"):
+        tuning.tune((64,), seq_len=8, key=KEY)
+
+
+def test_cli_tune_refuses_without_a_gpu_in_one_line(capsys):
+    for argv, message in ((["tune"], "on a CUDA GPU"),
+                          (["tune", "--head-dims", "512"], "--head-dims must be at most 256"),
+                          (["tune", "--seq-len", "8"], "--seq-len must be at least 16")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
