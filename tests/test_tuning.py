@@ -120,3 +120,21 @@ def test_cli_tune_refuses_without_a_gpu_in_one_line(capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.gpu
+def test_gpu_tune_stores_for_this_device(cache):
+    """On a CUDA GPU: the real timer and kernels at a small size; the winner is stored under this GPU's key and the
+    kernels' config lookup finds it."""
+    if not torch.cuda.is_available() or configs.interpreting():
+        pytest.skip("needs a CUDA GPU")
+    two = lambda kernel, d: tuning.candidates(kernel, d)[:2]  # noqa: E731
+    trials = tuning.tune((64,), (torch.bfloat16,), seq_len=4096, heads=4, kernels=("fwd",), candidates_of=two,
+                         progress=False)
+    assert len(trials) == 3 and trials[0].config is None and trials[0].ms > 0
+    best = min((t for t in trials if t.ms is not None), key=lambda t: t.ms)
+    stored = tuned.lookup("fwd", 64, torch.bfloat16)
+    assert stored == (best.config if best.config is not None else None)
+    if stored is not None:
+        c = configs.fwd_config(64, torch.bfloat16)
+        assert (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) == stored
