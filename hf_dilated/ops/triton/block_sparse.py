@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .configs import _hopper, descriptor_scratch, interpreting, use_tma
-from .launch import row_deltas, rowmajor
+from .launch import cdiv, row_deltas, rowmajor
 from .tiles import LOG2E, LOG2E_F, finish, mm, row_desc, softmax_step
 
 # Kernel launches by name; tests read it to assert that the kernels (not a fallback) ran.
@@ -391,7 +391,7 @@ def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, i
     tma = _tma((q, k, v), q_offset)
     cfg = _fwd_config(block, D, q.dtype, Nq, tma)
     tile0 = q_offset // cfg["BLOCK_M"]
-    grid = (triton.cdiv(Nk, cfg["BLOCK_M"]) - tile0, H, B)
+    grid = (cdiv(Nk, cfg["BLOCK_M"]) - tile0, H, B)
     meta = _meta(tokens, contiguous)
     bs_fwd_kernel[grid](
         q, k, v, o, lse, kv_count, kv_index, *meta,
@@ -422,7 +422,7 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
     q_cfg, kv_cfg = _bwd_config(block, D, q.dtype, tma)
     group, ratio = H // Hk, H // kv_index.shape[1]
     tile0 = q_offset // q_cfg["BLOCK_M"]
-    grid = (triton.cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)
+    grid = (cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)
     common = dict(HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, CONTIG=contiguous, UPCAST=_upcast(q.dtype), TMA=tma)
     bs_bwd_dq_kernel[grid](
         q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta,
@@ -430,7 +430,7 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
         *_layout_strides(kv_count, kv_index, B),
         Nq, Nk, q_offset, tile0, group, ratio, scale, scale * LOG2E_F, **common, **q_cfg,
     )
-    grid = (triton.cdiv(Nk, kv_cfg["BLOCK_N"]), Hk, B)
+    grid = (cdiv(Nk, kv_cfg["BLOCK_N"]), Hk, B)
     bs_bwd_dkdv_kernel[grid](
         q, k, v, do, lse, delta, dk, dv, q_ptr, q_flat, *meta,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],

@@ -15,7 +15,10 @@ import torch
 from . import tuned
 
 
+@functools.lru_cache(maxsize=1)
 def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``), read once: Triton itself decides when
+    its kernels are defined, and the launchers ask on every call."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -1,0 +1,86 @@
+"""Host time of one dilated-attention call with the kernel launches replaced by no-ops (runs on a CPU, no GPU or
+interpreter needed): the Python and dispatch work a GPU waits on when a problem is small, as SmolLM2's 9/3/64 heads
+at 16K are (``benchmarks/NOTES_triton.md``). Triton's own launch cost (binding ~35 arguments per kernel) is not in
+these numbers.
+
+    python benchmarks/host_overhead.py                     # forward and forward+backward, microseconds per call
+    python benchmarks/host_overhead.py --root /tmp/base    # another checkout (git archive REV hf_dilated | tar -x -C)
+    python benchmarks/host_overhead.py --profile tottime   # and a cProfile of forward+backward
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
+KERNELS = ["dilated_fwd_branch_kernel", "dilated_bwd_dkdv_kernel", "dilated_bwd_dq_kernel", "delta_kernel"]
+
+
+class _NoLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", default=os.path.join(os.path.dirname(__file__), ".."), help="checkout to measure")
+    ap.add_argument("--shape", default="9/3/64", help="H/Hk/D")
+    ap.add_argument("--n", type=int, default=64, help="tokens (small: the tensor work stays negligible)")
+    ap.add_argument("--profile", choices=["tottime", "cumulative"], help="also print a cProfile of forward+backward")
+    args = ap.parse_args()
+    sys.path.insert(0, args.root)
+    import torch
+
+    import hf_dilated
+    from hf_dilated.ops import triton as triton_backend
+    from hf_dilated.ops.triton import launch
+
+    for name in KERNELS:
+        setattr(launch, name, _NoLaunch())
+    triton_backend.is_available = lambda device: True  # the launchers run on the CPU, their kernels do nothing
+    H, Hk, D = (int(x) for x in args.shape.split("/"))
+    ws, rs = [w for w, _ in LONGNET], [r for _, r in LONGNET]
+    q = torch.randn(1, H, args.n, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, Hk, args.n, D, dtype=torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def forward():
+        with torch.no_grad():
+            return hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton")
+
+    def forward_backward():
+        out = hf_dilated.dilated_attention(qq, kk, vv, ws, rs, backend="triton")
+        return torch.autograd.grad(out, (qq, kk, vv), do)
+
+    for name, fn in (("fwd", forward), ("fwdbwd", forward_backward)):
+        for _ in range(5):
+            fn()
+        rounds = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(50):
+                fn()
+            rounds.append((time.perf_counter() - t0) / 50 * 1e6)
+        print(f"{name}: min {min(rounds):.0f} us, median {sorted(rounds)[3]:.0f} us host per call "
+              f"({args.shape}, N={args.n}, kernels no-op)")
+    if not (launch.LAUNCHES["forward"] and launch.LAUNCHES["backward"]):
+        raise SystemExit("the Triton launchers did not run: the numbers above are of another path")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            forward_backward()
+        prof.disable()
+        pstats.Stats(prof).sort_stats(args.profile).print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
