@@ -61,8 +61,13 @@ def _read(path: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _device_table(index: int) -> dict:
-    """The tuned table of CUDA device ``index`` (looked up once: launches ask for it on every call)."""
-    return _read(str(cache_file())).get(device_key(index), {})
+    """The tuned table of CUDA device ``index`` (looked up once: launches ask for it on every call); empty, with one
+    warning, when the cache cannot even be located (no home directory, say)."""
+    try:
+        return _read(str(cache_file())).get(device_key(index), {})
+    except (OSError, RuntimeError) as err:
+        warnings.warn(f"not reading tuned Triton configs ({err}); the built-in ones apply", stacklevel=3)
+        return {}
 
 
 def lookup(kernel: str, head_dim: int, dtype: torch.dtype, key: str | None = None) -> tuple[int, int, int, int] | None:
