@@ -88,5 +88,6 @@ def main():
             print(f"BEST D={D} tma={tma} {name} {best}")
         launch.use_tma = use_tma
 
+
 if __name__ == "__main__":
     main()

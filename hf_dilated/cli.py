@@ -670,9 +670,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise CLIError(f"--head-dims must be at most 256 (the kernels' largest head dim), got {' '.join(map(str, bad))}")
     import torch
 
-    from .ops.triton import is_available
+    from .ops.triton import configs, is_available
 
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if not torch.cuda.is_available() or configs.interpreting():
         raise CLIError("tune times the Triton kernels on a CUDA GPU; none is available here "
                        "(the kernels' built-in configs apply)")
     if not is_available(torch.device("cuda")):

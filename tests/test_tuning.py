@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from hf_dilated import cli  # noqa: E402
-from hf_dilated.ops.triton import configs, tuned, tuning  # noqa: E402
+from hf_dilated.ops.triton import configs, launch, tuned, tuning  # noqa: E402
 
 KEY = "Test GPU|sm90|triton 0"
 
@@ -88,8 +88,10 @@ def test_tune_measures_checks_and_stores(cache):
     def candidates_of(kernel, d):
         return [(16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1), (16, 24, 4, 1)]  # 24: not a power of two
 
+    before = dict(launch.LAUNCHES)
     trials = tuning.tune((16,), (torch.float32,), seq_len=48, heads=2, key=KEY, timer=timer,
                          candidates_of=candidates_of, progress=False)
+    assert all(launch.LAUNCHES[k] > before.get(k, 0) for k in ("forward", "backward"))  # the kernels ran
     assert [(t.kernel, t.config) for t in trials] == [
         (k, c) for k in tuned.KERNELS for c in [None] + candidates_of(k, 16)]
     broken = [t for t in trials if t.config == (16, 24, 4, 1)]

@@ -61,7 +61,7 @@ _FORCED: dict[str, tuple[int, int, int, int]] = {}
 def forced(kernel: str, config: tuple[int, int, int, int]):
     """Launch ``kernel`` (``"fwd"``, ``"dkdv"`` or ``"dq"``) with ``config`` inside the block, whatever the GPU and
     the tables say (also under the interpreter): how :mod:`.tuning` runs a candidate."""
-    tuned.entry_key(kernel, 64, torch.float32)  # checks the kernel's name
+    tuned.check_kernel(kernel)
     before = _FORCED.get(kernel)
     _FORCED[kernel] = tuple(config)
     try:

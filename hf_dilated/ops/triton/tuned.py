@@ -37,9 +37,15 @@ def device_key(device: torch.device | int | None = None) -> str:
     return f"{torch.cuda.get_device_name(device)}|sm{major}{minor}|triton {triton.__version__}"
 
 
-def entry_key(kernel: str, head_dim: int, dtype: torch.dtype) -> str:
+def check_kernel(kernel: str) -> str:
+    """``kernel`` when it names a tunable kernel, else ``ValueError`` naming the allowed ones."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    return kernel
+
+
+def entry_key(kernel: str, head_dim: int, dtype: torch.dtype) -> str:
+    check_kernel(kernel)
     return f"{kernel}|{int(head_dim)}|{str(dtype).removeprefix('torch.')}"
 
 
