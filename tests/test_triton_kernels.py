@@ -103,7 +103,8 @@ def check(q, k, v, branches, tol, naive_kwargs=None, use_naive=True, decode=Fals
     reached = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), reached), "lse -inf pattern differs from the reference"
     assert rel_err(lse[reached], ref_lse[reached]) < tol
-    grad = torch.randn(ref.shape, dtype=torch.float64, device=ref.device)
+    # dO rounded to the kernel's dtype for the oracle too: the kernel never sees the unrounded one.
+    grad = torch.randn(ref.shape, dtype=torch.float64, device=ref.device).to(q.dtype).double()
     with kernels_run("backward"):
         got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
     for name, a in zip("qkv", got):
@@ -281,7 +282,8 @@ def check_op(q, k, v, branches, tol, layout=None, decode=False, is_causal=True, 
     )
     err = rel_err(out, want)
     assert err < tol, f"output: rel err {err}"
-    grad = torch.randn(want.shape, dtype=torch.float64, device=want.device)
+    # dO rounded to the kernel's dtype for the oracle too: the kernel never sees the unrounded one.
+    grad = torch.randn(want.shape, dtype=torch.float64, device=want.device).to(q.dtype).double()
     with kernels_run("backward"):
         got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
     check_grads(got, torch.autograd.grad(want, (q64, k64, v64), grad), tol)
@@ -328,11 +330,13 @@ def test_dropout_exact(rng, causal):
 
 @cpu
 def test_dropout_half_precision_chunked(rng, monkeypatch):
-    """The float32-scratch backward one kv head at a time keeps each head's own draw."""
+    """The float32-scratch backward one kv head at a time keeps each head's own draw. p = 0.1: the neighbour head's
+    draw is a 39-45% output error, while bf16 rounding at p = 0.3 measured 0.6-1.1% on dq / dk over 30 seeds (FA2's delta from the
+    rounded O), too near SPEC's 1e-2 for a test on fresh inputs; at p = 0.1 it measured 0.4-0.6%."""
     monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)
     monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
     q, k, v = make_qkv(rng, 1, 4, 2, 29, 29, 16, torch.bfloat16, "cpu")
-    check_op(q, k, v, [(8, 1), (16, 2)], TOL[torch.bfloat16], head_offset=1, dropout_p=0.3, seed=seed_of(rng))
+    check_op(q, k, v, [(8, 1), (16, 2)], TOL[torch.bfloat16], head_offset=1, dropout_p=0.1, seed=seed_of(rng))
 
 
 @cpu
