@@ -1,8 +1,10 @@
 """The CPU-side benchmark tools run as documented: ``benchmarks/host_overhead.py`` (the launch path's host time with
-no-op kernels) measures the Triton launchers, not another path."""
+no-op kernels) measures the Triton launchers, not another path; ``benchmarks/kernel_resources.py`` compiles every
+kernel the launch paths use for Hopper and Ampere (what the interpreter never does) and reports their resources."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -24,3 +26,43 @@ def test_host_overhead_times_the_triton_launchers():
     for line in lines:
         low, median = (float(x) for x in re.findall(r"(\d+) us", line))
         assert 0 < low <= median
+
+
+KERNELS = {"dilated_fwd_branch_kernel", "delta_kernel", "dilated_bwd_dkdv_kernel", "dilated_bwd_dq_kernel",
+           "dilated_decode_kernel", "bs_fwd_kernel", "bs_bwd_dq_kernel", "bs_bwd_dkdv_kernel"}
+
+
+def _ptxas_missing() -> str | None:
+    try:
+        from triton.backends.nvidia import compiler
+    except ImportError as e:
+        return f"Triton's NVIDIA backend does not import here: {e}"
+    import os
+
+    path = compiler.get_ptxas(90).path
+    return None if os.path.exists(path) else f"no ptxas in the Triton wheel ({path})"
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
+    """Every kernel the launch paths use (dilated forward, backward, decode; block-sparse) compiles for sm_90 with
+    the Hopper configs and TMA, and for sm_80 without, within the GPU's shared memory: a kernel change that only
+    the interpreter has run cannot break the GPU build unseen."""
+    pytest.importorskip("triton")
+    reason = _ptxas_missing()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "resources.json"
+    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "HOME": str(tmp_path), "TRITON_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--quick", "--arch",
+                          str(arch), "--n", "512", "--json", str(out)],
+                         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    kernels = report["kernels"]
+    assert {k["kernel"] for k in kernels} == KERNELS
+    for k in kernels:
+        assert k["error"] is None, k
+        assert 0 < k["registers"] <= 255 and 0 <= k["spill_stores"] and 0 <= k["shared"], k
+    tma = {k["config"].get("TMA") for k in kernels if "TMA" in k["config"]}
+    assert tma == ({True} if arch >= 90 else {False})

@@ -1,0 +1,296 @@
+"""Compile every Triton kernel of the package for a GPU on a machine without one, and report what each compiled
+kernel needs: registers per thread, bytes spilled to local memory, shared memory.
+
+Why: the interpreter (the CPU tests) runs the kernels' Python, not Triton's compiler, so a kernel change can pass
+every CPU test and still fail to compile for a GPU, or ask for more shared memory than the GPU has (an
+``OutOfResources`` at the first launch there). Registers and spills are what the profiles in
+``benchmarks/NOTES_triton.md`` name as the limit of the backward kernels; ptxas reports them exactly, no GPU needed.
+
+How: the public launch paths (``dilated_attention``, its backward and decoding, ``block_sparse_attention``) run on CPU
+tensors while the launchers believe they are on the chosen GPU (its config tables, TMA on Hopper); every kernel
+launch is recorded instead of run, specialised by Triton's own binder for that GPU, compiled with ``triton.compile``
+and assembled by the ptxas that ships with Triton, whose ``-v`` report gives registers and spills.
+
+    python benchmarks/kernel_resources.py                        # H100 (sm_90), bf16, the model-shaped heads
+    python benchmarks/kernel_resources.py --arch 80 --dtypes bfloat16 float32 --json out.json
+    python benchmarks/kernel_resources.py --quick                # one shape, one dtype: what the CPU test runs
+
+Exits 1 when a kernel fails to compile or needs more shared memory than the target has. The numbers come from the
+installed Triton: the GPU image's version may allocate registers differently (the report names the version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    # The interpreter replaces @triton.jit functions with Python ones that cannot be compiled: start again without.
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    sys.exit(subprocess.run([sys.executable, *sys.argv], env=env).returncode)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+# Shared memory a block may use (bytes, the opt-in maximum): CUDA programming guide, "Technical Specifications".
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+LONGNET = ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16))
+SHAPES = ("16/16/128", "32/8/128", "9/3/64", "8/2/256")
+
+
+@dataclass
+class Launch:
+    """One kernel launch as the launchers made it: the kernel and its arguments (tensors, scalars, constexprs)."""
+
+    fn: JITFunction
+    args: tuple
+    kwargs: dict
+    case: str
+
+
+@dataclass
+class Resources:
+    kernel: str
+    case: str
+    config: dict
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    stack: int | None = None
+    shared: int | None = None
+    error: str | None = None
+    compile_s: float = 0.0
+    specialised: str = ""
+    ptx_sha: str | None = None
+    launch_key: str = ""
+    cases: list = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def recorded_launches(arch: int, into: list, case: list):
+    """Inside the block, kernel launches are recorded (not run) and the launchers choose what they would choose on a
+    GPU of compute capability ``arch // 10``: its config tables, TMA loads from Hopper on."""
+    from hf_dilated.ops import triton as triton_backend
+    from hf_dilated.ops.triton import block_sparse, configs, tuned
+
+    def record(self, *args, grid, warmup, **kwargs):
+        into.append(Launch(self, args, kwargs, case[0]))
+
+    patches = [
+        (JITFunction, "run", record),
+        (configs, "_hopper", lambda: arch >= 90),
+        (block_sparse, "_hopper", lambda: arch >= 90),
+        (configs, "interpreting", lambda: False),
+        (tuned, "lookup", lambda *a, **k: None),  # the built-in tables, not this machine's tuned configs
+        (triton_backend, "is_available", lambda device: True),
+        (triton, "set_allocator", lambda alloc: None),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> None:
+    """Run the launch paths once per feature that changes a kernel's specialisation (each sets ``case[0]``)."""
+    import hf_dilated
+    from hf_dilated.ops.block_sparse import block_sparse_attention
+    from hf_dilated.ops.layout import cache_layout
+    from hf_dilated.ops.triton.op import dilated_attention_triton
+
+    H, Hk, D = (int(x) for x in shape.split("/"))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, H, n, D, dtype=dtype, generator=g).requires_grad_()
+    k, v = (torch.randn(1, Hk, n, D, dtype=dtype, generator=g).requires_grad_() for _ in range(2))
+    ws, rs = [w for w, _ in LONGNET], [r for _, r in LONGNET]
+
+    def fwd_bwd(name, fn):
+        case[0] = f"{shape} {str(dtype)[6:]} {name}"
+        out = fn()
+        out.backward(torch.ones_like(out))
+
+    fwd_bwd("longnet causal", lambda: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton"))
+    if not quick:
+        mask = torch.ones(1, n, dtype=torch.long)
+        mask[0, : n // 8] = 0
+        fwd_bwd("padded, window, global, dropout", lambda: hf_dilated.dilated_attention(
+            q, k, v, ws, rs, backend="triton", attention_mask=mask, window=n // 2, global_tokens=4, dropout_p=0.1,
+            seed=torch.tensor(1)))
+        fwd_bwd("bidirectional", lambda: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton",
+                                                                      is_causal=False))
+    case[0] = f"{shape} {str(dtype)[6:]} decode"
+    with torch.no_grad():
+        qd = q[:, :, -1:].detach()
+        dilated_attention_triton(qd, k.detach(), v.detach(), LONGNET, cache_layout(1, 1, n, "cpu"), True, D ** -0.5,
+                                 strict=True)
+    for pattern in ("local", "adaptive") if not quick else ("adaptive",):
+        fwd_bwd(f"block-sparse {pattern}", lambda: block_sparse_attention(q, k, v, pattern, backend="triton"))
+
+
+def _ptxas_report(ptx: str, arch: int) -> dict:
+    """Registers, spills and stack of the PTX, from the ``-v`` report of the ptxas that Triton itself uses."""
+    from triton.backends.nvidia import compiler as nvidia
+
+    ptxas = nvidia.get_ptxas(arch).path
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        gpu = nvidia.sm_arch_from_capability(arch)
+        run = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", src, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True)
+    log = run.stdout + run.stderr
+    if run.returncode:
+        raise RuntimeError(f"ptxas failed: {log[-2000:]}")
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return dict(registers=int(regs.group(1)) if regs else None,
+                stack=int(spill.group(1)) if spill else None,
+                spill_stores=int(spill.group(2)) if spill else None,
+                spill_loads=int(spill.group(3)) if spill else None)
+
+
+def ptx_fingerprint(ptx: str) -> str:
+    """A hash of the PTX without its source locations and debug sections: two checkouts whose kernels hash the same
+    generate the same code (a refactor of the Python that moved lines, renamed or shared helpers changed nothing the
+    GPU runs), so such a change needs no GPU to show it costs no speed."""
+    body = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
+    keep = [line for line in body.splitlines()
+            if not line.lstrip().startswith((".loc", ".file", "//", "$L__tmp", "$L__func")) and line.strip()]
+    return hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16]
+
+
+def specialisation(launch: Launch, arch: int) -> tuple[tuple, str]:
+    """The key Triton's cache would give ``launch`` on the target (its binder: dtypes, 16-byte alignment, integers
+    equal to 1 or divisible by 16), and the integer arguments it turned into the constant 1 (``r=1`` compiles a
+    different kernel than ``r=2``)."""
+    binder = create_function_from_signature(launch.fn.signature, launch.fn.params,
+                                            make_backend(GPUTarget("cuda", arch, 32)))
+    bound, spec, _ = binder(*launch.args, **launch.kwargs)
+    ones = [p.name for p, s in zip(launch.fn.params, spec) if not p.is_constexpr and s[0] == "constexpr"]
+    key = (launch.fn.__name__, str(spec), repr(sorted(launch.kwargs.items())))
+    flags = [f"{name}=1" for name in ones] + [f"{k}" for k in ("FIRST",) if launch.kwargs.get(k)]
+    return key, " ".join(flags)
+
+
+def compile_launch(launch: Launch, arch: int) -> Resources:
+    """Compile ``launch`` as Triton would for the target and measure it."""
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    fn = launch.fn
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
+    config = {name: launch.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK", "num_warps", "num_stages", "TMA")
+              if name in launch.kwargs}
+    res = Resources(fn.__name__, launch.case, config)
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)
+        res.shared = int(compiled.metadata.shared)
+        res.ptx_sha = ptx_fingerprint(compiled.asm["ptx"])
+        for name, value in _ptxas_report(compiled.asm["ptx"], arch).items():
+            setattr(res, name, value)
+        limit = SHARED_LIMIT.get(arch)
+        if limit is not None and res.shared > limit:
+            res.error = f"needs {res.shared} bytes of shared memory, sm_{arch} has {limit}"
+    except Exception as e:  # noqa: BLE001 -- a compile error of any kind is the finding
+        text = str(e).strip()
+        res.error = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+    res.compile_s = round(time.perf_counter() - start, 2)
+    return res
+
+
+def compare(before: dict, rows: list[Resources]) -> str:
+    """Which kernels generate other code than in ``before`` (matched by kernel, specialisation and config)."""
+    old = {k["launch_key"]: k for k in before["kernels"]}
+    same, lines = 0, []
+    for r in rows:
+        o = old.pop(r.launch_key, None)
+        if o is None:
+            lines.append(f"  new      {r.kernel} {r.config} {r.specialised}")
+        elif o["ptx_sha"] == r.ptx_sha:
+            same += 1
+        else:
+            lines.append(f"  changed  {r.kernel} {r.config} {r.specialised}: registers {o['registers']} -> "
+                         f"{r.registers}, spills {o['spill_stores']} -> {r.spill_stores} bytes, shared "
+                         f"{o['shared']} -> {r.shared}")
+    lines += [f"  gone     {o['kernel']} {o['config']} {o['specialised']}" for o in old.values()]
+    return f"against {before.get('command', 'the other report')}: {same} kernels generate the same code" + (
+        "\n" + "\n".join(lines) if lines else ", none differs")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10: 90 (H100/H200), 80 (A100)...")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="query heads / kv heads / head dim")
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--n", type=int, default=4096, help="tokens of the driving problem (only its specialisation "
+                                                         "matters: a multiple of 16, as real lengths mostly are)")
+    ap.add_argument("--quick", action="store_true", help="the causal LongNet path, decoding and adaptive block-"
+                                                          "sparse only, one shape")
+    ap.add_argument("--json", help="write the report here")
+    ap.add_argument("--compare", help="a report of another checkout (--json, same arguments): list the kernels whose "
+                                      "code differs, with their registers and spills before and after")
+    args = ap.parse_args(argv)
+    if args.arch not in SHARED_LIMIT:
+        ap.error(f"--arch must be one of {sorted(SHARED_LIMIT)}, got {args.arch}")
+    shapes = args.shapes[:1] if args.quick else args.shapes
+    launches: list[Launch] = []
+    case = [""]
+    with recorded_launches(args.arch, launches, case):
+        for shape in shapes:
+            for dtype in args.dtypes:
+                drive(shape, getattr(torch, dtype), args.n, args.quick, case)
+    unique: dict[tuple, Resources] = {}
+    for launch in tqdm(launches, desc=f"compiling for sm_{args.arch}", unit="launch", file=sys.stderr):
+        key, flags = specialisation(launch, args.arch)
+        if key not in unique:
+            unique[key] = compile_launch(launch, args.arch)
+            unique[key].specialised = flags
+            unique[key].launch_key = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        unique[key].cases.append(launch.case)
+    rows = list(unique.values())
+    print(f"Triton {triton.__version__}, sm_{args.arch}, {len(launches)} launches, {len(rows)} distinct kernels")
+    print(f"{'kernel':26} {'config':40} {'specialised':30} {'regs':>4} {'spill st/ld':>11} {'smem KB':>7}  first case")
+    for r in rows:
+        cfg = " ".join(f"{k.replace('BLOCK_', '').replace('num_', '')}={v}" for k, v in r.config.items())
+        spill = "" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
+        smem = "" if r.shared is None else f"{r.shared / 1024:.0f}"
+        print(f"{r.kernel:26} {cfg:40} {r.specialised:30} {r.registers or '':>4} {spill:>11} {smem:>7}  {r.cases[0]}"
+              + (f"\n    ERROR {r.error}" if r.error else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"triton": triton.__version__, "torch": torch.__version__, "arch": args.arch,
+                       "command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
+                       "kernels": [asdict(r) for r in rows]}, f, indent=1)
+    if args.compare:
+        print(compare(json.load(open(args.compare)), rows))
+    failed = [r for r in rows if r.error]
+    if failed:
+        print(f"{len(failed)} kernel(s) failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
