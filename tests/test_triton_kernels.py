@@ -331,8 +331,8 @@ def test_dropout_exact(rng, causal):
 @cpu
 def test_dropout_half_precision_chunked(rng, monkeypatch):
     """The float32-scratch backward one kv head at a time keeps each head's own draw. p = 0.1: the neighbour head's
-    draw is a 39-45% output error, while bf16 rounding at p = 0.3 measured 0.6-1.1% on dq / dk over 30 seeds (FA2's delta from the
-    rounded O), too near SPEC's 1e-2 for a test on fresh inputs; at p = 0.1 it measured 0.4-0.6%."""
+    draw is a 39-45% output error, while bf16 rounding at p = 0.3 measured 0.6-1.1% on dq / dk over 30 seeds (FA2's
+    delta from the rounded O), too near SPEC's 1e-2 for a test on fresh inputs; at p = 0.1 it measured 0.4-0.6%."""
     monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)
     monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
     q, k, v = make_qkv(rng, 1, 4, 2, 29, 29, 16, torch.bfloat16, "cpu")

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    LOG2E, allowed, drop_keep, drop_rows, first_selected, item_tile, key_range, load_item, load_rows, mm, n_rows,
-    query_range, row_desc, tile_mask, tile_rows, unmasked_key_rows,
+    LOG2E, allowed, drop_keep, drop_rows, first_selected, item_tile, load_item, load_rows, mm, n_rows, query_range,
+    query_tile_keys, row_desc, tile_mask, tile_rows,
 )
 
 
@@ -231,14 +231,11 @@ def dilated_bwd_dq_kernel(
     if DROPOUT:
         row_hash = drop_rows(S, b, h, H, qc)
 
-    p_max = tl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
-    lo, hi = key_range(p_min, p_max, k_lo, k_hi, window, IS_CAUSAL, WINDOW)
-    k_first = first_selected(lo, off, r)
-    n_k = n_rows(k_first, hi, r)
+    k_first, n_k, n_full = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                           WINDOW, HOLES)
     cols_base = tl.arange(0, BLOCK_N)
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
-    n_full = unmasked_key_rows(p_min, k_first, n_k, r, BLOCK_N, IS_CAUSAL, WINDOW, HOLES)
     k_desc = k_row
     v_desc = v_row
     if TMA:  # the tile's dilated key rows, row stride r (at least one row: no tile is read when there is none)

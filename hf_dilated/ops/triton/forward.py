@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    allowed, drop_rows, finish, first_selected, item_tile, key_range, load_item, load_rows, mm, n_rows, row_desc,
-    softmax_step, tile_mask, tile_rows, unmasked_key_rows,
+    allowed, drop_rows, finish, first_selected, item_tile, load_item, load_rows, mm, n_rows, query_tile_keys, row_desc,
+    softmax_step, tile_mask, tile_rows,
 )
 
 
@@ -62,11 +62,8 @@ def dilated_fwd_branch_kernel(
     if DROPOUT:
         row_hash = drop_rows(S, b, h, H, qc)
 
-    p_max = tl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
-    lo, hi = key_range(p_min, p_max, k_lo, k_hi, window, IS_CAUSAL, WINDOW)
-    k_first = first_selected(lo, off, r)
-    n_k = n_rows(k_first, hi, r)
-    n_full = unmasked_key_rows(p_min, k_first, n_k, r, BLOCK_N, IS_CAUSAL, WINDOW, HOLES)
+    k_first, n_k, n_full = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                           WINDOW, HOLES)
 
     cols = tl.arange(0, BLOCK_N)
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]

@@ -103,6 +103,20 @@ def unmasked_key_rows(p_min, k_first, n_k, r, BLOCK_N: tl.constexpr, IS_CAUSAL: 
 
 
 @triton.jit
+def query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr):
+    """The keys of a query tile (the forward's and dq's loop bounds): ``(k_first, n_k, n_full)``, the first selected
+    key position the tile may see, how many selected key rows it may see, and how many of those (a multiple of
+    ``BLOCK_N``, :func:`unmasked_key_rows`) need no mask. The tile's first query is at ``p_min``, its rows step by
+    ``r`` below ``q_hi``."""
+    p_max = tl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
+    lo, hi = key_range(p_min, p_max, k_lo, k_hi, window, IS_CAUSAL, WINDOW)
+    k_first = first_selected(lo, off, r)
+    n_k = n_rows(k_first, hi, r)
+    return k_first, n_k, unmasked_key_rows(p_min, k_first, n_k, r, BLOCK_N, IS_CAUSAL, WINDOW, HOLES)
+
+
+@triton.jit
 def key_range(p_min, p_max, k_lo, k_hi, window, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """Positions ``[lo, hi)`` of the item's keys that queries at positions ``p_min..p_max`` may see."""
     lo = k_lo
