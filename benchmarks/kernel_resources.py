@@ -6,6 +6,9 @@ every CPU test and still fail to compile for a GPU, or ask for more shared memor
 ``OutOfResources`` at the first launch there). Registers and spills are what the profiles in
 ``benchmarks/NOTES_triton.md`` name as the limit of the backward kernels; ptxas reports them exactly, no GPU needed.
 
+Spill bytes alone overstate the cost: the report also counts the local-memory instructions in the SASS and how many
+of them sit inside an innermost loop (``in loops``: executed per tile, not once per program).
+
 How: the public launch paths (``dilated_attention``, its backward and decoding, ``block_sparse_attention``) run on CPU
 tensors while the launchers believe they are on the chosen GPU (its config tables, TMA on Hopper); every kernel
 launch is recorded instead of run, specialised by Triton's own binder for that GPU, compiled with ``triton.compile``
@@ -76,6 +79,9 @@ class Resources:
     error: str | None = None
     compile_s: float = 0.0
     specialised: str = ""
+    spill_instructions: int | None = None
+    spill_instructions_in_loops: int | None = None
+    tile_loops: int | None = None
     ptx_sha: str | None = None
     launch_key: str = ""
     cases: list = field(default_factory=list)
@@ -179,6 +185,33 @@ def ptx_fingerprint(ptx: str) -> str:
     return hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16]
 
 
+def spills_in_loops(cubin: bytes) -> tuple[int | None, int | None, int | None]:
+    """``(local-memory instructions, those inside a tile loop, tile loops)`` of the kernel's SASS (``cuobjdump
+    -sass``): a spill in a loop over tiles costs on every iteration, one before or after it once per program. The tile
+    loops are the spans of backward branches that hold a tensor-core instruction and no smaller such span; ``None``
+    for each when cuobjdump is missing."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None, None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    # ptxas places the wait loops of TMA / mbarrier code after the kernel's last EXIT, branching back into the body:
+    # those branches are not loops.
+    end = max((at for at, ins in code if re.match(r"EXIT\b", ins.strip())), default=max(at for at, _ in code))
+    loops = [(int(t.group(1), 16), at) for at, ins in code
+             if at < end and (t := re.search(r"\bBRA\s+0x([0-9a-f]+)", ins)) and int(t.group(1), 16) < at]
+    mma = [at for at, ins in code if re.search(r"\b(HGMMA|HMMA)\b", ins)]
+    tile_loops = [a for a in loops if any(a[0] <= at <= a[1] for at in mma)] or loops
+    innermost = [a for a in tile_loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in tile_loops)]
+    local = [at for at, ins in code if re.search(r"\b(STL|LDL)\b", ins)]
+    in_loops = sum(1 for at in local if any(lo <= at <= hi for lo, hi in innermost))
+    return len(local), in_loops, len(innermost) if mma else 0
+
+
 def specialisation(launch: Launch, arch: int) -> tuple[tuple, str]:
     """The key Triton's cache would give ``launch`` on the target (its binder: dtypes, 16-byte alignment, integers
     equal to 1 or divisible by 16), and the integer arguments it turned into the constant 1 (``r=1`` compiles a
@@ -209,6 +242,7 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
                                   options=options.__dict__)
         res.shared = int(compiled.metadata.shared)
         res.ptx_sha = ptx_fingerprint(compiled.asm["ptx"])
+        res.spill_instructions, res.spill_instructions_in_loops, res.tile_loops = spills_in_loops(compiled.asm["cubin"])
         for name, value in _ptxas_report(compiled.asm["ptx"], arch).items():
             setattr(res, name, value)
         limit = SHARED_LIMIT.get(arch)
@@ -272,12 +306,15 @@ def main(argv=None) -> int:
         unique[key].cases.append(launch.case)
     rows = list(unique.values())
     print(f"Triton {triton.__version__}, sm_{args.arch}, {len(launches)} launches, {len(rows)} distinct kernels")
-    print(f"{'kernel':26} {'config':40} {'specialised':30} {'regs':>4} {'spill st/ld':>11} {'smem KB':>7}  first case")
+    print(f"{'kernel':26} {'config':40} {'specialised':30} {'regs':>4} {'spill st/ld':>11} {'in loops':>8} "
+          f"{'smem KB':>7}  first case")
     for r in rows:
         cfg = " ".join(f"{k.replace('BLOCK_', '').replace('num_', '')}={v}" for k, v in r.config.items())
         spill = "" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
         smem = "" if r.shared is None else f"{r.shared / 1024:.0f}"
-        print(f"{r.kernel:26} {cfg:40} {r.specialised:30} {r.registers or '':>4} {spill:>11} {smem:>7}  {r.cases[0]}"
+        hot = "" if r.spill_instructions is None else f"{r.spill_instructions_in_loops}/{r.spill_instructions}"
+        print(f"{r.kernel:26} {cfg:40} {r.specialised:30} {r.registers or '':>4} {spill:>11} {hot:>8} {smem:>7}  "
+              f"{r.cases[0]}"
               + (f"\n    ERROR {r.error}" if r.error else ""))
     if args.json:
         with open(args.json, "w") as f:
