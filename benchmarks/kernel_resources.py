@@ -82,6 +82,8 @@ class Resources:
     spill_instructions: int | None = None
     spill_instructions_in_loops: int | None = None
     tile_loops: int | None = None
+    leanest_loop_instructions: int | None = None
+    leanest_loop_mma: int | None = None
     ptx_sha: str | None = None
     launch_key: str = ""
     cases: list = field(default_factory=list)
@@ -185,14 +187,16 @@ def ptx_fingerprint(ptx: str) -> str:
     return hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16]
 
 
-def spills_in_loops(cubin: bytes) -> tuple[int | None, int | None, int | None]:
-    """``(local-memory instructions, those inside a tile loop, tile loops)`` of the kernel's SASS (``cuobjdump
-    -sass``): a spill in a loop over tiles costs on every iteration, one before or after it once per program. The tile
-    loops are the spans of backward branches that hold a tensor-core instruction and no smaller such span; ``None``
-    for each when cuobjdump is missing."""
+def sass_summary(cubin: bytes) -> dict:
+    """What the kernel's SASS (``cuobjdump -sass``) says about its hot path. A spill in a loop over tiles costs on
+    every iteration, one before or after it once per program: ``spill_instructions`` counts the local-memory
+    instructions, ``spill_instructions_in_loops`` those inside a tile loop (the spans of backward branches that hold a
+    tensor-core instruction and no smaller such span). ``leanest_loop_instructions`` / ``leanest_loop_mma``: the
+    instructions and tensor-core instructions of the shortest tile loop (in the dilated kernels the one without masks),
+    a static measure of the work around the matrix products. Empty when cuobjdump is missing."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return None, None, None
+        return {}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
@@ -205,11 +209,16 @@ def spills_in_loops(cubin: bytes) -> tuple[int | None, int | None, int | None]:
     loops = [(int(t.group(1), 16), at) for at, ins in code
              if at < end and (t := re.search(r"\bBRA\s+0x([0-9a-f]+)", ins)) and int(t.group(1), 16) < at]
     mma = [at for at, ins in code if re.search(r"\b(HGMMA|HMMA)\b", ins)]
-    tile_loops = [a for a in loops if any(a[0] <= at <= a[1] for at in mma)] or loops
+    tile_loops = [a for a in loops if any(a[0] <= at <= a[1] for at in mma)]
     innermost = [a for a in tile_loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in tile_loops)]
     local = [at for at, ins in code if re.search(r"\b(STL|LDL)\b", ins)]
-    in_loops = sum(1 for at in local if any(lo <= at <= hi for lo, hi in innermost))
-    return len(local), in_loops, len(innermost) if mma else 0
+    out = dict(spill_instructions=len(local), tile_loops=len(innermost),
+               spill_instructions_in_loops=sum(1 for at in local if any(lo <= at <= hi for lo, hi in innermost)))
+    if innermost:
+        lo, hi = min(innermost, key=lambda a: a[1] - a[0])
+        out["leanest_loop_instructions"] = sum(1 for at, _ in code if lo <= at <= hi)
+        out["leanest_loop_mma"] = sum(1 for at in mma if lo <= at <= hi)
+    return out
 
 
 def specialisation(launch: Launch, arch: int) -> tuple[tuple, str]:
@@ -242,7 +251,8 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
                                   options=options.__dict__)
         res.shared = int(compiled.metadata.shared)
         res.ptx_sha = ptx_fingerprint(compiled.asm["ptx"])
-        res.spill_instructions, res.spill_instructions_in_loops, res.tile_loops = spills_in_loops(compiled.asm["cubin"])
+        for name, value in sass_summary(compiled.asm["cubin"]).items():
+            setattr(res, name, value)
         for name, value in _ptxas_report(compiled.asm["ptx"], arch).items():
             setattr(res, name, value)
         limit = SHARED_LIMIT.get(arch)
@@ -307,14 +317,15 @@ def main(argv=None) -> int:
     rows = list(unique.values())
     print(f"Triton {triton.__version__}, sm_{args.arch}, {len(launches)} launches, {len(rows)} distinct kernels")
     print(f"{'kernel':26} {'config':40} {'specialised':30} {'regs':>4} {'spill st/ld':>11} {'in loops':>8} "
-          f"{'smem KB':>7}  first case")
+          f"{'loop ins/mma':>12} {'smem KB':>7}  first case")
     for r in rows:
         cfg = " ".join(f"{k.replace('BLOCK_', '').replace('num_', '')}={v}" for k, v in r.config.items())
         spill = "" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
         smem = "" if r.shared is None else f"{r.shared / 1024:.0f}"
         hot = "" if r.spill_instructions is None else f"{r.spill_instructions_in_loops}/{r.spill_instructions}"
-        print(f"{r.kernel:26} {cfg:40} {r.specialised:30} {r.registers or '':>4} {spill:>11} {hot:>8} {smem:>7}  "
-              f"{r.cases[0]}"
+        loop = "" if r.leanest_loop_instructions is None else f"{r.leanest_loop_instructions}/{r.leanest_loop_mma}"
+        print(f"{r.kernel:26} {cfg:40} {r.specialised:30} {r.registers or '':>4} {spill:>11} {hot:>8} {loop:>12} "
+              f"{smem:>7}  {r.cases[0]}"
               + (f"\n    ERROR {r.error}" if r.error else ""))
     if args.json:
         with open(args.json, "w") as f:

@@ -67,5 +67,6 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
         if k["kernel"] not in ("delta_kernel",) and k["spill_instructions"] is not None:
             # the SASS reading finds the loops over tiles that hold the tensor-core instructions
             assert k["tile_loops"] >= 1 and 0 <= k["spill_instructions_in_loops"] <= k["spill_instructions"], k
+            assert k["leanest_loop_instructions"] > k["leanest_loop_mma"] >= 1, k
     tma = {k["config"].get("TMA") for k in kernels if "TMA" in k["config"]}
     assert tma == ({True} if arch >= 90 else {False})
