@@ -685,6 +685,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"tuning on {key}: head dims {dims}, {', '.join(args.dtypes)}, {args.seq_len} tokens, {args.heads} heads")
     trials = tuning.tune(dims, dtypes, args.seq_len, args.heads, args.kernels, key=key, save=not args.dry_run)
     print(f"{'kernel':<6} {'D':>4} {'dtype':<9} {'current ms':>10} {'best config':>18} {'best ms':>8} {'speed-up':>8}")
+    better = 0
     for d in dims:
         for dtype in dtypes:
             for kernel in (k for k in tuned.KERNELS if k in args.kernels):
@@ -692,12 +693,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 base = rows[0]
                 best = min((t for t in rows if t.ms is not None), key=lambda t: t.ms)
                 shown = "(current)" if best.config is None else str(best.config)
+                better += best.config is not None
                 print(f"{kernel:<6} {d:>4} {str(dtype)[6:]:<9} {base.ms:>10.3f} {shown:>18} {best.ms:>8.3f} "
                       f"{base.ms / best.ms:>7.2f}x")
     skipped = [t for t in trials if t.error]
     if skipped:
         print(f"{len(skipped)} candidate(s) skipped, e.g. {skipped[0].config}: {skipped[0].error}")
-    print("stored nothing (--dry-run)" if args.dry_run else f"stored in {tuned.cache_file()}")
+    if args.dry_run:
+        print(f"stored nothing (--dry-run; {better} config(s) beat the current ones)")
+    elif better:
+        print(f"stored {better} config(s) in {tuned.cache_file()}")
+    else:
+        print("the current configs won everywhere: nothing stored")
     return 0
 
 

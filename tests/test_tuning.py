@@ -5,6 +5,7 @@ with a stand-in timer (the real timing needs a GPU)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -44,7 +45,39 @@ def test_unreadable_file_is_ignored_with_a_warning(cache):
         assert tuned.lookup("fwd", 64, torch.bfloat16, key=KEY) is None
     cache.write_text(json.dumps({KEY: {"fwd|64|bfloat16": [64, "x", 4, 3]}}))
     tuned.reload()
-    assert tuned.lookup("fwd", 64, torch.bfloat16, key=KEY) is None  # a malformed entry is no config
+    with pytest.warns(UserWarning, match="ignoring the tuned Triton config"):
+        assert tuned.lookup("fwd", 64, torch.bfloat16, key=KEY) is None  # a malformed entry is no config
+
+
+def test_unusable_tables_and_entries_are_ignored_with_a_warning(cache):
+    """A device table that is not an object, or an entry that could not be launched (a 48-row block, 3 warps), is
+    no config: one warning, the built-in tables apply (never an error inside a forward pass)."""
+    cache.write_text(json.dumps({KEY: [1, 2], "Other|sm90|triton 0": {"fwd|64|bfloat16": [64, 64, 4, 3]}}))
+    with pytest.warns(UserWarning, match="not an object"):
+        assert tuned.lookup("fwd", 64, torch.bfloat16, key=KEY) is None
+    assert tuned.lookup("fwd", 64, torch.bfloat16, key="Other|sm90|triton 0") == (64, 64, 4, 3)
+    for bad in ([48, 64, 4, 3], [64, 64, 3, 3], [64, 512, 4, 3], [64, 64, 4, 0], [64, 64, 4, True]):
+        cache.write_text(json.dumps({KEY: {"fwd|64|bfloat16": bad}}))
+        tuned.reload()
+        with pytest.warns(UserWarning, match=re.escape(f"ignoring the tuned Triton config fwd|64|bfloat16: {bad!r}")):
+            assert tuned.lookup("fwd", 64, torch.bfloat16, key=KEY) is None
+    with pytest.raises(ValueError, match="power-of-two blocks"):
+        tuned.store({"fwd|64|bfloat16": (48, 64, 4, 3)}, KEY)
+
+
+def test_store_keeps_what_another_process_stored_meanwhile(cache):
+    """The tuner reads the file when it starts and stores minutes later: a table another process wrote in between
+    survives (the store re-reads under a lock), and the file is readable by other users."""
+    tuned.store({"fwd|64|bfloat16": (64, 64, 4, 3)}, KEY)
+    assert tuned.lookup("fwd", 64, torch.bfloat16, key=KEY) == (64, 64, 4, 3)  # read and cached
+    data = json.loads(cache.read_text())
+    data["GPU B|sm80|triton 0"] = {"dq|64|bfloat16": [64, 64, 4, 2]}
+    cache.write_text(json.dumps(data))  # another process, behind this one's cached read
+    tuned.store({"dq|64|bfloat16": (128, 64, 8, 3)}, KEY)
+    after = json.loads(cache.read_text())
+    assert after["GPU B|sm80|triton 0"] == {"dq|64|bfloat16": [64, 64, 4, 2]}
+    assert after[KEY] == {"fwd|64|bfloat16": [64, 64, 4, 3], "dq|64|bfloat16": [128, 64, 8, 3]}
+    assert cache.stat().st_mode & 0o777 == 0o644
 
 
 def test_unknown_kernel_is_refused():
@@ -113,7 +146,8 @@ def test_tune_refuses_bad_arguments():
         tuning.tune((64,), seq_len=8, key=KEY)
 
 
-def test_cli_tune_refuses_without_a_gpu_in_one_line(capsys):
+def test_cli_tune_refuses_without_a_gpu_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU machine: no real tune here
     for argv, message in ((["tune"], "on a CUDA GPU"),
                           (["tune", "--head-dims", "512"], "--head-dims must be at most 256"),
                           (["tune", "--seq-len", "8"], "--seq-len must be at least 16")):

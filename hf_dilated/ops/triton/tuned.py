@@ -2,14 +2,18 @@
 (:mod:`.tuning`), :mod:`.configs` reads them before its built-in tables.
 
 One JSON file, ``$HF_DILATED_CACHE/triton-configs.json`` (default ``~/.cache/hf_dilated``), maps a device key (GPU
-name, compute capability, Triton version: a config measured with one Triton release may not even compile with the
-next) to entries ``"<kernel>|<padded head dim>|<dtype>": [BLOCK_M, BLOCK_N, num_warps, num_stages]`` for the kernels
-of :data:`KERNELS`. The file is read once per process; a file that cannot be read or parsed is ignored with one
-warning (the built-in tables apply), never an error in the middle of a forward pass.
+name, compute capability, Triton version and hf_dilated version: a config measured with one Triton release may not
+even compile with the next, and one measured on other kernel code may no longer be the best) to entries
+``"<kernel>|<padded head dim>|<dtype>": [BLOCK_M, BLOCK_N, num_warps, num_stages]`` for the kernels of
+:data:`KERNELS`. The file is read once per process; a file, a device table or an entry that cannot be used (not
+JSON, not an object, block sizes that are not powers of two...) is ignored with one warning and the built-in tables
+apply: never an error in the middle of a forward pass. Writers take a lock and re-read the file, so two processes
+tuning at once both keep their results.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -30,11 +34,35 @@ def cache_file() -> Path:
 
 
 def device_key(device: torch.device | int | None = None) -> str:
-    """``"<GPU name>|sm<major><minor>|triton <version>"`` of a CUDA device (the current one by default)."""
+    """``"<GPU name>|sm<major><minor>|triton <version>|hf_dilated <version>"`` of a CUDA device (the current one by
+    default)."""
     import triton
 
+    from ... import __version__
+
     major, minor = torch.cuda.get_device_capability(device)
-    return f"{torch.cuda.get_device_name(device)}|sm{major}{minor}|triton {triton.__version__}"
+    return f"{torch.cuda.get_device_name(device)}|sm{major}{minor}|triton {triton.__version__}|hf_dilated {__version__}"
+
+
+def valid_config(config) -> bool:
+    """Whether ``config`` can be launched: ``[BLOCK_M, BLOCK_N, num_warps, num_stages]`` with power-of-two blocks of
+    16 to 256 rows (``tl.arange`` needs powers of two), 1 to 16 warps (a power of two) and 1 to 8 stages."""
+    if not (isinstance(config, (list, tuple)) and len(config) == 4):
+        return False
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in config):
+        return False
+    m, n, warps, stages = config
+    pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
+    return all(pow2(b) and 16 <= b <= 256 for b in (m, n)) and pow2(warps) and warps <= 16 and 1 <= stages <= 8
+
+
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=4)
 
 
 def check_kernel(kernel: str) -> str:
@@ -49,20 +77,28 @@ def entry_key(kernel: str, head_dim: int, dtype: torch.dtype) -> str:
     return f"{kernel}|{int(head_dim)}|{str(dtype).removeprefix('torch.')}"
 
 
-@functools.lru_cache(maxsize=None)
-def _read(path: str) -> dict:
-    p = Path(path)
+def _load(p: Path, warn: bool = True) -> dict:
+    """The file's device tables (those that are objects); ``{}`` when there is no usable file."""
     if not p.exists():
         return {}
     try:
         data = json.loads(p.read_text())
         if not isinstance(data, dict):
             raise ValueError("the top level is not an object")
-        return data
     except (OSError, ValueError) as err:
-        warnings.warn(f"ignoring the tuned Triton configs in {p} ({err}); `hf-dilated tune` rewrites them",
-                      stacklevel=3)
+        if warn:
+            _warn_once(f"ignoring the tuned Triton configs in {p} ({err}); `hf-dilated tune` rewrites them")
         return {}
+    bad = [key for key, table in data.items() if not isinstance(table, dict)]
+    if bad and warn:
+        _warn_once(f"ignoring the tuned Triton configs of {', '.join(map(repr, bad))} in {p} (not an object); "
+                   "`hf-dilated tune` rewrites them")
+    return {key: table for key, table in data.items() if isinstance(table, dict)}
+
+
+@functools.lru_cache(maxsize=None)
+def _read(path: str) -> dict:
+    return _load(Path(path))
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,28 +121,64 @@ def lookup(kernel: str, head_dim: int, dtype: torch.dtype, key: str | None = Non
         table = _device_table(torch.cuda.current_device())
     else:
         table = _read(str(cache_file())).get(key, {})
-    found = table.get(entry_key(kernel, head_dim, dtype))
-    if not (isinstance(found, list) and len(found) == 4 and all(isinstance(x, int) and x > 0 for x in found)):
+    name = entry_key(kernel, head_dim, dtype)
+    found = table.get(name)
+    if found is None:
+        return None
+    if not valid_config(found):
+        _warn_once(f"ignoring the tuned Triton config {name}: {found!r} in {cache_file()} (not [BLOCK_M, BLOCK_N, "
+                   "num_warps, num_stages] with power-of-two blocks of 16-256, 1-16 warps, 1-8 stages); the "
+                   "built-in config applies")
         return None
     return tuple(found)
 
 
 def store(entries: dict[str, tuple[int, int, int, int]], key: str) -> Path:
     """Merge ``entries`` (:func:`entry_key` -> config) into the device ``key``'s table and write the file atomically
-    (a temporary file beside it, then a rename: a reader never sees half a file). Returns the file's path."""
+    (a temporary file beside it, then a rename: a reader never sees half a file). Under an exclusive lock the file is
+    read again just before the merge, so what another process stored meanwhile is kept. Returns the file's path."""
+    bad = {k: v for k, v in entries.items() if not valid_config(list(v))}
+    if bad:
+        raise ValueError(f"configs must be [BLOCK_M, BLOCK_N, num_warps, num_stages] with power-of-two blocks of "
+                         f"16-256, 1-16 warps and 1-8 stages, got {bad}")
     path = cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = dict(_read(str(path)))
-    data[key] = {**data.get(key, {}), **{k: [int(x) for x in v] for k, v in entries.items()}}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".triton-configs-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    with _locked(path.with_name(path.name + ".lock")):
+        data = _load(path, warn=False)
+        data[key] = {**data.get(key, {}), **{k: [int(x) for x in v] for k, v in entries.items()}}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".triton-configs-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     reload()
     return path
 
 
+@contextlib.contextmanager
+def _locked(lock_path: Path):
+    """An exclusive advisory lock on ``lock_path`` (``fcntl``; where there is none, no lock)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def reload() -> None:
-    """Forget what was read, so that the next lookup reads the file again (after another process tuned)."""
+    """Forget what was read, so that the next lookup reads the file again (after another process tuned), and warns
+    again about what it cannot use."""
+    _WARNED.clear()
     _read.cache_clear()
     _device_table.cache_clear()
