@@ -212,8 +212,11 @@ def sass_summary(cubin: bytes) -> dict:
     tile_loops = [a for a in loops if any(a[0] <= at <= a[1] for at in mma)]
     innermost = [a for a in tile_loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in tile_loops)]
     local = [at for at, ins in code if re.search(r"\b(STL|LDL)\b", ins)]
+    # No tensor-core instruction (float32 dots in "ieee" mode run on the FMA units): no tile loop to tell apart, so
+    # where the spills sit is not known.
     out = dict(spill_instructions=len(local), tile_loops=len(innermost),
-               spill_instructions_in_loops=sum(1 for at in local if any(lo <= at <= hi for lo, hi in innermost)))
+               spill_instructions_in_loops=sum(1 for at in local if any(lo <= at <= hi for lo, hi in innermost))
+               if innermost else None)
     if innermost:
         lo, hi = min(innermost, key=lambda a: a[1] - a[0])
         out["leanest_loop_instructions"] = sum(1 for at, _ in code if lo <= at <= hi)
@@ -284,6 +287,46 @@ def compare(before: dict, rows: list[Resources]) -> str:
         "\n" + "\n".join(lines) if lines else ", none differs")
 
 
+TUNED_KERNELS = {"fwd": "dilated_fwd_branch_kernel", "dkdv": "dilated_bwd_dkdv_kernel", "dq": "dilated_bwd_dq_kernel"}
+
+
+def candidate_launches(arch: int, shape: str, dtype: torch.dtype, n: int) -> list[Launch]:
+    """The launches of each tuner candidate's kernel, the candidate forced, over every feature path of ``shape``."""
+    from hf_dilated.ops.triton import configs, tuning
+    from hf_dilated.ops.triton.launch import head_dim_block
+
+    d = head_dim_block(int(shape.split("/")[2]))
+    out: list[Launch] = []
+    for kernel, name in TUNED_KERNELS.items():
+        for config in tuning.candidates(kernel, d):
+            recorded: list[Launch] = []
+            case = [""]
+            with recorded_launches(arch, recorded, case), configs.forced(kernel, config):
+                drive(shape, dtype, n, False, case)
+            for launch in recorded:
+                if launch.fn.__name__ == name:
+                    launch.case = f"candidate {kernel} {tuple(config)}: {launch.case}"
+                    out.append(launch)
+    return out
+
+
+def candidate_summary(rows: list[Resources]) -> str:
+    """One line per candidate: whether every path compiled within the GPU's shared memory, and its worst spills."""
+    by: dict[str, list[Resources]] = {}
+    for r in rows:
+        for c in r.cases:
+            by.setdefault(c.split(":")[0], []).append(r)
+    lines = [f"{'candidate':42} {'paths':>5} {'max smem KB':>11} {'max spill B':>11} {'spills in loops':>15}  verdict"]
+    for name, rs in by.items():
+        errors = [r.error for r in rs if r.error]
+        smem = max((r.shared or 0) for r in rs) / 1024
+        spill = max((r.spill_stores or 0) for r in rs)
+        hot = max((r.spill_instructions_in_loops or 0) for r in rs)
+        verdict = f"FAILS: {errors[0]}" if errors else ("spills in a tile loop" if hot else "ok")
+        lines.append(f"{name:42} {len(set(map(id, rs))):>5} {smem:>11.0f} {spill:>11} {hot:>15}  {verdict}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10: 90 (H100/H200), 80 (A100)...")
@@ -293,6 +336,10 @@ def main(argv=None) -> int:
                                                          "matters: a multiple of 16, as real lengths mostly are)")
     ap.add_argument("--quick", action="store_true", help="the causal LongNet path, decoding and adaptive block-"
                                                           "sparse only, one shape")
+    ap.add_argument("--candidates", action="store_true",
+                    help="instead: every candidate config of `hf-dilated tune` (ops/triton/tuning.py) for the dilated "
+                         "forward, dK/dV and dQ, each compiled on every path (padding, window, dropout, "
+                         "bidirectional, GQA) of the first shape: the tuner times candidates on one path only")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--compare", help="a report of another checkout (--json, same arguments): list the kernels whose "
                                       "code differs, with their registers and spills before and after")
@@ -302,10 +349,13 @@ def main(argv=None) -> int:
     shapes = args.shapes[:1] if args.quick else args.shapes
     launches: list[Launch] = []
     case = [""]
-    with recorded_launches(args.arch, launches, case):
-        for shape in shapes:
-            for dtype in args.dtypes:
-                drive(shape, getattr(torch, dtype), args.n, args.quick, case)
+    if args.candidates:
+        launches = candidate_launches(args.arch, args.shapes[0], getattr(torch, args.dtypes[0]), args.n)
+    else:
+        with recorded_launches(args.arch, launches, case):
+            for shape in shapes:
+                for dtype in args.dtypes:
+                    drive(shape, getattr(torch, dtype), args.n, args.quick, case)
     unique: dict[tuple, Resources] = {}
     for launch in tqdm(launches, desc=f"compiling for sm_{args.arch}", unit="launch", file=sys.stderr):
         key, flags = specialisation(launch, args.arch)
@@ -322,7 +372,8 @@ def main(argv=None) -> int:
         cfg = " ".join(f"{k.replace('BLOCK_', '').replace('num_', '')}={v}" for k, v in r.config.items())
         spill = "" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
         smem = "" if r.shared is None else f"{r.shared / 1024:.0f}"
-        hot = "" if r.spill_instructions is None else f"{r.spill_instructions_in_loops}/{r.spill_instructions}"
+        hot = "" if r.spill_instructions is None else f"{r.spill_instructions_in_loops}/{r.spill_instructions}".replace(
+            "None", "?")
         loop = "" if r.leanest_loop_instructions is None else f"{r.leanest_loop_instructions}/{r.leanest_loop_mma}"
         print(f"{r.kernel:26} {cfg:40} {r.specialised:30} {r.registers or '':>4} {spill:>11} {hot:>8} {loop:>12} "
               f"{smem:>7}  {r.cases[0]}"
@@ -332,6 +383,8 @@ def main(argv=None) -> int:
             json.dump({"triton": triton.__version__, "torch": torch.__version__, "arch": args.arch,
                        "command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
                        "kernels": [asdict(r) for r in rows]}, f, indent=1)
+    if args.candidates:
+        print(candidate_summary(rows))
     if args.compare:
         print(compare(json.load(open(args.compare)), rows))
     failed = [r for r in rows if r.error]
