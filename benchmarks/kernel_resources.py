@@ -52,6 +52,10 @@ from tqdm import tqdm  # noqa: E402
 
 # Shared memory a block may use (bytes, the opt-in maximum): CUDA programming guide, "Technical Specifications".
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+# Per SM: shared memory (bytes), resident warps (the same guide's table); every listed GPU has 64K registers per SM,
+# allocated per warp in units of 256, and reserves 1 KB of shared memory per block.
+SM_SHARED = {80: 164 * 1024, 86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024, 100: 228 * 1024, 120: 100 * 1024}
+SM_WARPS = {80: 64, 86: 48, 89: 48, 90: 64, 100: 64, 120: 48}
 LONGNET = ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16))
 SHAPES = ("16/16/128", "32/8/128", "9/3/64", "8/2/256")
 
@@ -82,6 +86,7 @@ class Resources:
     spill_instructions: int | None = None
     spill_instructions_in_loops: int | None = None
     tile_loops: int | None = None
+    warps_per_sm: int | None = None
     leanest_loop_instructions: int | None = None
     leanest_loop_mma: int | None = None
     ptx_sha: str | None = None
@@ -187,6 +192,18 @@ def ptx_fingerprint(ptx: str) -> str:
     return hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16]
 
 
+def resident_warps(arch: int, registers: int | None, shared: int, warps: int) -> int | None:
+    """Warps that can be resident on one SM (occupancy x 64 on Hopper): whole blocks, limited by registers (64K per
+    SM, 256 per warp granule), shared memory (plus 1 KB reserved per block) and the SM's warp slots."""
+    if registers is None:
+        return None
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = 65536 // (per_warp * warps)
+    by_smem = SM_SHARED[arch] // (shared + 1024)
+    blocks = min(by_regs, by_smem, SM_WARPS[arch] // warps, 32)
+    return blocks * warps
+
+
 def sass_summary(cubin: bytes) -> dict:
     """What the kernel's SASS (``cuobjdump -sass``) says about its hot path. A spill in a loop over tiles costs on
     every iteration, one before or after it once per program: ``spill_instructions`` counts the local-memory
@@ -258,6 +275,7 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
             setattr(res, name, value)
         for name, value in _ptxas_report(compiled.asm["ptx"], arch).items():
             setattr(res, name, value)
+        res.warps_per_sm = resident_warps(arch, res.registers, res.shared, launch.kwargs.get("num_warps", 4))
         limit = SHARED_LIMIT.get(arch)
         if limit is not None and res.shared > limit:
             res.error = f"needs {res.shared} bytes of shared memory, sm_{arch} has {limit}"
@@ -367,7 +385,7 @@ def main(argv=None) -> int:
     rows = list(unique.values())
     print(f"Triton {triton.__version__}, sm_{args.arch}, {len(launches)} launches, {len(rows)} distinct kernels")
     print(f"{'kernel':26} {'config':40} {'specialised':30} {'regs':>4} {'spill st/ld':>11} {'in loops':>8} "
-          f"{'loop ins/mma':>12} {'smem KB':>7}  first case")
+          f"{'loop ins/mma':>12} {'smem KB':>7} {'warps/SM':>8}  first case")
     for r in rows:
         cfg = " ".join(f"{k.replace('BLOCK_', '').replace('num_', '')}={v}" for k, v in r.config.items())
         spill = "" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
@@ -376,7 +394,7 @@ def main(argv=None) -> int:
             "None", "?")
         loop = "" if r.leanest_loop_instructions is None else f"{r.leanest_loop_instructions}/{r.leanest_loop_mma}"
         print(f"{r.kernel:26} {cfg:40} {r.specialised:30} {r.registers or '':>4} {spill:>11} {hot:>8} {loop:>12} "
-              f"{smem:>7}  {r.cases[0]}"
+              f"{smem:>7} {r.warps_per_sm or '':>8}  {r.cases[0]}"
               + (f"\n    ERROR {r.error}" if r.error else ""))
     if args.json:
         with open(args.json, "w") as f:

@@ -64,6 +64,7 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
     for k in kernels:
         assert k["error"] is None, k
         assert 0 < k["registers"] <= 255 and 0 <= k["spill_stores"] and 0 <= k["shared"], k
+        assert 0 < k["warps_per_sm"] <= 64 and k["warps_per_sm"] % k["config"].get("num_warps", 4) == 0, k
         if k["kernel"] != "delta_kernel" and k["spill_instructions"] is not None:  # bf16: tensor-core tile loops
             # the SASS reading finds the loops over tiles that hold the tensor-core instructions
             assert k["tile_loops"] >= 1 and 0 <= k["spill_instructions_in_loops"] <= k["spill_instructions"], k
