@@ -1,22 +1,23 @@
 """Compile every Triton kernel of the package for a GPU on a machine without one, and report what each compiled
-kernel needs: registers per thread, bytes spilled to local memory, shared memory.
+kernel needs: registers, spills (and whether they sit in a hot loop), shared memory, the warps an SM can hold.
 
 Why: the interpreter (the CPU tests) runs the kernels' Python, not Triton's compiler, so a kernel change can pass
 every CPU test and still fail to compile for a GPU, or ask for more shared memory than the GPU has (an
-``OutOfResources`` at the first launch there). Registers and spills are what the profiles in
-``benchmarks/NOTES_triton.md`` name as the limit of the backward kernels; ptxas reports them exactly, no GPU needed.
-
-Spill bytes alone overstate the cost: the report also counts the local-memory instructions in the SASS and how many
-of them sit inside an innermost loop (``in loops``: executed per tile, not once per program).
+``OutOfResources`` at the first launch there). And registers, spills and occupancy, which the profiles in
+``benchmarks/NOTES_triton.md`` name as the backward's limits, are decided by the compiler: no GPU is needed to read
+them. Spill bytes alone overstate the cost: the report counts the local-memory instructions in the SASS and those
+inside a tile loop (``in loops``: run per tile, not once per program).
 
 How: the public launch paths (``dilated_attention``, its backward and decoding, ``block_sparse_attention``) run on CPU
 tensors while the launchers believe they are on the chosen GPU (its config tables, TMA on Hopper); every kernel
-launch is recorded instead of run, specialised by Triton's own binder for that GPU, compiled with ``triton.compile``
-and assembled by the ptxas that ships with Triton, whose ``-v`` report gives registers and spills.
+launch is recorded instead of run, specialised by Triton's own binder for that GPU, compiled with ``triton.compile``,
+assembled by the ptxas that ships with Triton (``-v``: registers, spills) and disassembled by its cuobjdump.
 
     python benchmarks/kernel_resources.py                        # H100 (sm_90), bf16, the model-shaped heads
     python benchmarks/kernel_resources.py --arch 80 --dtypes bfloat16 float32 --json out.json
     python benchmarks/kernel_resources.py --quick                # one shape, one dtype: what the CPU test runs
+    python benchmarks/kernel_resources.py --quick --json new.json --compare old.json   # did a change alter the code?
+    python benchmarks/kernel_resources.py --candidates --shapes 8/2/256    # hf-dilated tune's candidates, every path
 
 Exits 1 when a kernel fails to compile or needs more shared memory than the target has. The numbers come from the
 installed Triton: the GPU image's version may allocate registers differently (the report names the version).
@@ -72,6 +73,8 @@ class Launch:
 
 @dataclass
 class Resources:
+    """What one distinct compiled kernel needs (``cases``: the driving cases that launched it)."""
+
     kernel: str
     case: str
     config: dict
