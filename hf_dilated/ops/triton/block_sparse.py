@@ -70,6 +70,15 @@ def _edge(k0, q0, q_whole, Nk, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, C
 
 
 @triton.jit
+def _query_cols(q0, q_offset, Nq, BLOCK_M: tl.constexpr):
+    """The columns of the query tile starting at column ``q0``: ``(columns, query rows, in range)`` (queries are the
+    last ``Nq`` of the key columns: row = column - ``q_offset``)."""
+    qc = q0 + tl.arange(0, BLOCK_M)
+    qr = qc - q_offset
+    return qc, qr, (qr >= 0) & (qr < Nq)
+
+
+@triton.jit
 def _query_meta(QPOS, QSEQ, QOK, qbase, qr, qc, qmask, CONTIG: tl.constexpr):
     """Positions, sequence ids and validity of a query tile (rows outside the queries are invalid)."""
     if CONTIG:
@@ -108,9 +117,7 @@ def bs_fwd_kernel(
     t = _query_tile(tile0, IS_CAUSAL)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    qc = t * BLOCK_M + tl.arange(0, BLOCK_M)
-    qr = qc - q_offset
-    qmask = (qr >= 0) & (qr < Nq)
+    qc, qr, qmask = _query_cols(t * BLOCK_M, q_offset, Nq, BLOCK_M)
     qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
     i = (t * BLOCK_M) // BLOCK
     lh = h // ratio
@@ -176,9 +183,7 @@ def bs_bwd_dq_kernel(
     t = tl.program_id(0) + tile0  # last-first measured 6% slower at 64K (benchmarks/NOTES_triton.md)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    qc = t * BLOCK_M + tl.arange(0, BLOCK_M)
-    qr = qc - q_offset
-    qmask = (qr >= 0) & (qr < Nq)
+    qc, qr, qmask = _query_cols(t * BLOCK_M, q_offset, Nq, BLOCK_M)
     qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
     i = (t * BLOCK_M) // BLOCK
     lh = h // ratio
