@@ -244,13 +244,19 @@ def sass_summary(cubin: bytes) -> dict:
     return out
 
 
+def _bind(launch: Launch, arch: int):
+    """``(target, backend, bound arguments, specialisation, options)``: what Triton's binder makes of ``launch`` on the
+    target (dtypes, 16-byte alignment, integers equal to 1 or divisible by 16)."""
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(launch.fn.signature, launch.fn.params, backend)
+    return (target, backend, *binder(*launch.args, **launch.kwargs))
+
+
 def specialisation(launch: Launch, arch: int) -> tuple[tuple, str]:
-    """The key Triton's cache would give ``launch`` on the target (its binder: dtypes, 16-byte alignment, integers
-    equal to 1 or divisible by 16), and the integer arguments it turned into the constant 1 (``r=1`` compiles a
-    different kernel than ``r=2``)."""
-    binder = create_function_from_signature(launch.fn.signature, launch.fn.params,
-                                            make_backend(GPUTarget("cuda", arch, 32)))
-    bound, spec, _ = binder(*launch.args, **launch.kwargs)
+    """The key Triton's cache would give ``launch`` on the target, and the integer arguments it turned into the
+    constant 1 (``r=1`` compiles a different kernel than ``r=2``)."""
+    spec = _bind(launch, arch)[3]
     ones = [p.name for p, s in zip(launch.fn.params, spec) if not p.is_constexpr and s[0] == "constexpr"]
     key = (launch.fn.__name__, str(spec), repr(sorted(launch.kwargs.items())))
     flags = [f"{name}=1" for name in ones] + [f"{k}" for k in ("FIRST",) if launch.kwargs.get(k)]
@@ -259,11 +265,8 @@ def specialisation(launch: Launch, arch: int) -> tuple[tuple, str]:
 
 def compile_launch(launch: Launch, arch: int) -> Resources:
     """Compile ``launch`` as Triton would for the target and measure it."""
-    target = GPUTarget("cuda", arch, 32)
-    backend = make_backend(target)
     fn = launch.fn
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    target, backend, bound, specialization, options = _bind(launch, arch)
     options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
     config = {name: launch.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK", "num_warps", "num_stages", "TMA")
               if name in launch.kwargs}

@@ -44,9 +44,12 @@ def device_key(device: torch.device | int | None = None) -> str:
     return f"{torch.cuda.get_device_name(device)}|sm{major}{minor}|triton {triton.__version__}|hf_dilated {__version__}"
 
 
+CONFIG_RULE = ("[BLOCK_M, BLOCK_N, num_warps, num_stages] with power-of-two blocks of 16-256, 1-16 warps (a power of "
+               "two) and 1-8 stages")
+
+
 def valid_config(config) -> bool:
-    """Whether ``config`` can be launched: ``[BLOCK_M, BLOCK_N, num_warps, num_stages]`` with power-of-two blocks of
-    16 to 256 rows (``tl.arange`` needs powers of two), 1 to 16 warps (a power of two) and 1 to 8 stages."""
+    """Whether ``config`` can be launched (:data:`CONFIG_RULE`; ``tl.arange`` needs power-of-two blocks)."""
     if not (isinstance(config, (list, tuple)) and len(config) == 4):
         return False
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in config):
@@ -126,8 +129,7 @@ def lookup(kernel: str, head_dim: int, dtype: torch.dtype, key: str | None = Non
     if found is None:
         return None
     if not valid_config(found):
-        _warn_once(f"ignoring the tuned Triton config {name}: {found!r} in {cache_file()} (not [BLOCK_M, BLOCK_N, "
-                   "num_warps, num_stages] with power-of-two blocks of 16-256, 1-16 warps, 1-8 stages); the "
+        _warn_once(f"ignoring the tuned Triton config {name}: {found!r} in {cache_file()} (not {CONFIG_RULE}); the "
                    "built-in config applies")
         return None
     return tuple(found)
@@ -139,8 +141,7 @@ def store(entries: dict[str, tuple[int, int, int, int]], key: str) -> Path:
     read again just before the merge, so what another process stored meanwhile is kept. Returns the file's path."""
     bad = {k: v for k, v in entries.items() if not valid_config(list(v))}
     if bad:
-        raise ValueError(f"configs must be [BLOCK_M, BLOCK_N, num_warps, num_stages] with power-of-two blocks of "
-                         f"16-256, 1-16 warps and 1-8 stages, got {bad}")
+        raise ValueError(f"configs must be {CONFIG_RULE}, got {bad}")
     path = cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path.with_name(path.name + ".lock")):
