@@ -259,7 +259,18 @@ def table(result: dict) -> str:
     return "\n\n".join(lines)
 
 
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` steps: one row's loss varies far more between rows than between attentions."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v - (values[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out
+
+
 def plot(result: dict, path: Path) -> None:
+    """Per context and method: the training loss of each run (trailing mean), its held-out loss before and after;
+    then the dilated runs' training loss minus the dense run's on the same rows (the gap the fine-tune closes)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -267,18 +278,30 @@ def plot(result: dict, path: Path) -> None:
     panels = []
     for ctx in sorted({r["context"] for r in result["runs"]}):
         for method in dict.fromkeys(r["method"] for r in result["runs"]):
-            series = []
-            for r in result["runs"]:
-                if r["context"] != ctx or r["method"] != method or not r.get("loss_curve"):
-                    continue
+            runs = [r for r in result["runs"] if r["context"] == ctx and r["method"] == method and r.get("loss_curve")]
+            if not runs:
+                continue
+            window = max(1, max(len(r["loss_curve"]) for r in runs) // 20)
+            series, gaps = [], []
+            dense = next((r for r in runs if r["attn"].startswith("dense")), None)
+            for r in runs:
                 steps, losses = zip(*r["loss_curve"])
-                series.append({"label": f"{r['attn']} train", "x": list(steps), "y": list(losses)})
+                series.append({"label": f"{r['attn']} train (mean of {window})", "x": list(steps), "y": smooth(losses, window)})
                 for key, x, marker in (("eval_before", 0, "o"), ("eval_after", r["steps"], "s")):
                     series.append({"label": f"{r['attn']} {key.replace('_', ' ')} (ppl {r[key]['perplexity']:.2f})",
                                    "x": [x], "y": [r[key]["loss"]], "points": True, "marker": marker})
-            if series:
-                panels.append({"title": f"{ctx} tokens, {method}", "xlabel": "optimizer step",
-                               "ylabel": "loss (nats/token)", "series": series})
+                if dense is not None and r is not dense:
+                    base = dict(dense["loss_curve"])
+                    pairs = [(s, l - base[s]) for s, l in r["loss_curve"] if s in base]
+                    if pairs:
+                        xs, ds = zip(*pairs)
+                        gaps.append({"label": f"{r['attn']} - {dense['attn']} (mean of {window})", "x": list(xs),
+                                     "y": smooth(ds, window)})
+            panels.append({"title": f"{ctx} tokens, {method}", "xlabel": "optimizer step",
+                           "ylabel": "loss (nats/token)", "series": series})
+            if gaps:
+                panels.append({"title": f"{ctx} tokens, {method}: training-loss gap to dense", "xlabel": "optimizer step",
+                               "ylabel": "loss difference (nats/token)", "series": gaps})
     if panels:
         env = result["environment"]
         reporting.plot(path, panels, title=f"{result['model']}: fine-tuning recipe ({env.get('device')})")
