@@ -112,6 +112,7 @@ def recorded_launches(arch: int, into: list, case: list):
         (configs, "_hopper", lambda: arch >= 90),
         (block_sparse, "_hopper", lambda: arch >= 90),
         (configs, "interpreting", lambda: False),
+        (configs, "_capability_major", lambda: arch // 10),
         (tuned, "lookup", lambda *a, **k: None),  # the built-in tables, not this machine's tuned configs
         (triton_backend, "is_available", lambda device: True),
         (triton, "set_allocator", lambda alloc: None),
@@ -160,6 +161,13 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
                                  strict=True)
     for pattern in ("local", "adaptive") if not quick else ("adaptive",):
         fwd_bwd(f"block-sparse {pattern}", lambda: block_sparse_attention(q, k, v, pattern, backend="triton"))
+    from hf_dilated.ops.triton import block_sparse
+
+    atomic, block_sparse.ATOMIC_DQ = block_sparse.ATOMIC_DQ, False  # the backward's other dQ path: its own kernel
+    try:
+        fwd_bwd("block-sparse adaptive, separate dQ", lambda: block_sparse_attention(q, k, v, "adaptive", backend="triton"))
+    finally:
+        block_sparse.ATOMIC_DQ = atomic
 
 
 def _ptxas_report(ptx: str, arch: int) -> dict:

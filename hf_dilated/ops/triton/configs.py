@@ -27,6 +27,21 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
+@functools.lru_cache(maxsize=None)
+def _capability_major() -> int:
+    return torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
+
+
+def dot_mode(dtype: torch.dtype) -> int:
+    """``UPCAST`` of ``tiles.mm``: 1 for bfloat16 under the interpreter; float32 on a GPU: 2 (tf32x3) from Ampere on,
+    3 (ieee) before it; else 0."""
+    if interpreting():
+        return int(dtype == torch.bfloat16)
+    if dtype != torch.float32:
+        return 0
+    return 2 if _capability_major() >= 8 else 3
+
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim. Re-measured 2026-11-22 (H100, N = 32K, tune_triton.py):
 # D=256 forward 8.67 -> 4.70 ms, D=256 dk/dv 47.1 -> 34.9 ms, D=128 dk/dv 7.24 -> 6.72 ms; the rest were already best.
 # D=128 forward with TMA loads (N = 64K, LongNet branches): (64, 64, 4, 3) 3.56 ms against (128, 64, 8, 3) 3.77 ms.

@@ -14,7 +14,7 @@ import torch
 from ...config import DENSE_SEGMENT
 from ..dropout import keep_threshold, stream
 from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kernel
-from .configs import bwd_config, decode_config, descriptor_scratch, fwd_config, interpreting, use_tma
+from .configs import bwd_config, decode_config, descriptor_scratch, dot_mode, fwd_config, interpreting, use_tma
 from .decode import dilated_decode_kernel
 from .forward import dilated_fwd_branch_kernel
 from .schedule import RunPlan, branch_items
@@ -75,13 +75,6 @@ def row_deltas(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None = No
     if dlse is not None:
         delta = (delta - dlse.to(torch.float32)).contiguous()
     return delta
-
-
-def _upcast(q: torch.Tensor) -> int:
-    """Dot mode of ``tiles.mm``: 1 for bfloat16 under the interpreter, 2 for float32 on a GPU, else 0."""
-    if interpreting():
-        return int(q.dtype == torch.bfloat16)
-    return 2 if q.dtype == torch.float32 else 0
 
 
 def items_grid(n_items: int, max_rows: int, block: int, heads: int) -> tuple[tuple[int, int], int]:
@@ -175,7 +168,7 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
             q, k, v, o, lse, it.items, qv, kv, streams[i],
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
             Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles,
-            HEAD_DIM=head_dim_block(D), D=D, FIRST=first, UPCAST=_upcast(q), TMA=tma, **flags, **cfg,
+            HEAD_DIM=head_dim_block(D), D=D, FIRST=first, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **cfg,
         )
         first = False
     return o.to(q.dtype), lse
@@ -251,7 +244,7 @@ def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, h0, items, pb: Problem,
             *dk.stride()[:3], *dv.stride()[:3],
             Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
             inv_keep, n_tiles,
-            HEAD_DIM=hd, D=D, FIRST=first, UPCAST=_upcast(q), TMA=tma, **flags, **kv_cfg,
+            HEAD_DIM=hd, D=D, FIRST=first, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **kv_cfg,
         )
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, q_cfg["BLOCK_M"], H)
         dilated_bwd_dq_kernel[grid](
@@ -259,7 +252,7 @@ def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, h0, items, pb: Problem,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
             *dq.stride()[:3],
             Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr, inv_keep, n_tiles,
-            HEAD_DIM=hd, D=D, FIRST=first, UPCAST=_upcast(q), TMA=tma, **flags, **q_cfg,
+            HEAD_DIM=hd, D=D, FIRST=first, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **q_cfg,
         )
         first = False
 
@@ -291,6 +284,6 @@ def decode(q, k, v, pb: Problem, q_pos, q_valid, k_valid, kdesc):
         q, k, v, o, lse, q_pos.contiguous(), qv, kv, kdesc, table, streams,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         Nq, k.shape[2], B, H, pb.head_offset, group, pb.scale * LOG2E, window, thr, inv_keep,
-        N_BRANCHES=len(br), HEAD_DIM=hd, D=D, UPCAST=_upcast(q), **flags, **cfg,
+        N_BRANCHES=len(br), HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), **flags, **cfg,
     )
     return o, lse

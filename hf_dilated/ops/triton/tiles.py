@@ -51,11 +51,15 @@ def item_tile(n_tiles, HEAVIEST_LAST: tl.constexpr):
 @triton.jit
 def mm(a, b, UPCAST: tl.constexpr):
     """``tl.dot`` by mode: 0 plain (bf16 / fp16), 1 float32 operands (works around the interpreter's wrong bfloat16
-    dots, CPU tests only), 2 full float32 (``ieee``) for float32 inputs:
-    exact but slower (tf32 missed SPEC's 1e-3 tolerance in the H100 tests)."""
+    dots, CPU tests only), 2 float32 inputs as ``tf32x3``: three tf32 tensor-core products, float32's accuracy
+    (SPEC's 1e-5 in the H100 oracle tests; one tf32 product missed 1e-3) at 5x ``ieee``'s forward speed and 7x its
+    forward+backward, since ``ieee`` runs on the FMA units and spills (benchmarks/NOTES_triton.md, session 10);
+    3 float32 as ``ieee``, before Ampere (no tf32 tensor cores)."""
     if UPCAST == 1:
         c = tl.dot(a.to(tl.float32), b.to(tl.float32))
     elif UPCAST == 2:
+        c = tl.dot(a, b, input_precision="tf32x3")
+    elif UPCAST == 3:
         c = tl.dot(a, b, input_precision="ieee")
     else:
         c = tl.dot(a, b)
