@@ -161,13 +161,6 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
                                  strict=True)
     for pattern in ("local", "adaptive") if not quick else ("adaptive",):
         fwd_bwd(f"block-sparse {pattern}", lambda: block_sparse_attention(q, k, v, pattern, backend="triton"))
-    from hf_dilated.ops.triton import block_sparse
-
-    atomic, block_sparse.ATOMIC_DQ = block_sparse.ATOMIC_DQ, False  # the backward's other dQ path: its own kernel
-    try:
-        fwd_bwd("block-sparse adaptive, separate dQ", lambda: block_sparse_attention(q, k, v, "adaptive", backend="triton"))
-    finally:
-        block_sparse.ATOMIC_DQ = atomic
 
 
 def _ptxas_report(ptx: str, arch: int) -> dict:

@@ -69,16 +69,12 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--tma", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--kernels", nargs="*", default=["fwd", "dq", "kv"], choices=["fwd", "dq", "kv"])
-    ap.add_argument("--dq", default="atomic", choices=["atomic", "kernel"],
-                    help="the backward's dQ: added atomically by the dK/dV kernel (the 'dq' sweep then times nothing "
-                         "new) or its own kernel")
     args = ap.parse_args()
-    bs.ATOMIC_DQ = args.dq == "atomic"
     use_tma0 = bs.use_tma
     dev, H, blk = torch.device("cuda"), args.heads, 128
     fwd0, bwd0 = bs._fwd_config, bs._bwd_config
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-              "heads": H, "block": blk, "dq": args.dq, "rows": []}
+              "heads": H, "block": blk, "rows": []}
     nd = min(args.n, 16384)  # the dense layout at a smaller N: the same tiles, a quicker sweep
     for D in args.dims:
         scale = D ** -0.5
@@ -132,8 +128,8 @@ def main():
                     sweep(kind, *checks[kind], tma)
             # the default pair, and the two kernels' share of the backward
             fwd_ms, bwd_ms = cuda_median_ms(fwd, 7), cuda_median_ms(bwd, 7)
-            report["rows"].append(dict(layout=name, N=N, D=D, default=True, dq=args.dq, fwd_ms=fwd_ms, bwd_ms=bwd_ms))
-            print(f"{name} N={N} D={D} dq={args.dq} default fwd {fwd_ms:.3f} ms, bwd {bwd_ms:.3f} ms", flush=True)
+            report["rows"].append(dict(layout=name, N=N, D=D, default=True, fwd_ms=fwd_ms, bwd_ms=bwd_ms))
+            print(f"{name} N={N} D={D} default fwd {fwd_ms:.3f} ms, bwd {bwd_ms:.3f} ms", flush=True)
     for fn in (bs.bs_fwd_kernel, bs.bs_bwd_dq_kernel, bs.bs_bwd_dkdv_kernel):
         stats = compiled_stats(fn)
         report.setdefault("registers_spills", {})[fn.__name__] = {str(k): v for k, v in stats.items()}

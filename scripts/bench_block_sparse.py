@@ -42,7 +42,6 @@ from hf_dilated.ops.block_sparse import (  # noqa: E402
     union,
 )
 from hf_dilated.ops.layout import resolve_layout  # noqa: E402
-from hf_dilated.ops.triton import block_sparse as kernels  # noqa: E402
 
 TOL = 1e-2  # SPEC, bfloat16
 B, H, D = 1, 16, 128
@@ -182,8 +181,6 @@ def main():
     ap.add_argument("--adaptive-n", type=int, default=131072)
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--separate-dq", action="store_true",
-                    help="also time forward+backward with dQ from its own kernel instead of the atomic adds")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -233,20 +230,6 @@ def main():
 
         ours_out = {}
         guarded(f"ours N={N}", lambda: ours_out.setdefault("o", run_ours()))
-
-        def run_separate_dq():  # the backward's other dQ path, its own kernel (no atomic adds), on the same layout
-            atomic, kernels.ATOMIC_DQ = kernels.ATOMIC_DQ, False
-            try:
-                res = ours(q, k, v, lay, tokens, do)
-                err = check_full(res, q, k, v, lay, tokens, do) if N <= args.full_check_max else float("nan")
-                fb = bench(lambda: ours(q, k, v, lay, tokens, do), 5)
-            finally:
-                kernels.ATOMIC_DQ = atomic
-            record(method="ours_separate_dq", **base, err=err, fwd_ms=float("nan"), fwd_bwd_ms=fb,
-                   fwd_bwd_tflops=14 * D * pairs / fb / 1e9)
-
-        if args.separate_dq:
-            guarded(f"ours separate dQ N={N}", run_separate_dq)
 
         def run_flex():
             mask, mask_ms = timed_ms(lambda: flex_block_mask(lay, N))
@@ -315,8 +298,7 @@ def write(rows, errors, args, gpu, seconds):
     stem = f"block_sparse-{gpu.replace(' ', '_')}-{datetime.date.today().isoformat()}"
     meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                 python=platform.python_version(), command=" ".join([sys.executable] + sys.argv),
-                shape=dict(B=B, H=H, D=D, dtype="bfloat16", causal=True), seconds=round(seconds, 1),
-                dq="atomic in the dK/dV kernel" if kernels.atomic_dq() else "its own kernel")
+                shape=dict(B=B, H=H, D=D, dtype="bfloat16", causal=True), seconds=round(seconds, 1))
     path = os.path.join(args.out, stem + ".json")
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows, errors=errors), f, indent=1)
@@ -327,7 +309,7 @@ def write(rows, errors, args, gpu, seconds):
               f"{r.get('fwd_tflops', float('nan')):>9.1f}{r.get('fwd_bwd_tflops', float('nan')):>9.1f}{r['err']:>10.2e}")
     by = {(r["method"], r["N"]): r for r in rows}
     for (method, N), r in sorted(by.items(), key=lambda x: x[0][1]):
-        other = {"ours": "flex_blockmask", "ours_dense_layout": "sdpa_flash", "ours_separate_dq": "ours"}.get(method)
+        other = {"ours": "flex_blockmask", "ours_dense_layout": "sdpa_flash"}.get(method)
         if other and (other, N) in by:
             o = by[(other, N)]
             print(f"{method} vs {other} at N={N}: fwd {o['fwd_ms'] / r['fwd_ms']:.2f}x, "
@@ -347,7 +329,7 @@ def write(rows, errors, args, gpu, seconds):
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key in zip(axes, ("fwd_ms", "fwd_bwd_ms")):
-        for method in ("ours", "ours_separate_dq", "flex_blockmask", "ours_dense_layout", "sdpa_flash"):
+        for method in ("ours", "flex_blockmask", "ours_dense_layout", "sdpa_flash"):
             pts = [(r["N"], r[key]) for r in rows if r["method"] == method]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=method)

@@ -28,7 +28,7 @@ from hf_dilated.ops.block_sparse import (
 )
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-kernel = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="needs TRITON_INTERPRET=1 or CUDA")
+kernel = pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (set by conftest without CUDA); -m gpu runs them on CUDA")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
@@ -114,8 +114,6 @@ def check(q, k, v, layout, block_mask, rng, backend, *, causal=True, attention_m
         assert rel(a.grad, r.grad) < tol, name
     if backend == "triton":
         assert LAUNCHES["forward"] > before.get("forward", 0) and LAUNCHES["backward"] > before.get("backward", 0)
-        from hf_dilated.ops.triton.block_sparse import atomic_dq
-        assert (LAUNCHES["atomic_dq"] > before.get("atomic_dq", 0)) == atomic_dq()  # the dQ path said to run ran
         if check_tma and q.shape[2] == k.shape[2] and (q.shape[-1] * q.element_size()) % 16 == 0:  # the tensor-descriptor path ran
             assert LAUNCHES["tma"] >= before.get("tma", 0) + 2  # forward and backward
 
@@ -199,25 +197,6 @@ def test_random_block_mask_gqa(rng, backend, causal):
     mask = torch.rand(1, Hk, n, n, generator=rng) < 0.5  # per kv head; some rows empty
     q, k, v = qkv(rng, B, H, Hk, N, N, D, torch.float32)
     check(q, k, v, from_mask(mask, b), mask, rng, backend, causal=causal)
-
-
-@kernel
-@pytest.mark.parametrize("how", ["separate kernel", "deterministic mode"])
-def test_dq_without_atomics(rng, monkeypatch, how):
-    """The backward's other dQ path (its own kernel, no atomic adds): chosen by ``HF_DILATED_BS_ATOMIC_DQ=0`` or by
-    ``torch.use_deterministic_algorithms``, exact against the float64 statement, GQA and holes in the layout."""
-    from hf_dilated.ops.triton import block_sparse as kernels
-
-    if how == "separate kernel":
-        monkeypatch.setattr(kernels, "ATOMIC_DQ", False)
-    else:
-        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert not kernels.atomic_dq()
-    B, H, Hk, N, D, b = 1, 4, 2, 75, 16, 16
-    n = math.ceil(N / b)
-    mask = torch.rand(1, Hk, n, n, generator=rng) < 0.5
-    q, k, v = qkv(rng, B, H, Hk, N, N, D, torch.float32)
-    check(q, k, v, from_mask(mask, b), mask, rng, "triton")
 
 
 @kernel

@@ -17,7 +17,6 @@ loaded per tile (causal ``p' <= p``, same sequence, no padding). A query with no
 from __future__ import annotations
 
 import collections
-import os
 
 import torch
 import triton
@@ -239,7 +238,7 @@ def bs_bwd_dq_kernel(
 
 @triton.jit
 def bs_bwd_dkdv_kernel(
-    Q, K, V, DO, L, Delta, DK, DV, DQ, QPTR, QIDX, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK,
+    Q, K, V, DO, L, Delta, DK, DV, QPTR, QIDX, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -247,15 +246,11 @@ def bs_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    stride_dqb, stride_dqh, stride_dqn,
     stride_cb, stride_ch, stride_ib, stride_ih,
     Nq, Nk, q_offset, group, ratio, scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
 ):
-    """dK, dV of one key tile (all query heads of its kv head); with ``ATOMIC_DQ`` also each query tile's share of
-    dQ, added in float32 to ``DQ`` (five products per tile pair instead of the dQ kernel's three more)."""
     kt = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -312,10 +307,6 @@ def bs_bwd_dkdv_kernel(
             dpT = mm(v, tl.trans(do), UPCAST)
             dsT = pT * (dpT - delta[None, :])
             dk += mm(dsT.to(q.dtype), q, UPCAST)
-            if ATOMIC_DQ:
-                dq = mm(tl.trans(dsT).to(k.dtype), k, UPCAST) * scale
-                tl.atomic_add(DQ + b * stride_dqb + h64 * stride_dqh + qr64[:, None] * stride_dqn + d[None, :], dq,
-                              mask=qmask[:, None], sem="relaxed")
     dk = dk * scale
     tl.store(DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :],
              dk.to(DK.dtype.element_ty), mask=kmask[:, None])
@@ -429,44 +420,25 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
     tma = _tma((q, k, v, do), q_offset)
     q_cfg, kv_cfg = _bwd_config(block, D, q.dtype, tma)
     group, ratio = H // Hk, H // kv_index.shape[1]
+    tile0 = q_offset // q_cfg["BLOCK_M"]
+    grid = (cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)
     common = dict(HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, CONTIG=contiguous, UPCAST=dot_mode(q.dtype), TMA=tma)
-    atomic = atomic_dq()
-    if atomic:
-        dq32 = torch.zeros(B, H, Nq, D, device=q.device, dtype=torch.float32)
-    else:
-        tile0 = q_offset // q_cfg["BLOCK_M"]
-        grid = (cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)
-        bs_bwd_dq_kernel[grid](
-            q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *dq.stride()[:3],
-            *_layout_strides(kv_count, kv_index, B),
-            Nq, Nk, q_offset, tile0, group, ratio, scale, scale * LOG2E_F, **common, **q_cfg,
-        )
-        dq32 = dq  # not read
+    bs_bwd_dq_kernel[grid](
+        q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *dq.stride()[:3],
+        *_layout_strides(kv_count, kv_index, B),
+        Nq, Nk, q_offset, tile0, group, ratio, scale, scale * LOG2E_F, **common, **q_cfg,
+    )
     grid = (cdiv(Nk, kv_cfg["BLOCK_N"]), Hk, B)
     bs_bwd_dkdv_kernel[grid](
-        q, k, v, do, lse, delta, dk, dv, dq32, q_ptr, q_flat, *meta,
+        q, k, v, do, lse, delta, dk, dv, q_ptr, q_flat, *meta,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
-        *dk.stride()[:3], *dv.stride()[:3], *dq32.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3],
         *_layout_strides(q_ptr, q_flat, B),
-        Nq, Nk, q_offset, group, ratio, scale, scale * LOG2E_F, **common, **kv_cfg, ATOMIC_DQ=atomic,
+        Nq, Nk, q_offset, group, ratio, scale, scale * LOG2E_F, **common, **kv_cfg,
     )
-    if atomic:
-        dq.copy_(dq32)
     LAUNCHES["backward"] += 1
-    LAUNCHES["atomic_dq"] += atomic
     return dq, dk, dv
-
-
-# The backward's dQ: by default from the dK/dV kernel, added atomically in float32 (5 products per pair of tiles,
-# against 7 with a separate dQ kernel that recomputes QK^T and dO V^T); ``HF_DILATED_BS_ATOMIC_DQ=0``, or
-# ``torch.use_deterministic_algorithms(True)`` (atomic float adds sum in any order), selects the separate kernel.
-ATOMIC_DQ = os.environ.get("HF_DILATED_BS_ATOMIC_DQ", "1") != "0"
-
-
-def atomic_dq() -> bool:
-    """Whether the backward adds dQ atomically inside the dK/dV kernel (see ``ATOMIC_DQ``)."""
-    return ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled()
 
 
 def kernels_support(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> bool:
