@@ -77,12 +77,12 @@ def dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, q
         lse = tl.load(l_row + qc64)
         delta = tl.load(dl_row + qc64)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-    qkT = mm(k, tl.trans(q), UPCAST) * qk_scale
+    qkT = mm(k, tl.trans(q), UPCAST)
     if MASKED:
         ok = allowed(kmask[:, None] & qmask[None, :], qp[None, :] - kp[:, None], window, IS_CAUSAL, WINDOW)
-        pT = tl.where(ok, tl.math.exp2(qkT - lse[None, :]), 0.0)
+        pT = tl.where(ok, tl.math.exp2(qkT * qk_scale - lse[None, :]), 0.0)
     else:
-        pT = tl.math.exp2(qkT - lse[None, :])
+        pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
     dpT = mm(v, tl.trans(do), UPCAST)
     if DROPOUT:
         keepT = drop_keep(drop_rows(S, b, h, H, qc)[None, :], kc[:, None], drop_threshold)
@@ -285,12 +285,12 @@ def dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_firs
     elif not TMA:
         k = load_rows(k_row + kc64 * stride_kn, cols, dmask, False, EVEN_D)
         v = load_rows(v_row + kc64 * stride_vn, cols, dmask, False, EVEN_D)
-    qk = mm(q, tl.trans(k), UPCAST) * qk_scale
+    qk = mm(q, tl.trans(k), UPCAST)
     if MASKED:
         ok = allowed(qmask[:, None] & kmask[None, :], qp[:, None] - kp[None, :], window, IS_CAUSAL, WINDOW)
-        p = tl.where(ok, tl.math.exp2(qk - lse[:, None]), 0.0)
+        p = tl.where(ok, tl.math.exp2(qk * qk_scale - lse[:, None]), 0.0)
     else:
-        p = tl.math.exp2(qk - lse[:, None])
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
     dp = mm(do, tl.trans(v), UPCAST)
     if DROPOUT:
         dp = tl.where(drop_keep(row_hash[:, None], kc[None, :], drop_threshold), dp * inv_keep, 0.0)

@@ -150,7 +150,7 @@ def bs_fwd_kernel(
             k = k_desc.load([k0, 0])
         else:
             k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
-        qk = mm(q, tl.trans(k), UPCAST) * qk_scale
+        qk = mm(q, tl.trans(k), UPCAST)
         if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
             ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
             qk = tl.where(ok, qk, float("-inf"))
@@ -158,7 +158,7 @@ def bs_fwd_kernel(
             v = v_desc.load([k0, 0])
         else:
             v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qc, kc, 0, 1.0, False, UPCAST)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, qk_scale, v, qc, kc, 0, 1.0, False, UPCAST)
     out, lse = finish(acc, l_i, m_i)
     qr64 = qr.to(tl.int64)
     tl.store(O + b * stride_ob + h64 * stride_oh + qr64[:, None] * stride_on + d[None, :],
@@ -223,8 +223,8 @@ def bs_bwd_dq_kernel(
         else:
             k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
             v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
-        qk = mm(q, tl.trans(k), UPCAST) * qk_scale
-        p = tl.math.exp2(qk - lse[:, None])
+        qk = mm(q, tl.trans(k), UPCAST)
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
             ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
             p = tl.where(ok, p, 0.0)
@@ -296,8 +296,8 @@ def bs_bwd_dkdv_kernel(
             lse = tl.load(l_row + qr64, mask=qmask, other=0.0)
             lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
             delta = tl.load(dl_row + qr64, mask=qmask, other=0.0)
-            qkT = mm(k, tl.trans(q), UPCAST) * qk_scale
-            pT = tl.math.exp2(qkT - lse[None, :])
+            qkT = mm(k, tl.trans(q), UPCAST)
+            pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
             q_whole = (q0 >= q_offset) & (q0 + BLOCK_M <= Nk)
             if _edge(k_first, q0, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
                 qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)

@@ -94,12 +94,12 @@ def dilated_decode_kernel(
                 kc64 = kc.to(tl.int64)[:, None]
                 k = load_rows(k_row + kc64 * stride_kn, kmask, dmask, True, EVEN_D)
                 v = load_rows(v_row + kc64 * stride_vn, kmask, dmask, True, EVEN_D)
-                qk = mm(q, tl.trans(k), UPCAST) * qk_scale
+                qk = mm(q, tl.trans(k), UPCAST)
                 ok = sel[:, None] & kmask[None, :] & ((kp // w)[None, :] == seg[:, None])
                 ok = allowed(ok, qp[:, None] - kp[None, :], window, IS_CAUSAL, WINDOW)
                 qk = tl.where(ok, qk, float("-inf"))
-                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, row_hash, kc, drop_threshold, inv_keep, DROPOUT,
-                                             UPCAST)
+                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, qk_scale, v, row_hash, kc, drop_threshold, inv_keep,
+                                             DROPOUT, UPCAST)
     out, lse = finish(acc, l_i, m_i)
     tl.store(O + b * stride_ob + h64 * stride_oh + r64[:, None] * stride_on + d[None, :],
              out.to(O.dtype.element_ty), mask=tile_mask(rows < Nq, dmask, EVEN_D))

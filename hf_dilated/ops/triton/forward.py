@@ -84,8 +84,9 @@ def dilated_fwd_branch_kernel(
         else:
             k = load_rows(k_row + kc.to(tl.int64)[:, None] * stride_kn, cols, dmask, False, EVEN_D)
             v = load_rows(v_row + kc.to(tl.int64)[:, None] * stride_vn, cols, dmask, False, EVEN_D)
-        qk = mm(q, tl.trans(k), UPCAST) * qk_scale
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, row_hash, kc, drop_threshold, inv_keep, DROPOUT, UPCAST)
+        qk = mm(q, tl.trans(k), UPCAST)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, qk_scale, v, row_hash, kc, drop_threshold, inv_keep, DROPOUT,
+                                     UPCAST)
     for start in range(n_full, n_k, BLOCK_N):
         kp = k_first + (start + cols) * r
         kc = kbase + kp
@@ -98,13 +99,14 @@ def dilated_fwd_branch_kernel(
         else:
             k = load_rows(k_row + kc.to(tl.int64)[:, None] * stride_kn, kmask, dmask, True, EVEN_D)
             v = load_rows(v_row + kc.to(tl.int64)[:, None] * stride_vn, kmask, dmask, True, EVEN_D)
-        qk = mm(q, tl.trans(k), UPCAST) * qk_scale
+        qk = mm(q, tl.trans(k), UPCAST)
         ok = kmask[None, :]
         if HOLES:
             ok = ok & qmask[:, None]
         ok = allowed(ok, qp[:, None] - kp[None, :], window, IS_CAUSAL, WINDOW)
         qk = tl.where(ok, qk, float("-inf"))
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, row_hash, kc, drop_threshold, inv_keep, DROPOUT, UPCAST)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, qk_scale, v, row_hash, kc, drop_threshold, inv_keep, DROPOUT,
+                                     UPCAST)
 
     o_b, lse_b = finish(acc, l_i, m_i)
     o_ptrs = O + b * stride_ob + h64 * stride_oh + qc.to(tl.int64)[:, None] * stride_on + d[None, :]

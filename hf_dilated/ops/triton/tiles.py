@@ -196,14 +196,15 @@ def tile_mask(rmask, dmask, EVEN_D: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(acc, l_i, m_i, qk, v, row_hash, k_col, drop_threshold, inv_keep, DROPOUT: tl.constexpr,
+def softmax_step(acc, l_i, m_i, qk, qk_scale, v, row_hash, k_col, drop_threshold, inv_keep, DROPOUT: tl.constexpr,
                  UPCAST: tl.constexpr):
-    """One online-softmax step over a key tile (``qk`` in log2 units, -inf where masked). The normaliser ``l_i`` sums
-    the undropped probabilities; with ``DROPOUT`` the keep decisions are drawn here (``drop_keep`` of the rows'
-    ``row_hash`` and the keys' columns ``k_col``) and the output accumulates only the kept ones, scaled by
+    """One online-softmax step over a key tile: scores ``qk * qk_scale`` in log2 units (``qk`` unscaled, -inf where
+    masked; ``qk_scale > 0``), so that the scaling and the max subtraction are one FMA per score. The normaliser
+    ``l_i`` sums the undropped probabilities; with ``DROPOUT`` the keep decisions are drawn here (``drop_keep`` of the
+    rows' ``row_hash`` and the keys' columns ``k_col``) and the output accumulates only the kept ones, scaled by
     ``inv_keep``."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.math.exp2(qk - m_new[:, None])
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
