@@ -1,4 +1,4 @@
-"""Host time of one dilated-attention call with the kernel launches replaced by no-ops (runs on a CPU, no GPU or
+"""Host time of one dilated-attention (or ``--op block_sparse``) call with the kernel launches replaced by no-ops (runs on a CPU, no GPU or
 interpreter needed): the Python and dispatch work a GPU waits on when a problem is small, as SmolLM2's 9/3/64 heads
 at 16K are (``benchmarks/NOTES_triton.md``). Triton's own launch cost (binding ~35 arguments per kernel) is not in
 these numbers.
@@ -6,6 +6,7 @@ these numbers.
     python benchmarks/host_overhead.py                     # forward and forward+backward, microseconds per call
     python benchmarks/host_overhead.py --root /tmp/base    # another checkout (git archive REV hf_dilated | tar -x -C)
     python benchmarks/host_overhead.py --profile tottime   # and a cProfile of forward+backward
+    python benchmarks/host_overhead.py --op block_sparse --shape 16/16/128   # the block-sparse op (local + sink blocks)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 
 LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 KERNELS = ["dilated_fwd_branch_kernel", "dilated_bwd_dkdv_kernel", "dilated_bwd_dq_kernel", "delta_kernel"]
+BS_KERNELS = ["bs_fwd_kernel", "bs_bwd_dq_kernel", "bs_bwd_dkdv_kernel"]
 
 
 class _NoLaunch:
@@ -34,16 +36,19 @@ def main() -> None:
     ap.add_argument("--shape", default="9/3/64", help="H/Hk/D")
     ap.add_argument("--n", type=int, default=64, help="tokens (small: the tensor work stays negligible)")
     ap.add_argument("--profile", choices=["tottime", "cumulative"], help="also print a cProfile of forward+backward")
+    ap.add_argument("--op", choices=["dilated", "block_sparse"], default="dilated")
     args = ap.parse_args()
     sys.path.insert(0, args.root)
     import torch
 
     import hf_dilated
     from hf_dilated.ops import triton as triton_backend
-    from hf_dilated.ops.triton import launch
+    from hf_dilated.ops.triton import block_sparse, launch
 
     for name in KERNELS:
         setattr(launch, name, _NoLaunch())
+    for name in BS_KERNELS:
+        setattr(block_sparse, name, _NoLaunch())
     triton_backend.is_available = lambda device: True  # the launchers run on the CPU, their kernels do nothing
     H, Hk, D = (int(x) for x in args.shape.split("/"))
     ws, rs = [w for w, _ in LONGNET], [r for _, r in LONGNET]
@@ -52,12 +57,29 @@ def main() -> None:
     do = torch.randn_like(q)
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
 
+    if args.op == "dilated":
+        def attend(q, k, v):
+            return hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton")
+        launches = launch.LAUNCHES
+    else:  # the op on resolved layouts, as a patched model's layers call it (the layout built once per forward)
+        from hf_dilated.ops.block_sparse import global_blocks, local_blocks, union
+        from hf_dilated.ops.block_sparse.op import block_sparse_op
+        from hf_dilated.ops.layout import resolve_layout
+
+        b = 16
+        lay = union(local_blocks(-(-args.n // b), b, 2), global_blocks(-(-args.n // b), b, 1))
+        tokens = resolve_layout(1, args.n, args.n, q.device)
+
+        def attend(q, k, v):
+            return block_sparse_op(q, k, v, lay, tokens, True, D ** -0.5)[0]
+        launches = block_sparse.LAUNCHES
+
     def forward():
         with torch.no_grad():
-            return hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton")
+            return attend(q, k, v)
 
     def forward_backward():
-        out = hf_dilated.dilated_attention(qq, kk, vv, ws, rs, backend="triton")
+        out = attend(qq, kk, vv)
         return torch.autograd.grad(out, (qq, kk, vv), do)
 
     for name, fn in (("fwd", forward), ("fwdbwd", forward_backward)):
@@ -70,8 +92,8 @@ def main() -> None:
                 fn()
             rounds.append((time.perf_counter() - t0) / 50 * 1e6)
         print(f"{name}: min {min(rounds):.0f} us, median {sorted(rounds)[3]:.0f} us host per call "
-              f"({args.shape}, N={args.n}, kernels no-op)")
-    if not (launch.LAUNCHES["forward"] and launch.LAUNCHES["backward"]):
+              f"({args.op}, {args.shape}, N={args.n}, kernels no-op)")
+    if not (launches["forward"] and launches["backward"]):
         raise SystemExit("the Triton launchers did not run: the numbers above are of another path")
     if args.profile:
         prof = cProfile.Profile()
