@@ -286,7 +286,8 @@ def plot(result: dict, path: Path) -> None:
             dense = next((r for r in runs if r["attn"].startswith("dense")), None)
             for r in runs:
                 steps, losses = zip(*r["loss_curve"])
-                series.append({"label": f"{r['attn']} train (mean of {window})", "x": list(steps), "y": smooth(losses, window)})
+                series.append({"label": f"{r['attn']} train (mean of {window})", "x": list(steps),
+                               "y": smooth(losses, window)})
                 for key, x, marker in (("eval_before", 0, "o"), ("eval_after", r["steps"], "s")):
                     series.append({"label": f"{r['attn']} {key.replace('_', ' ')} (ppl {r[key]['perplexity']:.2f})",
                                    "x": [x], "y": [r[key]["loss"]], "points": True, "marker": marker})

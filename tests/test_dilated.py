@@ -78,7 +78,7 @@ def test_float_and_non_binary_masks_are_refused_not_inverted(rng):
         dilated_attention(q, k, v, [8, 16], [1, 2], attention_mask=torch.ones(2, 1, 33, 33, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("scale", [math.inf, 1e300, math.nan, 0.0, -0.5, "0.1", True])
+@pytest.mark.parametrize("scale", [math.inf, 1e300, math.nan, 0.0, -0.5, 1e-46, "0.1", True])
 def test_scale_must_be_finite_and_positive(rng, scale):
     q, k, v = qkv(rng)
     with pytest.raises(ValueError, match="scale must be a finite positive number"):

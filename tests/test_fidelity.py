@@ -219,6 +219,16 @@ def test_named_models_skip_with_a_reason(monkeypatch, tmp_path):
     assert assets.gemma3_gguf() == tmp_path / "g.gguf"
 
 
+def test_finetune_recipe_smooth_is_a_trailing_mean():
+    """The plot's smoothing: the mean of the last ``window`` values (fewer at the start), against a direct sum."""
+    recipe = importlib.import_module("finetune_recipe")
+    values = [float(v) for v in torch.randn(50, generator=torch.Generator().manual_seed(0))]
+    for window in (1, 3, 13, 60):
+        got = recipe.smooth(values, window)
+        want = [sum(values[max(0, i - window + 1): i + 1]) / min(i + 1, window) for i in range(len(values))]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12, window
+
+
 def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
     """The recipe comparison end to end on a small random Llama with SmolLM2's tokenizer (tiny lengths, 2 steps):
     every (context, attention, method) run, dilated runs matched to their dense partner's steps, the same zero-shot

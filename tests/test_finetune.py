@@ -124,6 +124,7 @@ def test_defaults_are_the_measured_recipe(tmp_path, extra, lr):
     steps; an explicit rate wins."""
     _, training = ft.parse_args(["--output-dir", str(tmp_path / "run"), *extra])
     assert training.learning_rate == lr
+    assert training.max_steps == ft.RECIPE_STEPS == 274  # the steps of the measured recipe (benchmarks/FIDELITY.md)
     assert transformers.SchedulerType(training.lr_scheduler_type).value == "constant_with_warmup"
     assert training.warmup_steps == 10
     assert training.weight_decay == 0.0

@@ -121,6 +121,19 @@ def check(q, k, v, branches, tol, naive_kwargs=None, use_naive=True, decode=Fals
 
 
 @cpu
+@pytest.mark.parametrize("major, mode", [(9, 2), (8, 2), (7, 3)])
+def test_float32_dot_mode_by_gpu(monkeypatch, major, mode):
+    """float32 dots: tf32x3 (mode 2) from Ampere on, ieee (3) before it; bf16 / fp16 plain (0); under the interpreter
+    bfloat16 is upcast (1) and float32 plain."""
+    from hf_dilated.ops.triton import configs
+
+    assert configs.dot_mode(torch.bfloat16) == int(configs.interpreting())
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "_capability_major", lambda: major)
+    assert configs.dot_mode(torch.float32) == mode
+    assert configs.dot_mode(torch.bfloat16) == configs.dot_mode(torch.float16) == 0
+
+
 def test_available_under_interpreter():
     assert is_available(torch.device("cpu"))
 
@@ -576,6 +589,18 @@ def test_gpu_contiguous(rng, dtype, D, causal):
     N = 3000  # ragged against every segment
     q, k, v = make_qkv(rng, 2, 8, 2, N, N, D, dtype, "cuda")
     check(q, k, v, LONGNET_SMALL, TOL[dtype], is_causal=causal, head_offset=3, use_naive=N <= 2048)
+
+
+@pytest.mark.gpu
+def test_gpu_float32_ieee_before_ampere(rng, monkeypatch):
+    """The float32 dots GPUs before Ampere get (``ieee``, no tf32 tensor cores), compiled and checked here."""
+    _gpu_skip()
+    from hf_dilated.ops.triton import configs
+
+    monkeypatch.setattr(configs, "_capability_major", lambda: 7)
+    assert configs.dot_mode(torch.float32) == 3
+    q, k, v = make_qkv(rng, 1, 8, 2, 1500, 1500, 64, torch.float32, "cuda")
+    check(q, k, v, LONGNET_SMALL, TOL[torch.float32], head_offset=1, use_naive=False)
 
 
 @pytest.mark.gpu

@@ -36,6 +36,7 @@ from .group import get_sequence_parallel_group, world_and_rank
 
 from ..ops.dilated import attend as _attend_op
 from ..ops.dilated import check_tensors
+from ..ops.dilated import check_scale
 
 
 @dataclass(frozen=True)
@@ -391,9 +392,7 @@ def dilated_ring_attention(
             f"queries and {key.shape[2]} keys; use hf_dilated.dilated_attention for decoding"
         )
     branches = validate_branches(segment_lengths, dilation_rates)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    scale = check_scale(scale, query.shape[-1])
     if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
         raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
     if isinstance(global_tokens, bool) or not isinstance(global_tokens, int) or global_tokens < 0:

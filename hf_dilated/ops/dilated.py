@@ -74,9 +74,12 @@ def check_scale(scale, head_dim: int) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a finite positive number (or None for head_dim ** -0.5), got {scale!r}")
     scale = float(scale)
-    # A scale so large that scale * |q.k| overflows float32 for unit-size q, k would give inf / NaN scores.
-    if not (math.isfinite(scale) and 0.0 < scale < 1e30):
-        raise ValueError(f"scale must be a finite positive number below 1e30 (or None for head_dim ** -0.5), got {scale!r}")
+    # A scale so large that scale * |q.k| overflows float32 for unit-size q, k would give inf / NaN scores; one so small
+    # that it rounds to 0 in float32 would turn the kernels' masked scores (-inf * scale) into NaN.
+    if not (math.isfinite(scale) and 1e-30 <= scale < 1e30):
+        raise ValueError(
+            f"scale must be a finite positive number in [1e-30, 1e30) (or None for head_dim ** -0.5), got {scale!r}"
+        )
     return scale
 
 

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ..dilated import check_scale
 from ..dilated import check_tensors as check_dilated_tensors
 from ..dilated import choose_backend
 from ..layout import TokenLayout, resolve_layout
@@ -216,10 +217,7 @@ def block_sparse_attention(
         return_lse: also return the log-sum-exp ``[B, Hq, Nq]`` (float32; float64 for float64 inputs).
     """
     check_tensors(query, key, value)
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    scale = check_scale(scale, query.shape[-1])
     backend = choose_backend(backend, query)
     B, _, Nq, _ = query.shape
     tokens = resolve_layout(B, Nq, key.shape[2], query.device, attention_mask, position_ids)

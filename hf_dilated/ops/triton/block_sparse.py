@@ -323,9 +323,9 @@ def _fwd_config(block: int, d: int, dtype: torch.dtype, nq: int, tma: bool = Fal
     if nq <= 16:  # decoding: a few queries per program
         return dict(BLOCK_M=16, BLOCK_N=min(block, 64), num_warps=4, num_stages=2)
     wide = dtype == torch.float32 or d > 128
-    if tma and not wide:  # benchmarks/tune_block_sparse.py --tma on off, H100, 64K: 4.09 ms, (128, 64, 8, 3) 4.44
-        # Up to 16K queries 64-row tiles: 0.799 against 0.827 ms at 16K; from 64K 128 x 128: 3.69 against 3.90 ms at
-        # 64K, 15.6 against 17.8 at 256K (tune_block_sparse_fwd-*-2026-11-24.json, the bench layout).
+    if tma and not wide:  # benchmarks/tune_block_sparse.py, H100, the bench layout (tune_block_sparse_fwd-*.json):
+        # up to 16K queries 64-row tiles, 0.799 against 0.827 ms for 128 x 128 at 16K; above, 128 x 128: 3.69 against
+        # 3.90 ms at 64K, 15.6 against 17.8 at 256K (32K not swept; the benchmark's 32K row runs 128 x 128).
         m = n = min(block, 64 if nq <= 16384 else 128)
         return dict(BLOCK_M=m, BLOCK_N=n, num_warps=8 if m * n >= 16384 else 4, num_stages=3)
     m = min(block, 64 if wide else 128)
