@@ -1,6 +1,6 @@
 """Host time of one dilated-attention (or ``--op block_sparse``) call, its kernel launches replaced by no-ops (runs
-on a CPU, no GPU or interpreter needed): the Python and dispatch work a GPU waits on when a problem is small, as SmolLM2's 9/3/64 heads
-at 16K are (``benchmarks/NOTES_triton.md``). Triton's own launch cost (binding ~35 arguments per kernel) is not in
+on a CPU, no GPU or interpreter needed): the Python and dispatch work a GPU waits on when a problem is small, as
+SmolLM2's 9/3/64 heads at 16K are (``benchmarks/NOTES_triton.md``). Triton's own launch cost (binding ~35 arguments per kernel) is not in
 these numbers.
 
     python benchmarks/host_overhead.py                     # forward and forward+backward, microseconds per call

@@ -35,8 +35,7 @@ from .collectives import agree, all_gather_varlen
 from .group import get_sequence_parallel_group, world_and_rank
 
 from ..ops.dilated import attend as _attend_op
-from ..ops.dilated import check_tensors
-from ..ops.dilated import check_scale
+from ..ops.dilated import check_scale, check_tensors
 
 
 @dataclass(frozen=True)

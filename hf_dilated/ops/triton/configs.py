@@ -23,13 +23,13 @@ def interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
-@functools.lru_cache(maxsize=None)
 def _capability_major() -> int:
+    """Compute capability major of the current CUDA device (0 without one), read once."""
     return torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
+
+
+def _hopper() -> bool:
+    return _capability_major() >= 9
 
 
 def dot_mode(dtype: torch.dtype) -> int:
