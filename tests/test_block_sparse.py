@@ -200,23 +200,6 @@ def test_random_block_mask_gqa(rng, backend, causal):
     check(q, k, v, from_mask(mask, b), mask, rng, backend, causal=causal)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@kernel
-def test_causal_walks_split_plain_and_masked_tiles(rng, dtype):
-    """The kernels walk the tiles that need no mask in a loop without it and mask the rest (``_plain_entries``,
-    ``_masked_query_entries``): with every block active under causal attention, early query blocks have more than the
-    four masked entries those helpers read and late key blocks more than four masked query blocks, so both fall back to
-    masking everything; a banded layout takes the plain loops. 32-token blocks: two 16-row tiles per block."""
-    B, H, Hk, N, D, b = 1, 2, 1, 7 * 32 + 5, 16, 32
-    n = math.ceil(N / b)
-    q, k, v = qkv(rng, B, H, Hk, N, N, D, dtype)
-    every = torch.ones(1, 1, n, n, dtype=torch.bool)
-    check(q, k, v, from_mask(every, b), every, rng, "triton")
-    band = local_blocks(n, b, 3)
-    q, k, v = qkv(rng, B, H, Hk, N, N, D, dtype)
-    check(q, k, v, band, band.to_mask(), rng, "triton")
-
-
 @kernel
 def test_pointer_loads_without_descriptors(rng, monkeypatch):
     """The kernels' pointer loads (GPUs before Hopper, unaligned strides) on the same problem as the TMA path."""

@@ -102,137 +102,6 @@ def _query_tile(tile0, IS_CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _plain_entries(idx_row, cnt, q_first, q_whole, Nk, BLOCK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                   CONTIG: tl.constexpr):
-    """How many leading entries of a query tile's key-block list need no mask (0 unless ``CONTIG``), so the walk runs
-    them in a loop without the mask and only the rest in one with it. The entries increase, so those needing a mask
-    (reaching past ``Nk`` or, when causal, past the tile's first query at column ``q_first``) are a suffix: the last
-    four are read, and when all four need it none is taken as plain."""
-    if CONTIG:
-        e = cnt - 1 - tl.arange(0, 4)
-        j = tl.load(idx_row + e, mask=e >= 0, other=0)
-        end = (j + 1) * BLOCK
-        need = end > Nk
-        if IS_CAUSAL:
-            need = need | (end - 1 > q_first)
-        n_need = tl.sum((need & (e >= 0)).to(tl.int32), 0)
-        n = tl.where((n_need < 4) & q_whole, cnt - n_need, 0)
-    else:
-        n = cnt * 0
-    return n
-
-
-@triton.jit
-def _masked_query_entries(idx_row, cnt, k_first, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                          IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr):
-    """The dK/dV walk's counterpart of :func:`_plain_entries`: how many leading entries of a key tile's query-block
-    list need the mask (all unless ``CONTIG``): when causal, the query blocks that start before the tile's last key
-    (the entries increase: the first four are read, and when all four need it every entry does). Rows that are not
-    queries (before ``q_offset``, past ``Nq``) need no mask here: their Q and dO load as zeros and add nothing to dK or
-    dV, and key rows past ``Nk`` are not stored."""
-    if CONTIG:
-        if IS_CAUSAL:
-            e = tl.arange(0, 4)
-            start = tl.load(idx_row + e, mask=e < cnt, other=0) * BLOCK
-            head = tl.sum(((k_first + BLOCK_N - 1 > start) & (e < cnt)).to(tl.int32), 0)
-            head = tl.where(head == 4, cnt, head)
-        else:
-            head = cnt * 0
-    else:
-        head = cnt
-    return head
-
-
-@triton.jit
-def _fwd_step(acc, l_i, m_i, q, s, idx_row, k_desc, v_desc, k_row, v_row, stride_kn, stride_vn, qc, qp, qs, qv,
-              q_first, q_whole, KPOS, KSEQ, KOK, kbase, Nk, qk_scale, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-              MASK: tl.constexpr):
-    """The forward's online-softmax step over key tile ``s`` of the walk (``MASK``: mask the tile where it needs it;
-    without, the tile is taken whole)."""
-    k0 = tl.load(idx_row + s // (BLOCK // BLOCK_N)) * BLOCK + (s % (BLOCK // BLOCK_N)) * BLOCK_N
-    kc = k0 + tl.arange(0, BLOCK_N)
-    kmask = kc < Nk
-    kc64 = kc.to(tl.int64)[:, None]
-    if TMA:
-        k = k_desc.load([k0, 0])
-    else:
-        k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
-    qk = mm(q, tl.trans(k), UPCAST)
-    if MASK:
-        if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
-            ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, kbase, Nk, IS_CAUSAL, CONTIG)
-            qk = tl.where(ok, qk, float("-inf"))
-    if TMA:
-        v = v_desc.load([k0, 0])
-    else:
-        v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
-    return softmax_step(acc, l_i, m_i, qk, qk_scale, v, qc, kc, 0, 1.0, False, UPCAST)
-
-
-@triton.jit
-def _dq_step(dq, q, do, lse, delta, s, idx_row, k_desc, v_desc, k_row, v_row, stride_kn, stride_vn, qc, qp, qs, qv,
-             q_first, q_whole, KPOS, KSEQ, KOK, kbase, Nk, qk_scale, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-             IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-             MASK: tl.constexpr):
-    """dQ's step over key tile ``s`` of the walk: ``dq += (P (dO V^T - delta)) K``."""
-    k0 = tl.load(idx_row + s // (BLOCK // BLOCK_N)) * BLOCK + (s % (BLOCK // BLOCK_N)) * BLOCK_N
-    kc = k0 + tl.arange(0, BLOCK_N)
-    kmask = kc < Nk
-    kc64 = kc.to(tl.int64)[:, None]
-    if TMA:
-        k = k_desc.load([k0, 0])
-        v = v_desc.load([k0, 0])
-    else:
-        k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
-        v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
-    qk = mm(q, tl.trans(k), UPCAST)
-    p = tl.math.exp2(qk * qk_scale - lse[:, None])
-    if MASK:
-        if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
-            ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, kbase, Nk, IS_CAUSAL, CONTIG)
-            p = tl.where(ok, p, 0.0)
-    dp = mm(do, tl.trans(v), UPCAST)
-    ds = p * (dp - delta[:, None])
-    return dq + mm(ds.to(k.dtype), k, UPCAST)
-
-
-@triton.jit
-def _dkdv_step(dk, dv, k, v, kc, k_first, s, idx_row, q_desc, do_desc, q_row, do_row, l_row, dl_row, stride_qn,
-               stride_dn, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK, b, Nq, Nk, q_offset, qk_scale, BLOCK: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr,
-               UPCAST: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr):
-    """dK/dV's step over query tile ``s`` of the walk: ``dv += P^T dO``, ``dk += (P^T (V dO^T - delta)) Q``."""
-    q0 = tl.load(idx_row + s // (BLOCK // BLOCK_M)) * BLOCK + (s % (BLOCK // BLOCK_M)) * BLOCK_M
-    qc = q0 + tl.arange(0, BLOCK_M)
-    qr = qc - q_offset
-    qmask = (qr >= 0) & (qr < Nq)
-    qr64 = qr.to(tl.int64)
-    if TMA:
-        q = q_desc.load([q0, 0])
-        do = do_desc.load([q0, 0])
-    else:
-        q = tl.load(q_row + qr64[:, None] * stride_qn, mask=qmask[:, None], other=0.0)
-        do = tl.load(do_row + qr64[:, None] * stride_dn, mask=qmask[:, None], other=0.0)
-    lse = tl.load(l_row + qr64, mask=qmask, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-    delta = tl.load(dl_row + qr64, mask=qmask, other=0.0)
-    qkT = mm(k, tl.trans(q), UPCAST)
-    pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
-    if MASK:
-        q_whole = (q0 >= q_offset) & (q0 + BLOCK_M <= Nk)
-        if _edge(k_first, q0, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
-            qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
-            ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG, True)
-            pT = tl.where(ok, pT, 0.0)
-    dv += mm(pT.to(do.dtype), do, UPCAST)
-    dpT = mm(v, tl.trans(do), UPCAST)
-    dsT = pT * (dpT - delta[None, :])
-    dk += mm(dsT.to(q.dtype), q, UPCAST)
-    return dk, dv
-
-
-@triton.jit
 def bs_fwd_kernel(
     Q, K, V, O, L, CNT, IDX, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK,
     stride_qb, stride_qh, stride_qn,
@@ -268,22 +137,28 @@ def bs_fwd_kernel(
     q_whole = (q_first >= q_offset) & (q_first + BLOCK_M <= Nk)  # every row of the tile is a query
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
-    if not TMA:
-        k_desc = k_row
-        v_desc = v_row
+    cols = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    SUB: tl.constexpr = BLOCK // BLOCK_N
-    plain = _plain_entries(idx_row, cnt, q_first, q_whole, Nk, BLOCK, IS_CAUSAL, CONTIG) * SUB
-    for s in range(0, plain):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, s, idx_row, k_desc, v_desc, k_row, v_row, stride_kn, stride_vn,
-                                  qc, qp, qs, qv, q_first, q_whole, KPOS, KSEQ, KOK, b * Nk, Nk, qk_scale, BLOCK,
-                                  BLOCK_N, IS_CAUSAL, CONTIG, UPCAST, TMA, False)
-    for s in range(plain, cnt * SUB):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, s, idx_row, k_desc, v_desc, k_row, v_row, stride_kn, stride_vn,
-                                  qc, qp, qs, qv, q_first, q_whole, KPOS, KSEQ, KOK, b * Nk, Nk, qk_scale, BLOCK,
-                                  BLOCK_N, IS_CAUSAL, CONTIG, UPCAST, TMA, True)
+    for s in range(0, cnt * (BLOCK // BLOCK_N)):
+        k0 = tl.load(idx_row + s // (BLOCK // BLOCK_N)) * BLOCK + (s % (BLOCK // BLOCK_N)) * BLOCK_N
+        kc = k0 + cols
+        kmask = kc < Nk
+        kc64 = kc.to(tl.int64)[:, None]
+        if TMA:
+            k = k_desc.load([k0, 0])
+        else:
+            k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
+        qk = mm(q, tl.trans(k), UPCAST)
+        if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
+            ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
+            qk = tl.where(ok, qk, float("-inf"))
+        if TMA:
+            v = v_desc.load([k0, 0])
+        else:
+            v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, qk_scale, v, qc, kc, 0, 1.0, False, UPCAST)
     out, lse = finish(acc, l_i, m_i)
     qr64 = qr.to(tl.int64)
     tl.store(O + b * stride_ob + h64 * stride_oh + qr64[:, None] * stride_on + d[None, :],
@@ -335,20 +210,27 @@ def bs_bwd_dq_kernel(
     q_whole = (q_first >= q_offset) & (q_first + BLOCK_M <= Nk)  # every row of the tile is a query
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
-    if not TMA:
-        k_desc = k_row
-        v_desc = v_row
+    cols = tl.arange(0, BLOCK_N)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    SUB: tl.constexpr = BLOCK // BLOCK_N
-    plain = _plain_entries(idx_row, cnt, q_first, q_whole, Nk, BLOCK, IS_CAUSAL, CONTIG) * SUB
-    for s in range(0, plain):
-        dq = _dq_step(dq, q, do, lse, delta, s, idx_row, k_desc, v_desc, k_row, v_row, stride_kn, stride_vn, qc, qp,
-                      qs, qv, q_first, q_whole, KPOS, KSEQ, KOK, b * Nk, Nk, qk_scale, BLOCK, BLOCK_N, IS_CAUSAL,
-                      CONTIG, UPCAST, TMA, False)
-    for s in range(plain, cnt * SUB):
-        dq = _dq_step(dq, q, do, lse, delta, s, idx_row, k_desc, v_desc, k_row, v_row, stride_kn, stride_vn, qc, qp,
-                      qs, qv, q_first, q_whole, KPOS, KSEQ, KOK, b * Nk, Nk, qk_scale, BLOCK, BLOCK_N, IS_CAUSAL,
-                      CONTIG, UPCAST, TMA, True)
+    for s in range(0, cnt * (BLOCK // BLOCK_N)):
+        k0 = tl.load(idx_row + s // (BLOCK // BLOCK_N)) * BLOCK + (s % (BLOCK // BLOCK_N)) * BLOCK_N
+        kc = k0 + cols
+        kmask = kc < Nk
+        kc64 = kc.to(tl.int64)[:, None]
+        if TMA:
+            k = k_desc.load([k0, 0])
+            v = v_desc.load([k0, 0])
+        else:
+            k = tl.load(k_row + kc64 * stride_kn, mask=kmask[:, None], other=0.0)
+            v = tl.load(v_row + kc64 * stride_vn, mask=kmask[:, None], other=0.0)
+        qk = mm(q, tl.trans(k), UPCAST)
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if _edge(k0, q_first, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
+            ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG)
+            p = tl.where(ok, p, 0.0)
+        dp = mm(do, tl.trans(v), UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq += mm(ds.to(k.dtype), k, UPCAST)
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + h64 * stride_dqh + qr64[:, None] * stride_dqn + d[None, :],
              dq.to(DQ.dtype.element_ty), mask=qmask[:, None])
@@ -383,7 +265,7 @@ def bs_bwd_dkdv_kernel(
     v = tl.load(V + b * stride_vb + kvh64 * stride_vh + kc64 * stride_vn + d[None, :], mask=kmask[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    SUB: tl.constexpr = BLOCK // BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
     for g in range(0, group):
         h = kvh * group + g
         h64 = h.to(tl.int64)
@@ -399,18 +281,32 @@ def bs_bwd_dkdv_kernel(
         if TMA:  # q_offset == 0
             q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM)
             do_desc = row_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, BLOCK_M, HEAD_DIM)
-        else:
-            q_desc = q_row
-            do_desc = do_row
-        masked = _masked_query_entries(idx_row, cnt, k_first, BLOCK, BLOCK_N, IS_CAUSAL, CONTIG) * SUB
-        for s in range(0, masked):
-            dk, dv = _dkdv_step(dk, dv, k, v, kc, k_first, s, idx_row, q_desc, do_desc, q_row, do_row, l_row, dl_row,
-                                stride_qn, stride_dn, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK, b, Nq, Nk, q_offset, qk_scale,
-                                BLOCK, BLOCK_M, BLOCK_N, IS_CAUSAL, CONTIG, UPCAST, TMA, True)
-        for s in range(masked, cnt * SUB):
-            dk, dv = _dkdv_step(dk, dv, k, v, kc, k_first, s, idx_row, q_desc, do_desc, q_row, do_row, l_row, dl_row,
-                                stride_qn, stride_dn, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK, b, Nq, Nk, q_offset, qk_scale,
-                                BLOCK, BLOCK_M, BLOCK_N, IS_CAUSAL, CONTIG, UPCAST, TMA, False)
+        for s in range(0, cnt * (BLOCK // BLOCK_M)):
+            q0 = tl.load(idx_row + s // (BLOCK // BLOCK_M)) * BLOCK + (s % (BLOCK // BLOCK_M)) * BLOCK_M
+            qc = q0 + rows
+            qr = qc - q_offset
+            qmask = (qr >= 0) & (qr < Nq)
+            qr64 = qr.to(tl.int64)
+            if TMA:
+                q = q_desc.load([q0, 0])
+                do = do_desc.load([q0, 0])
+            else:
+                q = tl.load(q_row + qr64[:, None] * stride_qn, mask=qmask[:, None], other=0.0)
+                do = tl.load(do_row + qr64[:, None] * stride_dn, mask=qmask[:, None], other=0.0)
+            lse = tl.load(l_row + qr64, mask=qmask, other=0.0)
+            lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+            delta = tl.load(dl_row + qr64, mask=qmask, other=0.0)
+            qkT = mm(k, tl.trans(q), UPCAST)
+            pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
+            q_whole = (q0 >= q_offset) & (q0 + BLOCK_M <= Nk)
+            if _edge(k_first, q0, q_whole, Nk, BLOCK_N, IS_CAUSAL, CONTIG):
+                qp, qs, qv = _query_meta(QPOS, QSEQ, QOK, b * Nq, qr, qc, qmask, CONTIG)
+                ok = _key_ok(qc, qp, qs, qv, kc, KPOS, KSEQ, KOK, b * Nk, Nk, IS_CAUSAL, CONTIG, True)
+                pT = tl.where(ok, pT, 0.0)
+            dv += mm(pT.to(do.dtype), do, UPCAST)
+            dpT = mm(v, tl.trans(do), UPCAST)
+            dsT = pT * (dpT - delta[None, :])
+            dk += mm(dsT.to(q.dtype), q, UPCAST)
     dk = dk * scale
     tl.store(DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :],
              dk.to(DK.dtype.element_ty), mask=kmask[:, None])
