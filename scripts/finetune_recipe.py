@@ -12,7 +12,12 @@ of :func:`hf_dilated.evaluation.causal_lm_nll`), each stopped at ``--steps`` or 
    ``--dilation-rates``, ``--global-tokens``, ``--layers``; default: the recipe's branches from first segment
    ``--first-segment`` with ``--global-tokens`` sinks), with LoRA and with full fine-tuning;
 2. at ``--long-factor`` x ``T`` (32K): ``dense+rope`` (sdpa with the recipe's RoPE scaling) and ``dilated+rope``
-   (dilated branches extended to the length, the same RoPE scaling), LoRA then full, as time allows.
+   (dilated branches extended to the length, the same RoPE scaling), LoRA then full, as time allows
+   (``--long-mode train``, the default, or ``both``).
+
+With ``--long-mode eval`` (or ``both``) every run at ``T`` is also evaluated at the long context, before and after its
+training: the dense model as ``dense+rope``, the dilated one as ``dilated+rope``. That is issue 16's comparison at 4x
+the trained context, zero-shot and fine-tuned the same way (at ``T``, with the recipe), without training at 4x.
 
 A dilated run makes exactly the steps its dense partner made (a dense run cut short by the budget shortens it).
 
@@ -161,8 +166,22 @@ def evaluate(model, eval_rows: list[dict], device, bf16: bool) -> dict[str, floa
             "tokens": int(count)}
 
 
+def evaluate_long(model, attn: str, long: int, trained: int, long_rows: list[dict], device, bf16: bool, args,
+                  back: bool) -> dict[str, float]:
+    """Evaluate a model trained (or about to be trained) at ``T`` at the long context: ``dense`` as ``dense+rope``,
+    ``dilated`` as ``dilated+rope`` (branches extended, the recipe's RoPE). With ``back`` the model returns to its
+    attention at ``T`` afterwards (for training)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA: the wrapped model
+    prepare(base, f"{attn}+rope", long, trained, args)
+    result = evaluate(model, long_rows, device, bf16)
+    if back:
+        prepare(base, attn, trained, trained, args)
+    return result
+
+
 def one_run(model_dir: str, attn: str, method: str, seq_len: int, trained: int, train_rows: list[dict],
-            eval_rows: list[dict], steps: int, seconds: float, args, out: Path) -> dict[str, Any]:
+            eval_rows: list[dict], steps: int, seconds: float, args, out: Path,
+            long_rows: list[dict] | None = None) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, TrainingArguments, set_seed
 
@@ -186,6 +205,9 @@ def one_run(model_dir: str, attn: str, method: str, seq_len: int, trained: int, 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     before = evaluate(model, eval_rows, device, bf16)
+    long = trained * args.long_factor
+    if long_rows:
+        before_long = evaluate_long(model, attn, long, trained, long_rows, device, bf16, args, back=True)
     trainer, measure = finetune.make_trainer(model, training, train_rows[:steps], loss_chunk_size=4096,
                                              tokens_per_step=seq_len, warmup_steps=3, max_seconds=seconds)
     if args.no_progress:  # no per-step log lines either (the loss curve is in the JSON)
@@ -197,6 +219,8 @@ def one_run(model_dir: str, attn: str, method: str, seq_len: int, trained: int, 
     trainer.train()
     train_s = time.time() - t0
     after = evaluate(trainer.model, eval_rows, device, bf16)
+    if long_rows:
+        after_long = evaluate_long(trainer.model, attn, long, trained, long_rows, device, bf16, args, back=False)
     result = {
         "context": seq_len, "attn": attn, "method": method, "learning_rate": lr, "steps": trainer.state.global_step,
         "max_steps": steps, "train_seconds": round(train_s, 1), **measure.summary(),
@@ -204,6 +228,7 @@ def one_run(model_dir: str, attn: str, method: str, seq_len: int, trained: int, 
         "dilated_attention": cfg.to_dict() if cfg is not None else None,
         "rope_parameters": getattr(model.config, "rope_parameters", None) if "rope" in attn else None,
         "eval_before": before, "eval_after": after,
+        **({"long_context": long, "eval_long_before": before_long, "eval_long_after": after_long} if long_rows else {}),
         "loss_curve": [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h and "step" in h],
     }
     if device.type == "cuda":
@@ -225,7 +250,7 @@ def plan(args, trained: int) -> list[tuple[int, str, str, int]]:
     out = []
     for method in args.methods:
         out += [(trained, "dense", method, args.steps), (trained, "dilated", method, args.steps)]
-    if args.long_factor > 1:
+    if args.long_factor > 1 and args.long_mode in ("train", "both"):
         for method in args.methods:
             out += [(long, "dense+rope", method, args.long_steps), (long, "dilated+rope", method, args.long_steps)]
     return out
@@ -244,6 +269,17 @@ def comparison(runs: list[dict]) -> list[dict]:
                         "ratio_after": r["eval_after"]["perplexity"] / base["eval_after"]["perplexity"],
                         "ratio_after_second_half": r["eval_after"]["second_half_perplexity"]
                         / base["eval_after"]["second_half_perplexity"]})
+            if r.get("eval_long_after") and base.get("eval_long_after"):  # trained at T, read at the long context
+                out.append({"context": r["long_context"], "method": method, "trained_at": ctx,
+                            "attn": "dilated+rope (tuned at T)", "dense": "dense+rope (tuned at T)",
+                            "dilated_before": r["eval_long_before"]["perplexity"],
+                            "dense_before": base["eval_long_before"]["perplexity"],
+                            "dilated_after": r["eval_long_after"]["perplexity"],
+                            "dense_after": base["eval_long_after"]["perplexity"],
+                            "ratio_before": r["eval_long_before"]["perplexity"] / base["eval_long_before"]["perplexity"],
+                            "ratio_after": r["eval_long_after"]["perplexity"] / base["eval_long_after"]["perplexity"],
+                            "ratio_after_second_half": r["eval_long_after"]["second_half_perplexity"]
+                            / base["eval_long_after"]["second_half_perplexity"]})
     return out
 
 
@@ -254,8 +290,10 @@ def table(result: dict) -> str:
          r.get("peak_memory_gib"), (r.get("eval_before") or {}).get("perplexity"), (r.get("eval_after") or {}).get("perplexity"),
          (r.get("eval_after") or {}).get("second_half_perplexity")] for r in result["runs"]])]
     if result["comparison"]:
-        lines.append(reporting.format_table(("context", "method", "dilated", "vs", "after / dense after"), [
-            [c["context"], c["method"], c["attn"], c["dense"], f"{c['ratio_after']:.4f}"] for c in result["comparison"]]))
+        lines.append(reporting.format_table(("context", "method", "dilated", "vs", "before / dense before",
+                                             "after / dense after"), [
+            [c["context"], c["method"], c["attn"], c["dense"], f"{c['dilated_before'] / c['dense_before']:.4f}",
+             f"{c['ratio_after']:.4f}"] for c in result["comparison"]]))
     return "\n\n".join(lines)
 
 
@@ -341,7 +379,8 @@ def run(args) -> dict[str, Any]:
         model_dir, tokenizer = prepare_model_dir(args, scratch)
         trained = args.trained_context or trained_context(AutoConfig.from_pretrained(model_dir))
         jobs = plan(args, trained)
-        longest = max(c for c, *_ in jobs)
+        long_eval = args.long_mode in ("eval", "both") and args.long_factor > 1
+        longest = max([c for c, *_ in jobs] + ([trained * args.long_factor] if long_eval else []))
         need = max(c * s for c, _, _, s in jobs)
         train_text, eval_text = split_text(read_text_arg(args.text), args.eval_fraction)
         train_ids = token_stream(tokenizer, train_text, need)
@@ -377,7 +416,8 @@ def run(args) -> dict[str, Any]:
             log(f"run {i + 1}/{len(jobs)}: {ctx} {attn} {method}, <= {steps} steps, <= {share:.0f}s")
             try:
                 r = one_run(model_dir, attn, method, ctx, trained, train_rows, rows(eval_ids, ctx), min(steps, len(train_rows)),
-                            share, args, out)
+                            share, args, out,
+                            rows(eval_ids, trained * args.long_factor) if long_eval and ctx == trained else None)
             except Exception as err:  # noqa: BLE001  (one run failing, e.g. out of memory, must not end the comparison)
                 kind = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else type(err).__name__
                 result["skipped"].append({"context": ctx, "attn": attn, "method": method, "reason": f"{kind}: {str(err)[:300]}"})
@@ -413,6 +453,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100, help="optimizer steps at the trained context")
     p.add_argument("--long-factor", type=int, default=4, help="the long context is this many times the trained (1: none)")
     p.add_argument("--long-steps", type=int, default=50, help="optimizer steps at the long context")
+    p.add_argument("--long-mode", default="train", choices=("train", "eval", "both"),
+                   help="at the long context: train there (dense+rope, dilated+rope), evaluate the runs trained at T "
+                        "there (zero-shot and fine-tuned), or both")
     p.add_argument("--trained-context", type=int, help="override the model's trained context (tests)")
     p.add_argument("--first-segment", type=int, default=4096, help="w0 of the dilated branches (r doubles with w)")
     p.add_argument("--segment-lengths", type=int, nargs="+", help="explicit branches instead of --first-segment")

@@ -248,7 +248,7 @@ def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
     args = recipe.parse_args(["--checkpoint", str(model_dir), "--text", str(text), "--out", str(tmp_path / "out"),
                               "--device", "cpu", "--trained-context", "32", "--steps", "2", "--long-factor", "2",
                               "--long-steps", "2", "--first-segment", "8", "--global-tokens", "2", "--eval-tokens", "128",
-                              "--lora-r", "2", "--no-progress"])
+                              "--lora-r", "2", "--long-mode", "both", "--no-progress"])
     result = recipe.run(args)
     runs = {(r["context"], r["attn"], r["method"]): r for r in result["runs"]}
     assert set(runs) == {(c, a, m) for c, pair in ((32, ("dense", "dilated")), (64, ("dense+rope", "dilated+rope")))
@@ -261,7 +261,20 @@ def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
     assert runs[(32, "dilated", "full")]["dilated_attention"]["global_tokens"] == 2
     assert runs[(32, "dilated", "lora")]["trainable_parameters"] < runs[(32, "dilated", "full")]["trainable_parameters"] / 10
     assert runs[(32, "dense", "full")]["eval_before"] != runs[(32, "dilated", "full")]["eval_before"]
-    assert len(result["comparison"]) == 4 and all(c["ratio_after"] > 0 for c in result["comparison"])
+    # --long-mode both: the runs at T are also read at 2T (dense + RoPE against dilated + RoPE), before and after
+    for (ctx, attn, method), r in runs.items():
+        assert ("eval_long_after" in r) == (ctx == 32)
+        if ctx == 32:
+            assert r["long_context"] == 64 and math.isfinite(r["eval_long_after"]["perplexity"])
+            assert r["eval_long_before"]["tokens"] == 126  # two 64-token rows, each predicting 63
+            assert r["eval_long_before"] == runs[(32, attn, "full" if method == "lora" else "lora")]["eval_long_before"]
+            assert r["eval_long_before"] != r["eval_before"]
+    # the untrained dense model read at 2T with RoPE scaling is the dense+rope run's zero-shot reading
+    assert runs[(32, "dense", "full")]["eval_long_before"] == runs[(64, "dense+rope", "full")]["eval_before"]
+    assert runs[(32, "dilated", "full")]["eval_long_before"] == runs[(64, "dilated+rope", "full")]["eval_before"]
+    transfer = [c for c in result["comparison"] if "trained_at" in c]
+    assert len(result["comparison"]) == 6 and all(c["ratio_after"] > 0 for c in result["comparison"])
+    assert {(c["context"], c["trained_at"], c["method"]) for c in transfer} == {(64, 32, "lora"), (64, 32, "full")}
     saved = json.loads((tmp_path / "out" / "finetune_recipe.json").read_text())
     assert len(saved["runs"]) == 8 and saved["environment"]["command"]
     assert (tmp_path / "out" / "finetune_recipe.png").stat().st_size > 0
