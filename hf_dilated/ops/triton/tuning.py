@@ -19,9 +19,7 @@ from . import configs, launch, tuned
 
 LONGNET = ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16))
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel, for head dims up to 128 ...
-# The (64, 32) ones fit 3 CTAs per SM on Hopper (the others 2: shared memory), the forward's occupancy limit in Nsight.
-FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3),
-       (64, 32, 4, 3), (64, 32, 4, 2)]
+FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)]
 KV = [(64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3)]
 DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2), (128, 32, 8, 3)]
 # ... and for head dim 256: a tile row is 512 bytes, so shared memory allows only smaller tiles and fewer stages.
