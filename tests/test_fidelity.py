@@ -275,6 +275,18 @@ def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
     transfer = [c for c in result["comparison"] if "trained_at" in c]
     assert len(result["comparison"]) == 6 and all(c["ratio_after"] > 0 for c in result["comparison"])
     assert {(c["context"], c["trained_at"], c["method"]) for c in transfer} == {(64, 32, "lora"), (64, 32, "full")}
+    # scripts/recipe_tradeoff.py reads the same file: one point per method, the targets judged from the comparisons
+    tradeoff = importlib.import_module("recipe_tradeoff")
+    points = {p["method"]: p for p in tradeoff.points([tmp_path / "out" / "finetune_recipe.json"])}
+    assert set(points) == {"lora", "full"}
+    for c in result["comparison"]:
+        if c["context"] != 32 and "trained_at" not in c:
+            continue  # trained at the long context: not one of the two targets
+        p = points[c["method"]]
+        assert p["ratio_long" if "trained_at" in c else "ratio_T"] == c["ratio_after"]
+        assert p["meets"] == (p["ratio_T"] <= 1.02 and p["ratio_long"] < 1.0)
+    assert tradeoff.main([str(tmp_path / "out" / "finetune_recipe.json"), "--out", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").stat().st_size > 0
     saved = json.loads((tmp_path / "out" / "finetune_recipe.json").read_text())
     assert len(saved["runs"]) == 8 and saved["environment"]["command"]
     assert (tmp_path / "out" / "finetune_recipe.png").stat().st_size > 0
