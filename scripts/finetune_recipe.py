@@ -480,6 +480,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--eval-fraction must be in (0, 0.5), got {args.eval_fraction}")
     if args.steps < 1 or args.long_steps < 1 or args.long_factor < 1:
         p.error("--steps, --long-steps and --long-factor must be >= 1")
+    if args.long_mode != "train" and args.long_factor == 1:
+        p.error(f"--long-mode {args.long_mode} reads the runs at --long-factor x the trained context: give a factor > 1")
     return args
 
 

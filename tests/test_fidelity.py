@@ -229,6 +229,17 @@ def test_finetune_recipe_smooth_is_a_trailing_mean():
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12, window
 
 
+def test_finetune_recipe_refuses_a_long_reading_without_a_long_context(capsys):
+    recipe = importlib.import_module("finetune_recipe")
+    for mode in ("eval", "both"):
+        with pytest.raises(SystemExit):
+            recipe.parse_args(["--out", "x", "--long-mode", mode, "--long-factor", "1"])
+        assert "--long-factor" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--out", "x", "--long-mode", "never"])
+    assert recipe.parse_args(["--out", "x", "--long-factor", "1"]).long_mode == "train"
+
+
 def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
     """The recipe comparison end to end on a small random Llama with SmolLM2's tokenizer (tiny lengths, 2 steps):
     every (context, attention, method) run, dilated runs matched to their dense partner's steps, the same zero-shot
