@@ -167,13 +167,23 @@ def evaluate(model, eval_rows: list[dict], device, bf16: bool) -> dict[str, floa
 
 
 def evaluate_long(model, attn: str, long: int, trained: int, long_rows: list[dict], device, bf16: bool, args,
-                  back: bool) -> dict[str, float]:
+                  back: bool) -> dict[str, Any]:
     """Evaluate a model trained (or about to be trained) at ``T`` at the long context: ``dense`` as ``dense+rope``,
-    ``dilated`` as ``dilated+rope`` (branches extended, the recipe's RoPE). With ``back`` the model returns to its
-    attention at ``T`` afterwards (for training)."""
+    ``dilated`` as ``dilated+rope`` (branches extended, the recipe's RoPE); the result also records the RoPE and the
+    branches it was read with, or the error that stopped it (an out-of-memory at the long context must not discard the
+    run at ``T``). With ``back`` the model returns to its attention at ``T`` afterwards (for training)."""
+    import torch
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA: the wrapped model
-    prepare(base, f"{attn}+rope", long, trained, args)
-    result = evaluate(model, long_rows, device, bf16)
+    try:
+        cfg = prepare(base, f"{attn}+rope", long, trained, args)
+        result = evaluate(model, long_rows, device, bf16)
+        result["rope_parameters"] = getattr(base.config, "rope_parameters", None)
+        result["dilated_attention"] = cfg.to_dict() if cfg is not None else None
+    except Exception as err:  # noqa: BLE001
+        kind = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else type(err).__name__
+        result = {"error": f"{kind}: {str(err)[:300]}"}
+        log(f"  -> the reading at {long} tokens failed: {result['error'][:200]}")
     if back:
         prepare(base, attn, trained, trained, args)
     return result
@@ -269,7 +279,8 @@ def comparison(runs: list[dict]) -> list[dict]:
                         "ratio_after": r["eval_after"]["perplexity"] / base["eval_after"]["perplexity"],
                         "ratio_after_second_half": r["eval_after"]["second_half_perplexity"]
                         / base["eval_after"]["second_half_perplexity"]})
-            if r.get("eval_long_after") and base.get("eval_long_after"):  # trained at T, read at the long context
+            read = [x.get(k) or {} for x in (r, base) for k in ("eval_long_before", "eval_long_after")]
+            if all("perplexity" in x for x in read):  # trained at T, read at the long context
                 out.append({"context": r["long_context"], "method": method, "trained_at": ctx,
                             "attn": "dilated+rope (tuned at T)", "dense": "dense+rope (tuned at T)",
                             "dilated_before": r["eval_long_before"]["perplexity"],
@@ -403,7 +414,9 @@ def run(args) -> dict[str, Any]:
             if attn.startswith("dilated") and (ctx, method) in achieved:
                 steps = min(steps, achieved[(ctx, method)])  # the same steps as the dense run it is compared with
             left = jobs[i:]
-            remaining = deadline - time.time() - args.overhead_s * len(left)
+            # the four readings at the long context of a run at T take about twice the rest of its evaluation
+            overhead = args.overhead_s * (3 if long_eval else 1)
+            remaining = deadline - time.time() - overhead * len(left)
             share = remaining * weights[ctx] / sum(weights[c] for c, *_ in left)
             if attn.startswith("dense") and any(a.startswith("dilated") and c == ctx and m == method
                                                 for c, a, m, _ in left):
@@ -469,7 +482,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-tokens", type=int, default=65536, help="held-out tokens evaluated at every context")
     p.add_argument("--eval-fraction", type=float, default=0.05, help="share of the text held out (its end)")
     p.add_argument("--budget-s", type=float, default=400.0, help="wall-clock budget of the whole command")
-    p.add_argument("--overhead-s", type=float, default=12.0, help="time reserved per run for loading and evaluation")
+    p.add_argument("--overhead-s", type=float, default=12.0, help="time reserved per run for loading and evaluation "
+                   "(three times that with --long-mode eval or both)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -28,17 +29,20 @@ T_TARGET = 1.02  # within 2% of dense fine-tuned the same way at T
 LONG_TARGET = 1.0  # better than dense + RoPE scaling at 4T
 
 
+MLP = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2", "dense_h_to_4h", "dense_4h_to_h")
+
+
 def label(result: dict[str, Any], method: str) -> str:
     s = result["settings"]
     if method == "lora":
-        targets = s.get("lora_targets") or []
-        extra = " all linear" if len(targets) > 4 else ""
+        extra = " + MLP" if any(t in MLP for t in s.get("lora_targets") or []) else ""
         return f"LoRA r {s['lora_r']}{extra}, lr {s['lr_lora']:g}"
     return f"full, lr {s['lr_full']:g}"
 
 
 def points(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """One row per (file, method) that has both comparisons: at ``T`` and read at the long context."""
+    """One row per (file, method) that has both comparisons: at ``T`` and read at the long context (the others are
+    named on stderr). Runs with the same settings get their file's name in the label."""
     out = []
     for path in paths:
         result = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -49,7 +53,10 @@ def points(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
             elif c["context"] == result["trained_context"]:  # not a run trained at the long context (--long-mode both)
                 by.setdefault(c["method"], {})["T"] = c
         for method, pair in by.items():
-            if {"T", "long"} <= set(pair):
+            if not {"T", "long"} <= set(pair):
+                print(f"recipe_tradeoff: {Path(path).name} ({method}) has no reading at the long context; left out",
+                      file=sys.stderr)
+            else:
                 t, long = pair["T"], pair["long"]
                 steps = {r["attn"]: r["steps"] for r in result["runs"] if r["method"] == method}
                 out.append({"file": Path(path).name, "label": label(result, method), "method": method,
@@ -57,36 +64,60 @@ def points(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
                             "long_context": long["context"], "ratio_T": t["ratio_after"],
                             "ratio_long": long["ratio_after"], "zero_shot_T": t["dilated_before"] / t["dense_before"],
                             "zero_shot_long": long["ratio_before"],
-                            "meets": t["ratio_after"] <= T_TARGET and long["ratio_after"] < LONG_TARGET})
+                            "meets": meets(t["ratio_after"], long["ratio_after"])})
+    seen: dict[str, int] = {}
+    for r in out:
+        seen[r["label"]] = seen.get(r["label"], 0) + 1
+    stems = [Path(r["file"]).stem for r in out]
+    common = os.path.commonprefix(stems) if len(set(stems)) > 1 else ""
+    for r, stem in zip(out, stems):
+        if seen[r["label"]] > 1:
+            r["label"] += f" ({stem[len(common):] or stem})"
     return out
 
 
+def zero_shot(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """The distinct (at ``T``, at the long context) readings before training (one per model, text and branches)."""
+    return list(dict.fromkeys((round(r["zero_shot_T"], 6), round(r["zero_shot_long"], 6)) for r in rows))
+
+
+def factor(rows: list[dict[str, Any]]) -> str:
+    ratios = {r["long_context"] / r["trained_context"] for r in rows}
+    return f"{ratios.pop():g}T" if len(ratios) == 1 else "the long context"
+
+
+def meets(ratio_t: float, ratio_long: float) -> bool:
+    return ratio_t <= T_TARGET and ratio_long < LONG_TARGET
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    head = "| run | steps | at T (<= 1.02) | at 4T vs dense + RoPE (< 1) | both |\n| --- | --- | --- | --- | --- |"
+    head = (f"| run | steps | at T (<= {T_TARGET:g}) | at {factor(rows)} vs dense + RoPE (< {LONG_TARGET:g}) | both |\n"
+            "| --- | --- | --- | --- | --- |")
     lines = [f"| {r['label']} | {r['steps']} | {r['ratio_T']:.4f} | {r['ratio_long']:.4f} | "
              f"{'yes' if r['meets'] else 'no'} |" for r in rows]
-    if rows:
-        z = rows[0]
-        lines.append(f"| zero-shot (before training) | 0 | {z['zero_shot_T']:.4f} | {z['zero_shot_long']:.4f} | no |")
+    for t, long in zero_shot(rows):
+        lines.append(f"| zero-shot (before training) | 0 | {t:.4f} | {long:.4f} | {'yes' if meets(t, long) else 'no'} |")
     return "\n".join([head, *lines])
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
-    xs = [r["ratio_T"] for r in rows] + [rows[0]["zero_shot_T"]]
-    ys = [r["ratio_long"] for r in rows] + [rows[0]["zero_shot_long"]]
+    zero = zero_shot(rows)
+    xs = [r["ratio_T"] for r in rows] + [t for t, _ in zero]
     lo_x, hi_x = min(xs + [T_TARGET]) - 0.002, max(xs + [T_TARGET]) + 0.002
-    series = [{"label": f"4T target: < {LONG_TARGET:g}", "x": [lo_x, hi_x], "y": [LONG_TARGET, LONG_TARGET]}]
+    series = []  # points first: each takes its own colour (reporting.plot colours points after a line like the line)
     for method, marker in (("full", "o"), ("lora", "s")):
         sel = [r for r in rows if r["method"] == method]
         if sel:
             series.append({"label": "full fine-tune" if method == "full" else "LoRA", "x": [r["ratio_T"] for r in sel],
                            "y": [r["ratio_long"] for r in sel], "points": True, "marker": marker,
                            "annotate": [r["label"] for r in sel]})
-    series.append({"label": "zero-shot", "x": [rows[0]["zero_shot_T"]], "y": [rows[0]["zero_shot_long"]],
-                   "points": True, "marker": "x"})
+    series.append({"label": "zero-shot", "x": [t for t, _ in zero], "y": [long for _, long in zero], "points": True,
+                   "marker": "x"})
+    series.append({"label": f"{factor(rows)} target: < {LONG_TARGET:g}", "x": [lo_x, hi_x],
+                   "y": [LONG_TARGET, LONG_TARGET]})
     panel = {"title": "dilated / dense perplexity after the same fine-tune (lower is better)",
              "xlabel": f"at T = {rows[0]['trained_context']} tokens", "ylabel":
-             f"at 4T = {rows[0]['long_context']} tokens, both with RoPE scaling", "series": series,
+             f"at {factor(rows)} = {rows[0]['long_context']} tokens, both with RoPE scaling", "series": series,
              "vline": (T_TARGET, f"T target: <= {T_TARGET:g}")}
     return reporting.plot(path, [panel], title=title)
 
@@ -97,6 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--title", default="Fine-tune recipe: the two targets")
     args = ap.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("recipe_tradeoff: the plot needs matplotlib (pip install 'hf_dilated[bench]')") from None
     rows = points(args.results)
     if not rows:
         raise SystemExit("recipe_tradeoff: no file has both comparisons (run finetune_recipe.py with --long-mode eval)")

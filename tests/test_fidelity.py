@@ -229,6 +229,40 @@ def test_finetune_recipe_smooth_is_a_trailing_mean():
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12, window
 
 
+def _recipe_result(path, lr, ratio_t, ratio_long, zero=(1.05, 1.03), long_reading=True):
+    """A ``finetune_recipe.json`` with one full run pair at T = 8K (and its reading at 32K): what recipe_tradeoff reads."""
+    comparison = [{"context": 8192, "method": "full", "attn": "dilated", "dense": "dense", "dilated_before": zero[0],
+                   "dense_before": 1.0, "dilated_after": ratio_t, "dense_after": 1.0, "ratio_after": ratio_t}]
+    if long_reading:
+        comparison.append({"context": 32768, "method": "full", "trained_at": 8192, "attn": "dilated+rope (tuned at T)",
+                           "dense": "dense+rope (tuned at T)", "dilated_before": zero[1], "dense_before": 1.0,
+                           "ratio_before": zero[1], "dilated_after": ratio_long, "dense_after": 1.0,
+                           "ratio_after": ratio_long})
+    result = {"trained_context": 8192, "settings": {"lr_full": lr, "lr_lora": 1e-3, "lora_r": 16, "lora_targets": []},
+              "runs": [{"attn": a, "method": "full", "steps": 7} for a in ("dense", "dilated")], "comparison": comparison}
+    path.write_text(json.dumps(result), encoding="utf-8")
+    return path
+
+
+def test_recipe_tradeoff_judges_both_targets(tmp_path, capsys):
+    """recipe_tradeoff on hand-made results: a run meets both targets only under 1.02 at T and under 1 at 4T; reruns
+    with the same settings are told apart by file; a file without the long reading is left out, and none at all is
+    refused."""
+    tradeoff = importlib.import_module("recipe_tradeoff")
+    files = [_recipe_result(tmp_path / "r-a.json", 1e-4, 1.019, 0.999), _recipe_result(tmp_path / "r-b.json", 1e-4, 1.021, 0.99),
+             _recipe_result(tmp_path / "r-c.json", 5e-5, 1.01, 1.001), _recipe_result(tmp_path / "r-d.json", 5e-5, 1.0, 1.0, long_reading=False)]
+    rows = tradeoff.points(files)
+    assert [(r["label"], r["meets"]) for r in rows] == [("full, lr 0.0001 (a)", True), ("full, lr 0.0001 (b)", False),
+                                                         ("full, lr 5e-05", False)]
+    assert "r-d.json" in capsys.readouterr().err
+    text = tradeoff.table(rows)
+    assert "at 4T vs dense + RoPE" in text and text.count("| yes |") == 1
+    assert "| zero-shot (before training) | 0 | 1.0500 | 1.0300 | no |" in text
+    assert tradeoff.main([*map(str, files), "--out", str(tmp_path / "t.png")]) == 0 and (tmp_path / "t.png").stat().st_size
+    with pytest.raises(SystemExit, match="no file has both"):
+        tradeoff.main([str(files[-1]), "--out", str(tmp_path / "none.png")])
+
+
 def test_finetune_recipe_refuses_a_long_reading_without_a_long_context(capsys):
     recipe = importlib.import_module("finetune_recipe")
     for mode in ("eval", "both"):
@@ -251,15 +285,18 @@ def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
         pytest.skip(assets.SMOLLM2_MISSING)
     recipe = importlib.import_module("finetune_recipe")
     model_dir = tmp_path / "small"
+    # trained context 32 (max_position_embeddings): at 64 the recipe's YaRN applies, to dense and dilated alike
     assets.tiny_llama(0, vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8).save_pretrained(model_dir)
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=32).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     text = tmp_path / "text.txt"
     text.write_text(shakespeare[:60000], encoding="utf-8")
-    args = recipe.parse_args(["--checkpoint", str(model_dir), "--text", str(text), "--out", str(tmp_path / "out"),
-                              "--device", "cpu", "--trained-context", "32", "--steps", "2", "--long-factor", "2",
-                              "--long-steps", "2", "--first-segment", "8", "--global-tokens", "2", "--eval-tokens", "128",
-                              "--lora-r", "2", "--long-mode", "both", "--no-progress"])
+    common = ["--checkpoint", str(model_dir), "--text", str(text), "--device", "cpu", "--steps", "2",
+              "--first-segment", "8", "--global-tokens", "2", "--eval-tokens", "128", "--lora-r", "2", "--no-progress",
+              "--budget-s", "3600"]
+    args = recipe.parse_args(common + ["--out", str(tmp_path / "out"), "--long-factor", "2", "--long-steps", "2",
+                                       "--long-mode", "both"])
     result = recipe.run(args)
     runs = {(r["context"], r["attn"], r["method"]): r for r in result["runs"]}
     assert set(runs) == {(c, a, m) for c, pair in ((32, ("dense", "dilated")), (64, ("dense+rope", "dilated+rope")))
@@ -279,10 +316,17 @@ def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
             assert r["long_context"] == 64 and math.isfinite(r["eval_long_after"]["perplexity"])
             assert r["eval_long_before"]["tokens"] == 126  # two 64-token rows, each predicting 63
             assert r["eval_long_before"] == runs[(32, attn, "full" if method == "lora" else "lora")]["eval_long_before"]
-            assert r["eval_long_before"] != r["eval_before"]
+            rope = r["eval_long_after"]["rope_parameters"]
+            assert rope["rope_type"] == "yarn" and rope["factor"] == 2.0, rope
+            long_branches = r["eval_long_after"]["dilated_attention"]
+            assert (long_branches is None) == (attn == "dense")
+            assert attn == "dense" or long_branches["segment_lengths"] == [8, 16, 32, 64]
     # the untrained dense model read at 2T with RoPE scaling is the dense+rope run's zero-shot reading
-    assert runs[(32, "dense", "full")]["eval_long_before"] == runs[(64, "dense+rope", "full")]["eval_before"]
-    assert runs[(32, "dilated", "full")]["eval_long_before"] == runs[(64, "dilated+rope", "full")]["eval_before"]
+    for attn in ("dense", "dilated"):
+        reading = runs[(32, attn, "full")]["eval_long_before"]
+        assert {k: reading[k] for k in ("loss", "perplexity", "second_half_perplexity", "tokens")} == \
+            runs[(64, f"{attn}+rope", "full")]["eval_before"]
+        assert reading["rope_parameters"] == runs[(64, f"{attn}+rope", "full")]["rope_parameters"]
     transfer = [c for c in result["comparison"] if "trained_at" in c]
     assert len(result["comparison"]) == 6 and all(c["ratio_after"] > 0 for c in result["comparison"])
     assert {(c["context"], c["trained_at"], c["method"]) for c in transfer} == {(64, 32, "lora"), (64, 32, "full")}
@@ -301,3 +345,10 @@ def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
     saved = json.loads((tmp_path / "out" / "finetune_recipe.json").read_text())
     assert len(saved["runs"]) == 8 and saved["environment"]["command"]
     assert (tmp_path / "out" / "finetune_recipe.png").stat().st_size > 0
+    # the readings at 2T leave the runs at T as they are: the same training and results without them
+    plain = recipe.run(recipe.parse_args(common + ["--out", str(tmp_path / "plain"), "--long-factor", "1",
+                                                   "--methods", "full"]))
+    for r in plain["runs"]:
+        twin = runs[(32, r["attn"], "full")]
+        assert "eval_long_after" not in r
+        assert r["loss_curve"] == twin["loss_curve"] and r["eval_after"] == twin["eval_after"], r["attn"]
