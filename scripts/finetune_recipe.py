@@ -184,6 +184,9 @@ def evaluate_long(model, attn: str, long: int, trained: int, long_rows: list[dic
         kind = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else type(err).__name__
         result = {"error": f"{kind}: {str(err)[:300]}"}
         log(f"  -> the reading at {long} tokens failed: {result['error'][:200]}")
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the failed reading held, before training goes on
     if back:
         prepare(base, attn, trained, trained, args)
     return result
