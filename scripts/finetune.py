@@ -88,8 +88,8 @@ class ScriptArguments:
     verify_reload: bool = field(default=True, metadata={"help": "reload the saved model and check its eval loss"})
 
 
-# The fine-tune recipe (SmolLM2 at 8K with the Llama recipe's branches, 274 steps: dilated 1.019-1.021x of dense
-# fine-tuned the same way with full fine-tuning over three seeds, 1.021-1.023x with LoRA; read at 32K, 0.994-1.010x
+# The fine-tune recipe (SmolLM2 at 8K with the Llama recipe's branches, 274 steps: dilated 1.019-1.022x of dense
+# fine-tuned the same way with full fine-tuning over five seeds (mean 1.020), 1.021-1.023x with LoRA; read at 32K, 0.994-1.010x
 # dense + YaRN; benchmarks/FIDELITY.md). The rate applies unless --learning-rate is given, the steps unless --max-steps is.
 RECIPE_LEARNING_RATE = {"lora": 1e-3, "full": 1e-4}
 RECIPE_STEPS = 274
