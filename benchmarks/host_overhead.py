@@ -1,7 +1,7 @@
 """Host time of one dilated-attention (or ``--op block_sparse``) call, its kernel launches replaced by no-ops (runs
 on a CPU, no GPU or interpreter needed): the Python and dispatch work a GPU waits on when a problem is small, as
-SmolLM2's 9/3/64 heads at 16K are (``benchmarks/NOTES_triton.md``). Triton's own launch cost (binding ~35 arguments per kernel) is not in
-these numbers.
+SmolLM2's 9/3/64 heads at 16K are (``benchmarks/NOTES_triton.md``). Triton's own launch cost (binding ~35 arguments
+per kernel) is not in these numbers.
 
     python benchmarks/host_overhead.py                     # forward and forward+backward, microseconds per call
     python benchmarks/host_overhead.py --root /tmp/base    # another checkout (git archive REV hf_dilated | tar -x -C)

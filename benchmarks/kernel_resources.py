@@ -102,17 +102,15 @@ def recorded_launches(arch: int, into: list, case: list):
     """Inside the block, kernel launches are recorded (not run) and the launchers choose what they would choose on a
     GPU of compute capability ``arch // 10``: its config tables, TMA loads from Hopper on."""
     from hf_dilated.ops import triton as triton_backend
-    from hf_dilated.ops.triton import block_sparse, configs, tuned
+    from hf_dilated.ops.triton import configs, tuned
 
     def record(self, *args, grid, warmup, **kwargs):
         into.append(Launch(self, args, kwargs, case[0]))
 
     patches = [
         (JITFunction, "run", record),
-        (configs, "_hopper", lambda: arch >= 90),
-        (block_sparse, "_hopper", lambda: arch >= 90),
         (configs, "interpreting", lambda: False),
-        (configs, "_capability_major", lambda: arch // 10),
+        (configs, "_capability_major", lambda: arch // 10),  # configs._hopper and dot_mode read it
         (tuned, "lookup", lambda *a, **k: None),  # the built-in tables, not this machine's tuned configs
         (triton_backend, "is_available", lambda device: True),
         (triton, "set_allocator", lambda alloc: None),

@@ -166,14 +166,24 @@ def evaluate(model, eval_rows: list[dict], device, bf16: bool) -> dict[str, floa
             "tokens": int(count)}
 
 
+def failure(err: Exception) -> str:
+    """``"kind: message"`` of a run or reading that failed (an out-of-memory named as such), after freeing what it
+    held so that the next one starts clean."""
+    import torch
+
+    kind = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else type(err).__name__
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return f"{kind}: {str(err)[:300]}"
+
+
 def evaluate_long(model, attn: str, long: int, trained: int, long_rows: list[dict], device, bf16: bool, args,
                   back: bool) -> dict[str, Any]:
     """Evaluate a model trained (or about to be trained) at ``T`` at the long context: ``dense`` as ``dense+rope``,
     ``dilated`` as ``dilated+rope`` (branches extended, the recipe's RoPE); the result also records the RoPE and the
     branches it was read with, or the error that stopped it (an out-of-memory at the long context must not discard the
     run at ``T``). With ``back`` the model returns to its attention at ``T`` afterwards (for training)."""
-    import torch
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA: the wrapped model
     try:
         cfg = prepare(base, f"{attn}+rope", long, trained, args)
@@ -181,12 +191,8 @@ def evaluate_long(model, attn: str, long: int, trained: int, long_rows: list[dic
         result["rope_parameters"] = getattr(base.config, "rope_parameters", None)
         result["dilated_attention"] = cfg.to_dict() if cfg is not None else None
     except Exception as err:  # noqa: BLE001
-        kind = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else type(err).__name__
-        result = {"error": f"{kind}: {str(err)[:300]}"}
+        result = {"error": failure(err)}
         log(f"  -> the reading at {long} tokens failed: {result['error'][:200]}")
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # what the failed reading held, before training goes on
     if back:
         prepare(base, attn, trained, trained, args)
     return result
@@ -435,12 +441,9 @@ def run(args) -> dict[str, Any]:
                             share, args, out,
                             rows(eval_ids, trained * args.long_factor) if long_eval and ctx == trained else None)
             except Exception as err:  # noqa: BLE001  (one run failing, e.g. out of memory, must not end the comparison)
-                kind = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else type(err).__name__
-                result["skipped"].append({"context": ctx, "attn": attn, "method": method, "reason": f"{kind}: {str(err)[:300]}"})
-                log(f"  -> failed: {kind}: {str(err)[:200]}")
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                reason = failure(err)
+                result["skipped"].append({"context": ctx, "attn": attn, "method": method, "reason": reason})
+                log(f"  -> failed: {reason[:200]}")
                 continue
             if attn.startswith("dense"):
                 achieved[(ctx, method)] = r["steps"]
