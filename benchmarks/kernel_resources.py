@@ -48,6 +48,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
+try:  # Gluon kernels (block_sparse_hopper.py) compile from their own source type
+    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+except ImportError:  # pragma: no cover - a Triton without Gluon launches none
+    GluonASTSource = ASTSource
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -272,7 +276,8 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
     res = Resources(fn.__name__, launch.case, config)
     start = time.perf_counter()
     try:
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+        source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+        compiled = triton.compile(source(fn, signature, constexprs, attrs), target=target,
                                   options=options.__dict__)
         res.shared = int(compiled.metadata.shared)
         res.ptx_sha = ptx_fingerprint(compiled.asm["ptx"])

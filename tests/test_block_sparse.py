@@ -26,6 +26,8 @@ from hf_dilated.ops.block_sparse import (
     random_blocks,
     union,
 )
+from hf_dilated.ops.triton import block_sparse_hopper
+from hf_dilated.ops.triton.configs import wgmma
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 kernel = pytest.mark.skipif(not INTERPRET,
@@ -117,6 +119,8 @@ def check(q, k, v, layout, block_mask, rng, backend, *, causal=True, attention_m
         assert LAUNCHES["forward"] > before.get("forward", 0) and LAUNCHES["backward"] > before.get("backward", 0)
         if check_tma and q.shape[2] == k.shape[2] and (q.shape[-1] * q.element_size()) % 16 == 0:  # the tensor-descriptor path ran
             assert LAUNCHES["tma"] >= before.get("tma", 0) + 2  # forward and backward
+            if q.is_cuda and wgmma() and block_sparse_hopper.supported(q, layout.block_size, 0):
+                assert LAUNCHES["dkdv_hopper"] > before.get("dkdv_hopper", 0)  # Hopper: the Gluon dK/dV kernel ran
 
 
 # ---- patterns against their definitions ------------------------------------------------------------------------------
@@ -201,6 +205,21 @@ def test_random_block_mask_gqa(rng, backend, causal):
 
 
 @kernel
+def test_gluon_dkdv_coverage_and_switch(monkeypatch):
+    """The Gluon dK/dV kernel (sm_90; compiled on the CPU by test_benchmark_tools, run by the GPU tests) covers
+    bf16 / fp16, head dim 64 / 128, layout blocks 64 / 128, queries = keys; ``HF_DILATED_GLUON=0`` turns it off."""
+    if not block_sparse_hopper.available():
+        pytest.skip("this Triton has no Gluon Hopper API")
+    q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+    assert block_sparse_hopper.supported(q, 128, 0) and block_sparse_hopper.supported(q[..., :64].half(), 64, 0)
+    assert not block_sparse_hopper.supported(q, 128, 3)  # decoding: fewer queries than keys
+    assert not block_sparse_hopper.supported(q.float(), 128, 0)
+    assert not block_sparse_hopper.supported(q, 32, 0)
+    assert not block_sparse_hopper.supported(q[..., :32], 128, 0)
+    monkeypatch.setenv("HF_DILATED_GLUON", "0")
+    assert not block_sparse_hopper.supported(q, 128, 0)
+
+
 def test_pointer_loads_without_descriptors(rng, monkeypatch):
     """The kernels' pointer loads (GPUs before Hopper, unaligned strides) on the same problem as the TMA path."""
     from hf_dilated.ops.triton import block_sparse as kernels

@@ -32,6 +32,12 @@ def _hopper() -> bool:
     return _capability_major() >= 9
 
 
+def wgmma() -> bool:
+    """Whether the GPU has Hopper's warpgroup MMA (sm_90 only: Blackwell's tensor cores take other instructions),
+    which the Gluon kernels (``block_sparse_hopper.py``) are written for."""
+    return _capability_major() == 9
+
+
 def dot_mode(dtype: torch.dtype) -> int:
     """``UPCAST`` of ``tiles.mm``: 1 for bfloat16 under the interpreter; float32 on a GPU: 2 (tf32x3) from Ampere on,
     3 (ieee) before it; else 0."""

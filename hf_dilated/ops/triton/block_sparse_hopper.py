@@ -1,0 +1,255 @@
+"""Block-sparse dK/dV on Hopper, written in Gluon: the operand placement and load schedule that Triton's compiler
+does not choose for this loop.
+
+The portable kernel (``block_sparse.bs_bwd_dkdv_kernel``) runs 32-query x 64-key tiles with K and V in registers;
+its two transposed products (``K Q^T``, ``V dO^T``) are then m64 n32 tensor-core instructions, and it took 2.7 ms per
+product against dq's 1.8 ms (Nsight, 64K, benchmarks/NOTES_triton.md). Here, one warpgroup per 64-key tile:
+
+- K and V are read once by TMA and stay in **shared memory**: the A operand of ``K Q^T`` / ``V dO^T`` comes from
+  there, not from registers;
+- query tiles of 64 rows (n64 instructions), Q and dO double-buffered by TMA under ``mbarrier``s, the next tile's
+  copy issued while this one computes; its lse and delta are read a step ahead into registers (one value per
+  thread), so that no step waits on a global load (Nsight: without this, a third of the cycles between issues went
+  to that wait);
+- ``P^T`` and ``dS^T`` reach the dV / dK products through shared memory, and the products are asynchronous
+  ``wgmma``s: ``V dO^T`` runs while the softmax of ``K Q^T`` is computed, this step's dV runs while ``dS`` is
+  computed, and this step's dV / dK run until the next step's scores are issued;
+- 112 KB of shared memory and 255 registers per 128 threads: two programs share an SM and cover each other's
+  latencies. (128-key tiles on two warpgroups, one program per SM, and a producer warp with register reallocation
+  (FA3's arrangement) both measured slower: benchmarks/NOTES_triton.md.)
+
+Same contract as the portable kernel (masks, GQA without repeating K / V, one program per key tile writes its rows, no
+atomics), and bit-identical gradients (the same products summed in the same order); used for bf16 / fp16, head dim 64
+or 128, queries and keys the same rows (``q_offset == 0``) on sm_90 (``supported``). Gluon has no interpreter: the
+CPU tests compile it for sm_90 (``benchmarks/kernel_resources.py``), the GPU tests check it against the float64
+reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Gluon is experimental; a Triton without it (or with another API) keeps the portable kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
+    )
+
+    # The TMA load's name: ``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` after.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+except Exception:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+BLOCK_Q = 64  # query rows per step: n64 tensor-core instructions for the transposed products
+
+
+def available() -> bool:
+    """Whether this Triton has the Gluon Hopper API the kernel is written against."""
+    return gluon is not None
+
+
+def supported(q: torch.Tensor, block: int, q_offset: int) -> bool:
+    """Whether the Gluon kernel covers this call (the caller also checks for sm_90 and TMA). ``HF_DILATED_GLUON=0``
+    in the environment keeps the portable kernel (for a Triton whose Gluon misbehaves, or to compare the two)."""
+    return (
+        available()
+        and os.environ.get("HF_DILATED_GLUON", "1") != "0"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[-1] in (64, 128)
+        and block in (64, 128)
+        and q_offset == 0
+    )
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _pair_ok(kc, qc, Nk, Nq, KPOS, KSEQ, KOK, QPOS, QSEQ, QOK, kbase, qbase,
+                 IS_CAUSAL: gl.constexpr, CONTIG: gl.constexpr):
+        """``[keys, queries]`` bool: which (key, query) pairs may attend (SPEC: causal by position, same sequence,
+        valid tokens); ``kc`` / ``qc`` carry the slice layouts of the score tile's rows and columns."""
+        kin = kc < Nk
+        qin = qc < Nq
+        if CONTIG:
+            ok = kin[:, None] & qin[None, :]
+            if IS_CAUSAL:
+                ok = ok & (kc[:, None] <= qc[None, :])
+        else:
+            kp = gl.load(KPOS + kbase + kc, mask=kin, other=0)
+            ks = gl.load(KSEQ + kbase + kc, mask=kin, other=-2)
+            kv = (gl.load(KOK + kbase + kc, mask=kin, other=0) != 0) & kin
+            qp = gl.load(QPOS + qbase + qc, mask=qin, other=0)
+            qs = gl.load(QSEQ + qbase + qc, mask=qin, other=-3)
+            qv = (gl.load(QOK + qbase + qc, mask=qin, other=0) != 0) & qin
+            ok = kv[:, None] & qv[None, :] & (ks[:, None] == qs[None, :])
+            if IS_CAUSAL:
+                ok = ok & (kp[:, None] <= qp[None, :])
+        return ok
+
+    @gluon.jit
+    def bs_bwd_dkdv_hopper_kernel(
+        Q, K, V, DO, L, Delta, DK, DV, QPTR, QIDX, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_db, stride_dh, stride_dn,
+        stride_lb, stride_lh,
+        stride_dkb, stride_dkh, stride_dkn,
+        stride_dvb, stride_dvh, stride_dvn,
+        stride_cb, stride_ch, stride_ib, stride_ih,
+        Nq, Nk, group, ratio, scale, qk_scale,
+        HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, CONTIG: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """dK and dV of one tile of ``BLOCK_N`` keys (one kv head, one batch row): the query tiles that read it,
+        for every query head of its GQA group, walked from the layout's transpose."""
+        dtype: gl.constexpr = Q.dtype.element_ty
+        # Score tiles [keys, queries] and gradient tiles [keys, HEAD_DIM]: keys along M.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_Q, 16])
+        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
+        p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
+        key_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
+        query_axis: gl.constexpr = gl.SliceLayout(0, s_layout)
+        STEPS_PER_BLOCK: gl.constexpr = BLOCK // BLOCK_Q
+
+        kt = gl.program_id(0)
+        kvh = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        kvh64 = kvh.to(gl.int64)
+        k_first = kt * BLOCK_N
+        j = k_first // BLOCK
+
+        # K and V: read once, kept in shared memory for the whole program.
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_smem_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_smem_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        mbarrier.init(ready.index(0), count=1)
+        mbarrier.init(ready.index(1), count=1)
+        fence_async_shared()
+
+        k_desc = tma.make_tensor_descriptor(K + b * stride_kb + kvh64 * stride_kh, shape=[Nk, HEAD_DIM],
+                                            strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                            layout=kv_smem_layout)
+        v_desc = tma.make_tensor_descriptor(V + b * stride_vb + kvh64 * stride_vh, shape=[Nk, HEAD_DIM],
+                                            strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM],
+                                            layout=kv_smem_layout)
+        mbarrier.expect(kv_bar, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
+        _tma_load(k_desc, [k_first, 0], kv_bar, k_smem)
+        _tma_load(v_desc, [k_first, 0], kv_bar, v_smem)
+
+        tile_bytes: gl.constexpr = 2 * BLOCK_Q * HEAD_DIM * dtype.primitive_bitwidth // 8
+        kc = k_first + gl.arange(0, BLOCK_N, layout=key_axis)
+        rows = gl.arange(0, BLOCK_Q, layout=query_axis)
+        vrows = gl.arange(0, BLOCK_Q, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        s_zero = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=s_layout)
+        # The accumulators travel through the loops as in-flight wgmma results (retired at the next step's wait).
+        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
+        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
+        mbarrier.wait(kv_bar, 0)
+
+        it = 0  # steps issued over all heads: buffer it % 2, its barrier's phase (it // 2) % 2
+        for g in range(0, group):
+            h = kvh * group + g
+            h64 = h.to(gl.int64)
+            lh = h // ratio
+            ptr = QPTR + b * stride_cb + lh * stride_ch + j
+            p0 = gl.load(ptr)
+            n_steps = (gl.load(ptr + 1) - p0) * STEPS_PER_BLOCK
+            idx_row = QIDX + b * stride_ib + lh * stride_ih + p0
+            q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh, shape=[Nq, HEAD_DIM],
+                                                strides=[stride_qn, 1], block_shape=[BLOCK_Q, HEAD_DIM],
+                                                layout=q_smem_layout)
+            do_desc = tma.make_tensor_descriptor(DO + b * stride_db + h64 * stride_dh, shape=[Nq, HEAD_DIM],
+                                                 strides=[stride_dn, 1], block_shape=[BLOCK_Q, HEAD_DIM],
+                                                 layout=q_smem_layout)
+            l_row = L + b * stride_lb + h64 * stride_lh
+            dl_row = Delta + b * stride_lb + h64 * stride_lh
+            # Prologue: this head's first query tile, its Q / dO by TMA and its lse / delta into registers (one value
+            # per thread; each step's are read a step ahead, so no step waits on a global load).
+            q_cur = gl.load(idx_row, mask=n_steps > 0, other=0) * BLOCK
+            vmask = (q_cur + vrows < Nq) & (n_steps > 0)
+            lse_next = gl.load(l_row + q_cur + vrows, mask=vmask, other=0.0)
+            delta_next = gl.load(dl_row + q_cur + vrows, mask=vmask, other=0.0)
+            if n_steps > 0:
+                buf = it % 2
+                mbarrier.expect(ready.index(buf), tile_bytes)
+                _tma_load(q_desc, [q_cur, 0], ready.index(buf), q_smem.index(buf))
+                _tma_load(do_desc, [q_cur, 0], ready.index(buf), do_smem.index(buf))
+            for s in range(0, n_steps):
+                buf = it % 2
+                q0 = q_cur
+                qc = q0 + rows
+                lse = gl.convert_layout(lse_next, query_axis)
+                lse = gl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+                delta = gl.convert_layout(delta_next, query_axis)
+                mbarrier.wait(ready.index(buf), (it // 2) % 2)
+                qs = q_smem.index(buf)
+                dos = do_smem.index(buf)
+                sT = warpgroup_mma(k_smem, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dpT = warpgroup_mma(v_smem, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                # In flight: the last step's dV / dK products, then sT, then dpT. Leaving only dpT outstanding
+                # also retires the last step's products, whose buffer the next tile's copy overwrites.
+                sT, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv))
+                if s + 1 < n_steps:
+                    nxt = s + 1
+                    q_cur = gl.load(idx_row + nxt // STEPS_PER_BLOCK) * BLOCK + (nxt % STEPS_PER_BLOCK) * BLOCK_Q
+                    nbuf = 1 - buf
+                    mbarrier.expect(ready.index(nbuf), tile_bytes)
+                    _tma_load(q_desc, [q_cur, 0], ready.index(nbuf), q_smem.index(nbuf))
+                    _tma_load(do_desc, [q_cur, 0], ready.index(nbuf), do_smem.index(nbuf))
+                    vmask = q_cur + vrows < Nq
+                    lse_next = gl.load(l_row + q_cur + vrows, mask=vmask, other=0.0)
+                    delta_next = gl.load(dl_row + q_cur + vrows, mask=vmask, other=0.0)
+                pT = gl.exp2(sT * qk_scale - lse[None, :])
+                if CONTIG:  # interior tiles need no mask
+                    needs_mask = (k_first + BLOCK_N > Nk) | (q0 + BLOCK_Q > Nq)
+                    if IS_CAUSAL:
+                        needs_mask = needs_mask | (k_first + BLOCK_N - 1 > q0)
+                else:  # masks come from per-token data
+                    needs_mask = k_first >= 0
+                if needs_mask:
+                    ok = _pair_ok(kc, qc, Nk, Nq, KPOS, KSEQ, KOK, QPOS, QSEQ, QOK, b * Nk, b * Nq,
+                                  IS_CAUSAL, CONTIG)
+                    pT = gl.where(ok, pT, 0.0)
+                # P^T and dS^T go to the dV / dK products through shared memory, so that no register stays
+                # locked under an in-flight product (the last step's are retired by the wait above).
+                p_smem.store(pT.to(dtype))
+                fence_async_shared()
+                dv = warpgroup_mma(p_smem, dos, dv, is_async=True)
+                dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+                dsT = pT * (dpT - delta[None, :])
+                ds_smem.store(dsT.to(dtype))
+                fence_async_shared()
+                dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
+                it += 1
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        mbarrier.invalidate(kv_bar)
+        mbarrier.invalidate(ready.index(0))
+        mbarrier.invalidate(ready.index(1))
+
+        kr = k_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
+        kr64 = kr.to(gl.int64)[:, None]
+        kmask = (kr < Nk)[:, None]
+        gl.store(DK + b * stride_dkb + kvh64 * stride_dkh + kr64 * stride_dkn + d[None, :],
+                 (dk * scale).to(DK.dtype.element_ty), mask=kmask)
+        gl.store(DV + b * stride_dvb + kvh64 * stride_dvh + kr64 * stride_dvn + d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=kmask)
+
+
+def launch_config() -> dict:
+    """64 queries x 64 keys per step on one warpgroup (a key tile lies within one layout block of 64 or 128)."""
+    return dict(BLOCK_N=64, BLOCK_Q=BLOCK_Q, num_warps=4)
