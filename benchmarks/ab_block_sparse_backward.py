@@ -1,0 +1,96 @@
+"""A/B of the block-sparse backward on one Hopper GPU: the Gluon dK/dV kernel (``ops/triton/block_sparse_hopper.py``)
+against the portable Triton one, in one process, interleaved over rounds (``HF_DILATED_GLUON=0`` selects the
+portable kernel; the dq kernel is the same in both). The layout is ``scripts/bench_block_sparse.py``'s (a 2K local
+window, the sink block, LongNet-style dilated blocks), bf16, causal; cases cover the benchmark's H 16 / D 128 shape,
+GQA 32 / 8 and SmolLM2's 9 / 3 heads at D 64.
+
+    python benchmarks/ab_block_sparse_backward.py --out benchmarks/results
+
+Each case first checks that both kernels give the same dq, dk, dv (they sum the same products in the same order, so
+bit-identical is expected), then times ``block_sparse.backward`` with ``triton.testing.do_bench`` (median) for each
+kernel in every round. Writes ``ab_block_sparse_backward-<GPU>-<date>.json``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import bench_block_sparse as bench  # noqa: E402
+
+from hf_dilated.environment import run_environment  # noqa: E402
+from hf_dilated.ops.layout import resolve_layout  # noqa: E402
+from hf_dilated.ops.triton import block_sparse  # noqa: E402
+
+CASES = ((16384, 16, 16, 128), (65536, 16, 16, 128), (262144, 16, 16, 128), (65536, 32, 8, 128), (65536, 9, 3, 64))
+
+
+def run_case(N: int, H: int, Hk: int, D: int, block: int, rounds: int) -> dict:
+    from triton.testing import do_bench
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(N)
+    q, do = (torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, Hk, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    bench.H = H  # the layout's dilated blocks are per head
+    lay = bench.fixed_layout(N, block, dev)
+    q_ptr, q_flat = lay.transposed
+    t = resolve_layout(1, N, N, dev)
+    tokens = (t.q_pos, t.q_seq, t.q_valid, t.k_pos, t.k_seq, t.k_valid)
+    out, lse = block_sparse.forward(q, k, v, lay.kv_count, lay.kv_index, tokens, block, True, True, D ** -0.5)
+
+    def backward():
+        return block_sparse.backward(do, q, k, v, out, lse, lay.kv_count, lay.kv_index, q_ptr, q_flat, tokens, block,
+                                     True, True, D ** -0.5)
+
+    kernels = {"portable": "0", "gluon": "1"}
+    grads, ran = {}, {}
+    for name, flag in kernels.items():
+        os.environ["HF_DILATED_GLUON"] = flag
+        before = block_sparse.LAUNCHES["dkdv_hopper"]
+        grads[name] = backward()
+        ran[name] = block_sparse.LAUNCHES["dkdv_hopper"] > before
+    if not ran["gluon"] or ran["portable"]:
+        raise RuntimeError(f"the kernels did not run as asked: {ran} (needs an sm_90 GPU and Gluon)")
+    row = dict(N=N, H=H, Hk=Hk, D=D, block=block,
+               identical={n: bool(torch.equal(a, b)) for n, a, b in zip("qkv", grads["portable"], grads["gluon"])},
+               ms={name: [] for name in kernels})
+    for _ in range(rounds):
+        for name, flag in kernels.items():
+            os.environ["HF_DILATED_GLUON"] = flag
+            row["ms"][name].append(round(do_bench(backward, warmup=25, rep=150, return_mode="median"), 4))
+    os.environ.pop("HF_DILATED_GLUON", None)
+    med = {name: sorted(v)[len(v) // 2] for name, v in row["ms"].items()}
+    row["speedup_median"] = round(med["portable"] / med["gluon"], 3)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name()
+    rows = []
+    for N, H, Hk, D in CASES:
+        rows.append(run_case(N, H, Hk, D, args.block_size, args.rounds))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"ab_block_sparse_backward-{gpu.replace(' ', '_')}-{datetime.date.today()}.json")
+    meta = run_environment(dtype=torch.bfloat16)
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
