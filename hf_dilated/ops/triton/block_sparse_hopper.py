@@ -90,6 +90,13 @@ if gluon is not None:
         return ok
 
     @gluon.jit
+    def _row_desc(base, n, row_stride, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+        """A TMA descriptor over a head's ``n`` rows (``row_stride`` apart), read ``BLOCK_ROWS`` at a time into shared
+        memory of ``layout``; rows past ``n`` read as zeros (Gluon's ``tiles.row_desc``)."""
+        return tma.make_tensor_descriptor(base, shape=[n, HEAD_DIM], strides=[row_stride, 1],
+                                          block_shape=[BLOCK_ROWS, HEAD_DIM], layout=layout)
+
+    @gluon.jit
     def bs_bwd_dkdv_hopper_kernel(
         Q, K, V, DO, L, Delta, DK, DV, QPTR, QIDX, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK,
         stride_qb, stride_qh, stride_qn,
@@ -140,12 +147,8 @@ if gluon is not None:
         mbarrier.init(ready.index(1), count=1)
         fence_async_shared()
 
-        k_desc = tma.make_tensor_descriptor(K + b * stride_kb + kvh64 * stride_kh, shape=[Nk, HEAD_DIM],
-                                            strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                            layout=kv_smem_layout)
-        v_desc = tma.make_tensor_descriptor(V + b * stride_vb + kvh64 * stride_vh, shape=[Nk, HEAD_DIM],
-                                            strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM],
-                                            layout=kv_smem_layout)
+        k_desc = _row_desc(K + b * stride_kb + kvh64 * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM, kv_smem_layout)
+        v_desc = _row_desc(V + b * stride_vb + kvh64 * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM, kv_smem_layout)
         mbarrier.expect(kv_bar, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
         _tma_load(k_desc, [k_first, 0], kv_bar, k_smem)
         _tma_load(v_desc, [k_first, 0], kv_bar, v_smem)
@@ -169,12 +172,8 @@ if gluon is not None:
             p0 = gl.load(ptr)
             n_steps = (gl.load(ptr + 1) - p0) * STEPS_PER_BLOCK
             idx_row = QIDX + b * stride_ib + lh * stride_ih + p0
-            q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh, shape=[Nq, HEAD_DIM],
-                                                strides=[stride_qn, 1], block_shape=[BLOCK_Q, HEAD_DIM],
-                                                layout=q_smem_layout)
-            do_desc = tma.make_tensor_descriptor(DO + b * stride_db + h64 * stride_dh, shape=[Nq, HEAD_DIM],
-                                                 strides=[stride_dn, 1], block_shape=[BLOCK_Q, HEAD_DIM],
-                                                 layout=q_smem_layout)
+            q_desc = _row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_Q, HEAD_DIM, q_smem_layout)
+            do_desc = _row_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, BLOCK_Q, HEAD_DIM, q_smem_layout)
             l_row = L + b * stride_lb + h64 * stride_lh
             dl_row = Delta + b * stride_lb + h64 * stride_lh
             # Prologue: this head's first query tile, its Q / dO by TMA and its lse / delta into registers (one value
