@@ -38,8 +38,7 @@ def run_case(N: int, H: int, Hk: int, D: int, block: int, rounds: int) -> dict:
     g = torch.Generator(device=dev).manual_seed(N)
     q, do = (torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     k, v = (torch.randn(1, Hk, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
-    bench.H = H  # the layout's dilated blocks are per head
-    lay = bench.fixed_layout(N, block, dev)
+    lay = bench.fixed_layout(N, block, dev, num_heads=H)
     q_ptr, q_flat = lay.transposed
     t = resolve_layout(1, N, N, dev)
     tokens = (t.q_pos, t.q_seq, t.q_valid, t.k_pos, t.k_seq, t.k_valid)
@@ -51,21 +50,27 @@ def run_case(N: int, H: int, Hk: int, D: int, block: int, rounds: int) -> dict:
 
     kernels = {"portable": "0", "gluon": "1"}
     grads, ran = {}, {}
-    for name, flag in kernels.items():
-        os.environ["HF_DILATED_GLUON"] = flag
-        before = block_sparse.LAUNCHES["dkdv_hopper"]
-        grads[name] = backward()
-        ran[name] = block_sparse.LAUNCHES["dkdv_hopper"] > before
-    if not ran["gluon"] or ran["portable"]:
-        raise RuntimeError(f"the kernels did not run as asked: {ran} (needs an sm_90 GPU and Gluon)")
-    row = dict(N=N, H=H, Hk=Hk, D=D, block=block,
-               identical={n: bool(torch.equal(a, b)) for n, a, b in zip("qkv", grads["portable"], grads["gluon"])},
-               ms={name: [] for name in kernels})
-    for _ in range(rounds):
+    saved = os.environ.get("HF_DILATED_GLUON")
+    try:
         for name, flag in kernels.items():
             os.environ["HF_DILATED_GLUON"] = flag
-            row["ms"][name].append(round(do_bench(backward, warmup=25, rep=150, return_mode="median"), 4))
-    os.environ.pop("HF_DILATED_GLUON", None)
+            before = block_sparse.LAUNCHES["dkdv_hopper"]
+            grads[name] = backward()
+            ran[name] = block_sparse.LAUNCHES["dkdv_hopper"] > before
+        if not ran["gluon"] or ran["portable"]:
+            raise RuntimeError(f"the kernels did not run as asked: {ran} (needs an sm_90 GPU and Gluon)")
+        row = dict(N=N, H=H, Hk=Hk, D=D, block=block,
+                   identical={n: bool(torch.equal(a, b)) for n, a, b in zip("qkv", grads["portable"], grads["gluon"])},
+                   ms={name: [] for name in kernels})
+        for _ in range(rounds):
+            for name, flag in kernels.items():
+                os.environ["HF_DILATED_GLUON"] = flag
+                row["ms"][name].append(round(do_bench(backward, warmup=25, rep=150, return_mode="median"), 4))
+    finally:
+        if saved is None:
+            os.environ.pop("HF_DILATED_GLUON", None)
+        else:
+            os.environ["HF_DILATED_GLUON"] = saved
     med = {name: sorted(v)[len(v) // 2] for name, v in row["ms"].items()}
     row["speedup_median"] = round(med["portable"] / med["gluon"], 3)
     return row
@@ -89,6 +94,10 @@ def main() -> int:
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print("wrote", path)
+    differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows if not all(r["identical"].values())]
+    if differ:  # the same products in the same order: a difference is a bug, not rounding
+        print(f"gradients differ between the kernels for (N, H, Hk, D) = {differ}", file=sys.stderr)
+        return 1
     return 0
 
 

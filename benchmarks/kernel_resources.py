@@ -163,6 +163,18 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
                                  strict=True)
     for pattern in ("local", "adaptive") if not quick else ("adaptive",):
         fwd_bwd(f"block-sparse {pattern}", lambda: block_sparse_attention(q, k, v, pattern, backend="triton"))
+    # The portable dK/dV where the Gluon one would run (sm_90): what HF_DILATED_GLUON=0, other head dims and
+    # other Tritons launch there.
+    saved = os.environ.get("HF_DILATED_GLUON")
+    os.environ["HF_DILATED_GLUON"] = "0"
+    try:
+        fwd_bwd("block-sparse adaptive, portable dK/dV",
+                lambda: block_sparse_attention(q, k, v, "adaptive", backend="triton"))
+    finally:
+        if saved is None:
+            os.environ.pop("HF_DILATED_GLUON")
+        else:
+            os.environ["HF_DILATED_GLUON"] = saved
 
 
 def _ptxas_report(ptx: str, arch: int) -> dict:

@@ -70,6 +70,9 @@ def main():
     ap.add_argument("--tma", nargs="+", default=["on"], choices=["on", "off"])
     ap.add_argument("--kernels", nargs="*", default=["fwd", "dq", "kv"], choices=["fwd", "dq", "kv"])
     args = ap.parse_args()
+    # The sweep times the portable kernels' configs (_fwd_config / _bwd_config); on sm_90 the Gluon dK/dV kernel
+    # would otherwise run in place of every dK/dV candidate.
+    os.environ["HF_DILATED_GLUON"] = "0"
     use_tma0 = bs.use_tma
     dev, H, blk = torch.device("cuda"), args.heads, 128
     fwd0, bwd0 = bs._fwd_config, bs._bwd_config

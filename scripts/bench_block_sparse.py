@@ -60,11 +60,12 @@ def timed_ms(fn):
     return out, (time.perf_counter() - t) * 1e3
 
 
-def fixed_layout(N, b, device):
-    """The benchmark's layout: a 2K-token local window, the sink block, LongNet-style dilated blocks per head."""
+def fixed_layout(N, b, device, num_heads=None):
+    """The benchmark's layout: a 2K-token local window, the sink block, LongNet-style dilated blocks per head
+    (``num_heads``, the benchmark's ``H`` by default)."""
     n = math.ceil(N / b)
     return union(local_blocks(n, b, 2048 // b, device=device), global_blocks(n, b, 1, device=device),
-                 dilated_blocks(n, b, [16, 64, 256], [1, 4, 16], num_heads=H, device=device))
+                 dilated_blocks(n, b, [16, 64, 256], [1, 4, 16], num_heads=num_heads or H, device=device))
 
 
 def pair_count(lay: BlockLayout, N: int) -> int:

@@ -27,7 +27,6 @@ from hf_dilated.ops.block_sparse import (
     union,
 )
 from hf_dilated.ops.triton import block_sparse_hopper
-from hf_dilated.ops.triton.configs import wgmma
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 kernel = pytest.mark.skipif(not INTERPRET,
@@ -119,8 +118,10 @@ def check(q, k, v, layout, block_mask, rng, backend, *, causal=True, attention_m
         assert LAUNCHES["forward"] > before.get("forward", 0) and LAUNCHES["backward"] > before.get("backward", 0)
         if check_tma and q.shape[2] == k.shape[2] and (q.shape[-1] * q.element_size()) % 16 == 0:  # the tensor-descriptor path ran
             assert LAUNCHES["tma"] >= before.get("tma", 0) + 2  # forward and backward
-            if q.is_cuda and wgmma() and block_sparse_hopper.supported(q, layout.block_size, 0):
+            if q.is_cuda and block_sparse_hopper.applies(q, layout.block_size, 0, True):
                 assert LAUNCHES["dkdv_hopper"] > before.get("dkdv_hopper", 0)  # Hopper: the Gluon dK/dV kernel ran
+            elif q.is_cuda:
+                assert LAUNCHES["dkdv_hopper"] == before.get("dkdv_hopper", 0)  # the portable kernel ran
 
 
 # ---- patterns against their definitions ------------------------------------------------------------------------------
@@ -204,22 +205,36 @@ def test_random_block_mask_gqa(rng, backend, causal):
     check(q, k, v, from_mask(mask, b), mask, rng, backend, causal=causal)
 
 
-@kernel
 def test_gluon_dkdv_coverage_and_switch(monkeypatch):
     """The Gluon dK/dV kernel (sm_90; compiled on the CPU by test_benchmark_tools, run by the GPU tests) covers
-    bf16 / fp16, head dim 64 / 128, layout blocks 64 / 128, queries = keys; ``HF_DILATED_GLUON=0`` turns it off."""
+    bf16 / fp16, head dim 64 / 128, layout blocks 64 / 128, queries = keys; ``HF_DILATED_GLUON=0`` (or ``off``)
+    turns it off; never under the interpreter or off sm_90."""
     if not block_sparse_hopper.available():
-        pytest.skip("this Triton has no Gluon Hopper API")
+        pytest.skip("this Triton has no Gluon Hopper API (3.6 or newer)")
     q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
     assert block_sparse_hopper.supported(q, 128, 0) and block_sparse_hopper.supported(q[..., :64].half(), 64, 0)
     assert not block_sparse_hopper.supported(q, 128, 3)  # decoding: fewer queries than keys
     assert not block_sparse_hopper.supported(q.float(), 128, 0)
     assert not block_sparse_hopper.supported(q, 32, 0)
     assert not block_sparse_hopper.supported(q[..., :32], 128, 0)
-    monkeypatch.setenv("HF_DILATED_GLUON", "0")
-    assert not block_sparse_hopper.supported(q, 128, 0)
+    from hf_dilated.ops.triton import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "_capability_major", lambda: 9)
+    assert block_sparse_hopper.applies(q, 128, 0, True) and not block_sparse_hopper.applies(q, 128, 0, False)
+    monkeypatch.setattr(configs, "_capability_major", lambda: 10)  # Blackwell: no wgmma
+    assert not block_sparse_hopper.applies(q, 128, 0, True)
+    monkeypatch.setattr(configs, "_capability_major", lambda: 9)
+    monkeypatch.setattr(configs, "interpreting", lambda: True)
+    assert not block_sparse_hopper.applies(q, 128, 0, True)
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv("HF_DILATED_GLUON", off)
+        assert not block_sparse_hopper.supported(q, 128, 0)
+    monkeypatch.setenv("HF_DILATED_GLUON", "1")
+    assert block_sparse_hopper.supported(q, 128, 0)
 
 
+@kernel
 def test_pointer_loads_without_descriptors(rng, monkeypatch):
     """The kernels' pointer loads (GPUs before Hopper, unaligned strides) on the same problem as the TMA path."""
     from hf_dilated.ops.triton import block_sparse as kernels
@@ -574,6 +589,25 @@ def test_gpu_kernels_realistic(rng, b, dtype):
                 random_blocks(n, b, 2, seed=3)).to("cuda")
     q, k, v = (t.detach().cuda().requires_grad_() for t in qkv(rng, B, H, Hk, N, N, D, dtype))
     check(q, k, v, lay, lay.to_mask().cpu(), rng, "triton")
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("gluon", ["1", "0"])
+def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
+    """On sm_90 the Gluon dK/dV kernel is there and runs (``check`` asserts it), and with ``HF_DILATED_GLUON=0`` the
+    portable one does, both against float64: non-causal, D 64, a last 64-row step wholly past the queries."""
+    from hf_dilated.ops.triton.configs import wgmma
+
+    if not wgmma():
+        pytest.skip("the Gluon kernel is for sm_90")
+    assert block_sparse_hopper.available(), "sm_90 with a Triton whose Gluon API the kernel does not know"
+    monkeypatch.setenv("HF_DILATED_GLUON", gluon)
+    B, H, Hk, N, D, b = 1, 4, 2, 2048 + 40, 64, 128
+    n = math.ceil(N / b)
+    lay = union(local_blocks(n, b, 3), global_blocks(n, b, 1), random_blocks(n, b, 2, seed=5)).to("cuda")
+    q, k, v = (t.detach().cuda().requires_grad_() for t in qkv(rng, B, H, Hk, N, N, D, torch.bfloat16))
+    check(q, k, v, lay, lay.to_mask().cpu(), rng, "triton", causal=False)
 
 
 @gpu

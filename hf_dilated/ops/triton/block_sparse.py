@@ -7,7 +7,9 @@
 - dq: the same walk, flash-attention's ``dS = P (dO V^T - delta)``.
 - dk / dv: one program per (tile of ``BLOCK_N`` key columns, kv head, batch row); it walks the transposed layout (the
   query blocks that read its key block) for every query head of its GQA group, so K / V are never repeated and each
-  key row is written by one program (no atomics, deterministic).
+  key row is written by one program (no atomics, deterministic). On sm_90 the same contract runs as a Gluon kernel
+  (``block_sparse_hopper.py``: K / V held in shared memory, asynchronous ``wgmma``; bit-identical gradients) where
+  it applies.
 
 Masks inside tiles, per token: ``CONTIG`` (no padding, one sequence, keys at positions ``0..Nk-1``) masks by column
 only, and when causal skips tiles wholly above the diagonal; otherwise positions, sequence ids and key validity are
@@ -23,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import block_sparse_hopper
-from .configs import _hopper, descriptor_scratch, dot_mode, interpreting, use_tma, wgmma
+from .configs import _hopper, descriptor_scratch, dot_mode, interpreting, use_tma
 from .launch import cdiv, row_deltas, rowmajor
 from .tiles import LOG2E, LOG2E_F, finish, mm, row_desc, softmax_step
 
@@ -435,7 +437,7 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
     dkdv_args = (q, k, v, do, lse, delta, dk, dv, q_ptr, q_flat, *meta,
                  *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
                  *dk.stride()[:3], *dv.stride()[:3], *_layout_strides(q_ptr, q_flat, B), Nq, Nk)
-    if tma and wgmma() and block_sparse_hopper.supported(q, block, q_offset):  # Gluon, sm_90
+    if block_sparse_hopper.applies(q, block, q_offset, tma):  # Gluon, sm_90
         hopper = block_sparse_hopper.launch_config()
         block_sparse_hopper.bs_bwd_dkdv_hopper_kernel[(cdiv(Nk, hopper["BLOCK_N"]), Hk, B)](
             *dkdv_args, group, ratio, scale, scale * LOG2E_F, **common, **hopper,

@@ -9,8 +9,9 @@ product against dq's 1.8 ms (Nsight, 64K, benchmarks/NOTES_triton.md). Here, one
   there, not from registers;
 - query tiles of 64 rows (n64 instructions), Q and dO double-buffered by TMA under ``mbarrier``s, the next tile's
   copy issued while this one computes; its lse and delta are read a step ahead into registers (one value per
-  thread), so that no step waits on a global load (Nsight: without this, a third of the cycles between issues went
-  to that wait);
+  thread), so that no step waits on a global load (Nsight of the version without this: a third of the cycles
+  between issues waited on global or local loads; reading lse / delta ahead made it 2-56% faster, most with GQA
+  and at D = 64);
 - ``P^T`` and ``dS^T`` reach the dV / dK products through shared memory, and the products are asynchronous
   ``wgmma``s: ``V dO^T`` runs while the softmax of ``K Q^T`` is computed, this step's dV runs while ``dS`` is
   computed, and this step's dV / dK run until the next step's scores are issued;
@@ -20,7 +21,7 @@ product against dq's 1.8 ms (Nsight, 64K, benchmarks/NOTES_triton.md). Here, one
 
 Same contract as the portable kernel (masks, GQA without repeating K / V, one program per key tile writes its rows, no
 atomics), and bit-identical gradients (the same products summed in the same order); used for bf16 / fp16, head dim 64
-or 128, queries and keys the same rows (``q_offset == 0``) on sm_90 (``supported``). Gluon has no interpreter: the
+or 128, queries and keys the same rows (``q_offset == 0``) on sm_90 (``applies``). Gluon has no interpreter: the
 CPU tests compile it for sm_90 (``benchmarks/kernel_resources.py``), the GPU tests check it against the float64
 reference.
 """
@@ -30,6 +31,10 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+
+from . import configs
+from .tiles import LOG2E
 
 try:  # Gluon is experimental; a Triton without it (or with another API) keeps the portable kernel
     from triton.experimental import gluon
@@ -47,21 +52,35 @@ BLOCK_Q = 64  # query rows per step: n64 tensor-core instructions for the transp
 
 
 def available() -> bool:
-    """Whether this Triton has the Gluon Hopper API the kernel is written against."""
-    return gluon is not None
+    """Whether this Triton has the Gluon Hopper API the kernel is written against (checked on Triton 3.6 and 3.9;
+    earlier Gluon releases named and laid out things differently)."""
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return gluon is not None and (major, minor) >= (3, 6)
+
+
+def enabled() -> bool:
+    """``HF_DILATED_GLUON=0`` (or ``false`` / ``off`` / ``no``) in the environment keeps the portable kernel: for a
+    Triton whose Gluon misbehaves, or to compare the two (``benchmarks/ab_block_sparse_backward.py``)."""
+    return os.environ.get("HF_DILATED_GLUON", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def supported(q: torch.Tensor, block: int, q_offset: int) -> bool:
-    """Whether the Gluon kernel covers this call (the caller also checks for sm_90 and TMA). ``HF_DILATED_GLUON=0``
-    in the environment keeps the portable kernel (for a Triton whose Gluon misbehaves, or to compare the two)."""
+    """Whether the Gluon kernel covers this call's shapes and dtype (bf16 / fp16, head dim 64 / 128, layout blocks
+    64 / 128, queries and keys the same rows) and is available and enabled."""
     return (
         available()
-        and os.environ.get("HF_DILATED_GLUON", "1") != "0"
+        and enabled()
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[-1] in (64, 128)
         and block in (64, 128)
         and q_offset == 0
     )
+
+
+def applies(q: torch.Tensor, block: int, q_offset: int, tma: bool) -> bool:
+    """Whether the backward runs this kernel: :func:`supported`, on an sm_90 GPU (``wgmma``), with the tensor-
+    descriptor path on (``tma``), and not under Triton's interpreter (Gluon has none)."""
+    return tma and not configs.interpreting() and configs.wgmma() and supported(q, block, q_offset)
 
 
 if gluon is not None:
@@ -192,7 +211,7 @@ if gluon is not None:
                 q0 = q_cur
                 qc = q0 + rows
                 lse = gl.convert_layout(lse_next, query_axis)
-                lse = gl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+                lse = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
                 delta = gl.convert_layout(delta_next, query_axis)
                 mbarrier.wait(ready.index(buf), (it // 2) % 2)
                 qs = q_smem.index(buf)
