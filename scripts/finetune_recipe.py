@@ -20,6 +20,10 @@ training: the dense model as ``dense+rope``, the dilated one as ``dilated+rope``
 the trained context, zero-shot and fine-tuned the same way (at ``T``, with the recipe), without training at 4x.
 
 A dilated run makes exactly the steps its dense partner made (a dense run cut short by the budget shortens it).
+With ``--sparse-attention block_sparse`` the sparse arm (still labelled ``dilated`` in the runs, its config under
+``dilated_attention``, ``sparse_attention`` saying which) is block-sparse with the adaptive pattern sized to the
+dilated branches' keys per query at each length (``BlockSparseConfig.matching_budget``): the same cost, the blocks
+chosen by content.
 
 The text is split once: the last ``--eval-fraction`` of its characters is held out. Training rows are consecutive
 ``N``-token pieces of the rest (one stream, positions ``0..N-1``: sdpa's fastest path). Every run evaluates the same
@@ -137,7 +141,11 @@ def prepare(model, attn: str, seq_len: int, trained: int, args):
         return None
     cfg = dilated_config(args, seq_len, trained, model.config.num_hidden_layers)
     rope = "recipe" if attn == "dilated+rope" else "none"
-    return prepare_attention(model, "dilated", cfg, seq_len=seq_len, rope=rope)
+    if args.sparse_attention == "block_sparse":
+        from hf_dilated import BlockSparseConfig
+
+        cfg = BlockSparseConfig.matching_budget(cfg, seq_len)
+    return prepare_attention(model, args.sparse_attention, cfg, seq_len=seq_len, rope=rope)
 
 
 def evaluate(model, eval_rows: list[dict], device, bf16: bool) -> dict[str, float]:
@@ -245,6 +253,7 @@ def one_run(model_dir: str, attn: str, method: str, seq_len: int, trained: int, 
         "max_steps": steps, "train_seconds": round(train_s, 1), **measure.summary(),
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "dilated_attention": cfg.to_dict() if cfg is not None else None,
+        "sparse_attention": args.sparse_attention if attn.startswith("dilated") else None,
         "rope_parameters": getattr(model.config, "rope_parameters", None) if "rope" in attn else None,
         "eval_before": before, "eval_after": after,
         **({"long_context": long, "eval_long_before": before_long, "eval_long_after": after_long} if long_rows else {}),
@@ -481,6 +490,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dilation-rates", type=int, nargs="+")
     p.add_argument("--global-tokens", type=int, default=4)
     p.add_argument("--layers", nargs="+", default=["all"], help="'all' or layer indices to make dilated")
+    p.add_argument("--sparse-attention", default="dilated", choices=("dilated", "block_sparse"),
+                   help="the sparse arm: dilated, or block-sparse adaptive with the dilated branches' keys per query")
     p.add_argument("--lr-lora", type=float, default=1e-3)
     p.add_argument("--lr-full", type=float, default=1e-4)
     p.add_argument("--lora-r", type=int, default=16)

@@ -352,3 +352,38 @@ def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
         twin = runs[(32, r["attn"], "full")]
         assert "eval_long_after" not in r
         assert r["loss_curve"] == twin["loss_curve"] and r["eval_after"] == twin["eval_after"], r["attn"]
+
+
+def test_finetune_recipe_block_sparse_arm(tmp_path, shakespeare, one_thread):
+    """``--sparse-attention block_sparse``: the sparse arm is block-sparse adaptive at the dilated branches' keys per
+    query, at the trained context and in the reading at 2x it (with the recipe's RoPE there), and it trains."""
+    from hf_dilated import assets
+
+    tok = assets.load_smollm2_tokenizer()
+    if tok is None:
+        pytest.skip(assets.SMOLLM2_MISSING)
+    recipe = importlib.import_module("finetune_recipe")
+    model_dir = tmp_path / "small"
+    # trained context 256: four 64-token blocks, so the adaptive layout leaves blocks out (at one block it is dense)
+    assets.tiny_llama(0, vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    text = tmp_path / "text.txt"
+    text.write_text(shakespeare[:80000], encoding="utf-8")
+    args = recipe.parse_args(["--checkpoint", str(model_dir), "--text", str(text), "--device", "cpu", "--steps", "2",
+                              "--first-segment", "32", "--global-tokens", "2", "--eval-tokens", "512",
+                              "--no-progress", "--budget-s", "3600", "--methods", "full", "--long-factor", "2",
+                              "--long-mode", "eval", "--sparse-attention", "block_sparse", "--out", str(tmp_path / "o")])
+    result = recipe.run(args)
+    runs = {(r["context"], r["attn"]): r for r in result["runs"]}
+    assert set(runs) == {(256, "dense"), (256, "dilated")}, result["skipped"]
+    sparse, dense = runs[(256, "dilated")], runs[(256, "dense")]
+    assert sparse["sparse_attention"] == "block_sparse" and dense["sparse_attention"] is None
+    cfg = sparse["dilated_attention"]
+    assert cfg["pattern"] == "adaptive" and cfg["block_size"] == 64 and cfg["top_k"] >= 1
+    assert sparse["steps"] == 2 and math.isfinite(sparse["eval_after"]["perplexity"])
+    assert sparse["eval_before"]["perplexity"] != dense["eval_before"]["perplexity"]  # not all keys: not dense
+    long = sparse["eval_long_after"]
+    assert long["dilated_attention"]["pattern"] == "adaptive" and long["rope_parameters"]["rope_type"] == "yarn"
+    assert math.isfinite(long["perplexity"])
