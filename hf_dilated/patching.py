@@ -101,6 +101,8 @@ class Recipe:
         block_sparse_fidelity: the same for ``attention="block_sparse"`` with the recipe's block-sparse defaults.
         finetuned_fidelity: what a short fine-tune of the patched model measured against the dense model fine-tuned
             the same way (``scripts/finetune_recipe.py``), quoted in the model card beside the zero-shot number.
+        block_sparse_finetuned_fidelity: the same for ``attention="block_sparse"``
+            (``finetune_recipe.py --sparse-attention block_sparse``).
         block_sparse: defaults of ``attention="block_sparse"`` (``BlockSparseConfig`` fields but ``layers`` and
             ``backend``); see :meth:`block_sparse_config` for what is derived when left out.
     """
@@ -123,6 +125,7 @@ class Recipe:
     fidelity: str = ""
     block_sparse_fidelity: str = ""
     finetuned_fidelity: str = ""
+    block_sparse_finetuned_fidelity: str = ""
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -146,7 +149,7 @@ class Recipe:
                 raise ValueError(f"recipe {self.name!r}: {key} must be a positive integer, got {value!r}")
         if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int) or self.global_tokens < 0:
             raise ValueError(f"recipe {self.name!r}: global_tokens must be an integer >= 0, got {self.global_tokens!r}")
-        for key in ("fidelity", "block_sparse_fidelity", "finetuned_fidelity"):
+        for key in ("fidelity", "block_sparse_fidelity", "finetuned_fidelity", "block_sparse_finetuned_fidelity"):
             if not isinstance(getattr(self, key), str):
                 raise ValueError(f"recipe {self.name!r}: {key} must be a string, got {getattr(self, key)!r}")
         if not isinstance(self.block_sparse, dict):
@@ -932,8 +935,10 @@ def render_model_card(model: Any, eval_results: dict | None = None, load_path: s
 
 
 def _card_fidelity(recipe: Recipe, attention: str) -> str:
-    """The model card's sentence on how the recipe's defaults of ``attention`` measured without fine-tuning."""
+    """The model card's sentences on how the recipe's defaults of ``attention`` measured without fine-tuning and, where
+    measured, after the short fine-tune."""
     measured = recipe.block_sparse_fidelity if attention == "block_sparse" else recipe.fidelity
+    finetuned = recipe.block_sparse_finetuned_fidelity if attention == "block_sparse" else recipe.finetuned_fidelity
     kind = "block-sparse" if attention == "block_sparse" else "dilated"
     if measured:
         text = (f"Quality of the `{recipe.name}` recipe's {kind} defaults without fine-tuning, as measured by "
@@ -941,8 +946,8 @@ def _card_fidelity(recipe: Recipe, attention: str) -> str:
     else:
         text = (f"No measurement of the `{recipe.name}` recipe's {kind} defaults without fine-tuning is recorded yet: "
                 "evaluate before use (`hf-dilated eval`), or fine-tune (`hf-dilated finetune`).")
-    if attention != "block_sparse" and recipe.finetuned_fidelity:
-        text += f"\n\nAfter a short fine-tune (`hf-dilated finetune`): {recipe.finetuned_fidelity.strip()}"
+    if finetuned:
+        text += f"\n\nAfter a short fine-tune (`hf-dilated finetune`): {finetuned.strip()}"
     return text
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Issue 16's two fine-tune targets side by side, from ``finetune_recipe.py --long-mode eval`` results: for each run
-(a JSON per method and learning rate), the dilated model's held-out perplexity over the dense one's after the same
-training at the trained context ``T`` (x: target <= 1.02) and read at 4x ``T`` with RoPE scaling against dense +
-RoPE (y: target < 1), and where both start before training (zero-shot).
+(a JSON per method and learning rate), the patched (dilated or block-sparse) model's held-out perplexity over the
+dense one's after the same training at the trained context ``T`` (x: target <= 1.02) and read at 4x ``T`` with RoPE
+scaling against dense + RoPE (y: target < 1), and where both start before training (zero-shot).
 
     python scripts/recipe_tradeoff.py benchmarks/results/finetune_recipe-smollm2-H100-274steps-4T-*.json \\
         --out benchmarks/results/finetune_recipe-smollm2-H100-274steps-4T-tradeoff.png
@@ -32,12 +32,18 @@ LONG_TARGET = 1.0  # better than dense + RoPE scaling at 4T
 MLP = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2", "dense_h_to_4h", "dense_4h_to_h")
 
 
+def kind(result: dict[str, Any]) -> str:
+    """The sparse arm of a result: ``"dilated"``, or ``"block-sparse adaptive"`` (``--sparse-attention``)."""
+    return "block-sparse adaptive" if result["settings"].get("sparse_attention") == "block_sparse" else "dilated"
+
+
 def label(result: dict[str, Any], method: str) -> str:
     s = result["settings"]
+    prefix = "block-sparse adaptive, " if kind(result) != "dilated" else ""
     if method == "lora":
         extra = " + MLP" if any(t in MLP for t in s.get("lora_targets") or []) else ""
-        return f"LoRA r {s['lora_r']}{extra}, lr {s['lr_lora']:g}"
-    return f"full, lr {s['lr_full']:g}"
+        return f"{prefix}LoRA r {s['lora_r']}{extra}, lr {s['lr_lora']:g}"
+    return f"{prefix}full, lr {s['lr_full']:g}"
 
 
 def points(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
@@ -60,6 +66,7 @@ def points(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
                 t, long = pair["T"], pair["long"]
                 steps = {r["attn"]: r["steps"] for r in result["runs"] if r["method"] == method}
                 out.append({"file": Path(path).name, "label": label(result, method), "method": method,
+                            "kind": kind(result),
                             "steps": steps.get("dilated"), "trained_context": t["context"],
                             "long_context": long["context"], "ratio_T": t["ratio_after"],
                             "ratio_long": long["ratio_after"], "zero_shot_T": t["dilated_before"] / t["dense_before"],
@@ -76,9 +83,10 @@ def points(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     return out
 
 
-def zero_shot(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """The distinct (at ``T``, at the long context) readings before training (one per model, text and branches)."""
-    return list(dict.fromkeys((round(r["zero_shot_T"], 6), round(r["zero_shot_long"], 6)) for r in rows))
+def zero_shot(rows: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
+    """The distinct (sparse arm, at ``T``, at the long context) readings before training (one per model, text and
+    attention)."""
+    return list(dict.fromkeys((r["kind"], round(r["zero_shot_T"], 6), round(r["zero_shot_long"], 6)) for r in rows))
 
 
 def factor(rows: list[dict[str, Any]]) -> str:
@@ -95,27 +103,33 @@ def table(rows: list[dict[str, Any]]) -> str:
             "| --- | --- | --- | --- | --- |")
     lines = [f"| {r['label']} | {r['steps']} | {r['ratio_T']:.4f} | {r['ratio_long']:.4f} | "
              f"{'yes' if r['meets'] else 'no'} |" for r in rows]
-    for t, long in zero_shot(rows):
-        lines.append(f"| zero-shot (before training) | 0 | {t:.4f} | {long:.4f} | {'yes' if meets(t, long) else 'no'} |")
+    kinds = {r["kind"] for r in rows}
+    for k, t, long in zero_shot(rows):
+        name = "zero-shot (before training)" + (f", {k}" if len(kinds) > 1 else "")
+        lines.append(f"| {name} | 0 | {t:.4f} | {long:.4f} | {'yes' if meets(t, long) else 'no'} |")
     return "\n".join([head, *lines])
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     zero = zero_shot(rows)
-    xs = [r["ratio_T"] for r in rows] + [t for t, _ in zero]
+    xs = [r["ratio_T"] for r in rows] + [t for _, t, _ in zero]
     lo_x, hi_x = min(xs + [T_TARGET]) - 0.002, max(xs + [T_TARGET]) + 0.002
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
     series = []  # points first: each takes its own colour (reporting.plot colours points after a line like the line)
-    for method, marker in (("full", "o"), ("lora", "s")):
-        sel = [r for r in rows if r["method"] == method]
-        if sel:
-            series.append({"label": "full fine-tune" if method == "full" else "LoRA", "x": [r["ratio_T"] for r in sel],
-                           "y": [r["ratio_long"] for r in sel], "points": True, "marker": marker,
-                           "annotate": [r["label"] for r in sel]})
-    series.append({"label": "zero-shot", "x": [t for t, _ in zero], "y": [long for _, long in zero], "points": True,
-                   "marker": "x"})
+    for k in kinds:
+        for method, marker in (("full", "o"), ("lora", "s")):
+            sel = [r for r in rows if r["method"] == method and r["kind"] == k]
+            if sel:
+                name = "full fine-tune" if method == "full" else "LoRA"
+                series.append({"label": f"{k}, {name}" if len(kinds) > 1 else name, "x": [r["ratio_T"] for r in sel],
+                               "y": [r["ratio_long"] for r in sel], "points": True, "marker": marker,
+                               "annotate": [r["label"] for r in sel]})
+        sel = [(t, long) for kz, t, long in zero if kz == k]
+        series.append({"label": f"zero-shot, {k}" if len(kinds) > 1 else "zero-shot", "x": [t for t, _ in sel],
+                       "y": [long for _, long in sel], "points": True, "marker": "x"})
     series.append({"label": f"{factor(rows)} target: < {LONG_TARGET:g}", "x": [lo_x, hi_x],
                    "y": [LONG_TARGET, LONG_TARGET]})
-    panel = {"title": "dilated / dense perplexity after the same fine-tune (lower is better)",
+    panel = {"title": "patched / dense perplexity after the same fine-tune (lower is better)",
              "xlabel": f"at T = {rows[0]['trained_context']} tokens", "ylabel":
              f"at {factor(rows)} = {rows[0]['long_context']} tokens, both with RoPE scaling", "series": series,
              "vline": (T_TARGET, f"T target: <= {T_TARGET:g}")}

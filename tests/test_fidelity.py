@@ -229,7 +229,7 @@ def test_finetune_recipe_smooth_is_a_trailing_mean():
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12, window
 
 
-def _recipe_result(path, lr, ratio_t, ratio_long, zero=(1.05, 1.03), long_reading=True):
+def _recipe_result(path, lr, ratio_t, ratio_long, zero=(1.05, 1.03), long_reading=True, sparse="dilated"):
     """A ``finetune_recipe.json`` with one full run pair at T = 8K (and its reading at 32K): what recipe_tradeoff reads."""
     comparison = [{"context": 8192, "method": "full", "attn": "dilated", "dense": "dense", "dilated_before": zero[0],
                    "dense_before": 1.0, "dilated_after": ratio_t, "dense_after": 1.0, "ratio_after": ratio_t}]
@@ -238,7 +238,8 @@ def _recipe_result(path, lr, ratio_t, ratio_long, zero=(1.05, 1.03), long_readin
                            "dense": "dense+rope (tuned at T)", "dilated_before": zero[1], "dense_before": 1.0,
                            "ratio_before": zero[1], "dilated_after": ratio_long, "dense_after": 1.0,
                            "ratio_after": ratio_long})
-    result = {"trained_context": 8192, "settings": {"lr_full": lr, "lr_lora": 1e-3, "lora_r": 16, "lora_targets": []},
+    result = {"trained_context": 8192, "settings": {"lr_full": lr, "lr_lora": 1e-3, "lora_r": 16, "lora_targets": [],
+                                                    "sparse_attention": sparse},
               "runs": [{"attn": a, "method": "full", "steps": 7} for a in ("dense", "dilated")], "comparison": comparison}
     path.write_text(json.dumps(result), encoding="utf-8")
     return path
@@ -261,6 +262,15 @@ def test_recipe_tradeoff_judges_both_targets(tmp_path, capsys):
     assert tradeoff.main([*map(str, files), "--out", str(tmp_path / "t.png")]) == 0 and (tmp_path / "t.png").stat().st_size
     with pytest.raises(SystemExit, match="no file has both"):
         tradeoff.main([str(files[-1]), "--out", str(tmp_path / "none.png")])
+    # a block-sparse sparse arm (finetune_recipe --sparse-attention block_sparse): its own label and zero-shot row
+    files.append(_recipe_result(tmp_path / "r-e.json", 1e-4, 1.004, 0.98, zero=(1.008, 0.983), sparse="block_sparse"))
+    rows = tradeoff.points(files)
+    assert (rows[-1]["label"], rows[-1]["kind"], rows[-1]["meets"]) == ("block-sparse adaptive, full, lr 0.0001",
+                                                                        "block-sparse adaptive", True)
+    text = tradeoff.table(rows)
+    assert "| zero-shot (before training), block-sparse adaptive | 0 | 1.0080 | 0.9830 | yes |" in text
+    assert "| zero-shot (before training), dilated | 0 | 1.0500 | 1.0300 | no |" in text
+    assert tradeoff.main([*map(str, files), "--out", str(tmp_path / "t2.png")]) == 0
 
 
 def test_finetune_recipe_refuses_a_long_reading_without_a_long_context(capsys):

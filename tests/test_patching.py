@@ -533,4 +533,6 @@ def test_model_card_quotes_the_recipes_measured_fidelity():
     patch(model, attention="block_sparse", context_length=1024)  # the block-sparse defaults' own measurement
     card = render_model_card(model)
     assert "block-sparse defaults without fine-tuning" in card and "smollm2_recipe_fidelity-cpu.json" in card
-    assert "smollm2_fidelity.json" not in card and "After a short fine-tune" not in card
+    assert "smollm2_fidelity.json" not in card
+    assert "After a short fine-tune" in card and "block_sparse_adaptive_seed" in card  # its own fine-tune result
+    assert "finetune_recipe-smollm2-H100-274steps-4T-full" not in card
