@@ -59,8 +59,10 @@ class ScriptArguments:
     """This program's options; ``TrainingArguments`` gives the rest."""
 
     model: str = field(default="smollm2", metadata={"help": "'smollm2' (the bundled GGUF), 'tiny' (a random SmolLM2-shaped Llama), a checkpoint directory or a .gguf file"})
-    attn: str = field(default="dilated", metadata={"choices": ATTENTIONS, "aliases": ["--attention"],
-                                                   "help": "attention to train with (block_sparse: the recipe's adaptive pattern)"})
+    attn: Optional[str] = field(default=None, metadata={
+        "choices": ATTENTIONS, "aliases": ["--attention"],
+        "help": "attention to train with (block_sparse: the recipe's adaptive pattern); default: the attention a patched "
+                "checkpoint carries, dilated for an unpatched one or with --segment-lengths"})
     segment_lengths: Optional[list[int]] = field(default=None, metadata={"help": "branch segment lengths w_i, e.g. 2048 4096 (default: the recipe's, extended to --seq-len)"})
     dilation_rates: Optional[list[int]] = field(default=None, metadata={"help": "branch dilation rates r_i, e.g. 1 2"})
     layers: list[str] = field(default_factory=lambda: ["all"], metadata={"help": "layers to convert: 'all' (the recipe's choice) or indices, e.g. 0 2 4"})
@@ -161,21 +163,13 @@ def validate(script: ScriptArguments, training) -> None:
     if script.segment_lengths is not None:  # checks the branches, with its own message
         DilatedAttentionConfig(segment_lengths=script.segment_lengths, dilation_rates=script.dilation_rates)
     _layers(script.layers)
-    if script.attn == "block_sparse" and script.segment_lengths is not None:
-        raise ValueError("--segment-lengths / --dilation-rates are dilated-attention options; --attn block_sparse takes "
-                         "the recipe's block-sparse settings (hf-dilated patch --attention block_sparse sets others)")
-    patched_only = script.segment_lengths is not None or script.layers != ["all"] or script.backend or script.rope
-    if script.attn not in PATCHED and patched_only:
-        raise ValueError(f"--segment-lengths / --dilation-rates / --layers / --backend / --rope need --attn dilated or "
-                         f"block_sparse, got --attn {script.attn}")
+    check_attention(script)
     if not 0.0 <= script.lora_dropout < 1.0:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {script.lora_dropout}")
     if script.lora_r == 0 and (script.lora_alpha is not None or script.lora_dropout):
         raise ValueError("--lora-alpha / --lora-dropout need --lora-r > 0")
     if script.sequence_parallel < 1:
         raise ValueError(f"--sequence-parallel must be a positive integer, got {script.sequence_parallel}")
-    if script.sequence_parallel > 1 and script.attn != "dilated":
-        raise ValueError(f"--sequence-parallel {script.sequence_parallel} needs --attn dilated, got --attn {script.attn}")
     if script.data != "shakespeare" and not Path(script.data).is_dir():
         raise ValueError(f"--data must be 'shakespeare' or a directory of .txt files, got {script.data!r}")
     if script.model not in ("smollm2", "tiny") and not (Path(script.model).is_dir() or script.model.endswith(".gguf")):
@@ -193,6 +187,33 @@ def validate(script: ScriptArguments, training) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------------------------------------
+def check_attention(script: ScriptArguments) -> None:
+    """The options that depend on ``--attn`` (checked again once a default ``--attn`` is resolved from the model)."""
+    if script.attn is None:  # resolved from the checkpoint after loading (resolve_attention)
+        return
+    if script.attn == "block_sparse" and script.segment_lengths is not None:
+        raise ValueError("--segment-lengths / --dilation-rates are dilated-attention options; --attn block_sparse takes "
+                         "the recipe's block-sparse settings (hf-dilated patch --attention block_sparse sets others)")
+    patched_only = script.segment_lengths is not None or script.layers != ["all"] or script.backend or script.rope
+    if script.attn not in PATCHED and patched_only:
+        raise ValueError(f"--segment-lengths / --dilation-rates / --layers / --backend / --rope need --attn dilated or "
+                         f"block_sparse, got --attn {script.attn}")
+    if script.sequence_parallel > 1 and script.attn != "dilated":
+        raise ValueError(f"--sequence-parallel {script.sequence_parallel} needs --attn dilated, got --attn {script.attn}")
+
+
+def resolve_attention(script: ScriptArguments, model) -> str:
+    """``--attn``, or by default the attention the checkpoint was patched with (so that fine-tuning a block-sparse
+    checkpoint keeps it block-sparse), dilated for an unpatched one or when dilated-only options are given."""
+    from hf_dilated.patching import patched_attention
+
+    if script.attn is not None:
+        return script.attn
+    if script.segment_lengths is not None or script.sequence_parallel > 1:
+        return "dilated"
+    return patched_attention(model) or "dilated"
+
+
 def load_model(script: ScriptArguments, seed: int = 0):
     """``(model, tokenizer)`` of ``--model`` in ``--dtype`` (``seed`` initializes ``tiny``)."""
     import torch
@@ -484,6 +505,8 @@ def run(script: ScriptArguments, training) -> dict[str, Any]:
     set_seed(training.seed)
 
     model, tokenizer = load_model(script, training.seed)
+    script.attn = resolve_attention(script, model)
+    check_attention(script)
     config = None
     if script.segment_lengths is not None:
         from hf_dilated import DilatedAttentionConfig

@@ -22,8 +22,8 @@ the trained context, zero-shot and fine-tuned the same way (at ``T``, with the r
 A dilated run makes exactly the steps its dense partner made (a dense run cut short by the budget shortens it).
 With ``--sparse-attention block_sparse`` the sparse arm (still labelled ``dilated`` in the runs, its config under
 ``dilated_attention``, ``sparse_attention`` saying which) is block-sparse with the adaptive pattern sized to the
-dilated branches' keys per query at each length (``BlockSparseConfig.matching_budget``): the same cost, the blocks
-chosen by content.
+dilated branches' keys per query at each length (``BlockSparseConfig.matching_budget``): the same number of keys, the
+blocks chosen by content.
 
 The text is split once: the last ``--eval-fraction`` of its characters is held out. Training rows are consecutive
 ``N``-token pieces of the rest (one stream, positions ``0..N-1``: sdpa's fastest path). Every run evaluates the same
@@ -516,8 +516,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# A dense run takes this fraction of its equal share of the budget: the dilated run compared with it makes exactly its
-# steps, at up to about 1.5x the time per step (measured at the trained context on the H100), in what is left.
+# A dense run takes this fraction of its equal share of the budget: the sparse run compared with it makes exactly its
+# steps, at up to about 2x the time per step (measured at the trained context on the H100: dilated 1.4-1.8x,
+# block-sparse 1.6-2.0x, two processes sharing the GPU), in what is left.
 DENSE_SHARE = 0.6
 
 

@@ -271,6 +271,11 @@ def test_recipe_tradeoff_judges_both_targets(tmp_path, capsys):
     assert "| zero-shot (before training), block-sparse adaptive | 0 | 1.0080 | 0.9830 | yes |" in text
     assert "| zero-shot (before training), dilated | 0 | 1.0500 | 1.0300 | no |" in text
     assert tradeoff.main([*map(str, files), "--out", str(tmp_path / "t2.png")]) == 0
+    # results written before --sparse-attention existed have no such setting: they are dilated
+    old = json.loads(files[0].read_text())
+    del old["settings"]["sparse_attention"]
+    (tmp_path / "r-old.json").write_text(json.dumps(old), encoding="utf-8")
+    assert tradeoff.points([tmp_path / "r-old.json"])[0]["kind"] == "dilated"
 
 
 def test_finetune_recipe_refuses_a_long_reading_without_a_long_context(capsys):
@@ -397,3 +402,10 @@ def test_finetune_recipe_block_sparse_arm(tmp_path, shakespeare, one_thread):
     long = sparse["eval_long_after"]
     assert long["dilated_attention"]["pattern"] == "adaptive" and long["rope_parameters"]["rope_type"] == "yarn"
     assert math.isfinite(long["perplexity"])
+    # each length's budget is the dilated branches' there (extended to 2T for the long reading)
+    from hf_dilated import BlockSparseConfig, DilatedAttentionConfig
+
+    for n, config in ((256, cfg), (512, long["dilated_attention"])):
+        branches = recipe.dilated_config(args, n, 256, 2)
+        assert isinstance(branches, DilatedAttentionConfig)
+        assert config["top_k"] == BlockSparseConfig.matching_budget(branches, n).top_k, n

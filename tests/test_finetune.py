@@ -95,6 +95,20 @@ def _run(tmp_path, *argv):
 # ---------------------------------------------------------------------------------------------------------------------
 # Options: refused before anything is loaded or written
 # ---------------------------------------------------------------------------------------------------------------------
+def test_default_attention_is_the_checkpoints():
+    """Without --attn, fine-tuning keeps the attention a checkpoint was patched with (a block-sparse checkpoint stays
+    block-sparse), dilated for an unpatched one or with dilated-only options; an explicit --attn wins."""
+    model = assets.tiny_llama(0, vocab_size=64, max_position_embeddings=256)
+    script = ft.ScriptArguments()
+    assert script.attn is None and ft.resolve_attention(script, model) == "dilated"  # unpatched
+    hf_dilated.patch(model, attention="block_sparse", context_length=256)
+    assert ft.resolve_attention(script, model) == "block_sparse"
+    assert ft.resolve_attention(ft.ScriptArguments(attn="dilated"), model) == "dilated"
+    assert ft.resolve_attention(ft.ScriptArguments(segment_lengths=[64], dilation_rates=[1]), model) == "dilated"
+    with pytest.raises(ValueError, match="block_sparse takes"):
+        ft.check_attention(ft.ScriptArguments(attn="block_sparse", segment_lengths=[64], dilation_rates=[1]))
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
