@@ -289,24 +289,31 @@ def test_finetune_recipe_refuses_a_long_reading_without_a_long_context(capsys):
     assert recipe.parse_args(["--out", "x", "--long-factor", "1"]).long_mode == "train"
 
 
-def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
-    """The recipe comparison end to end on a small random Llama with SmolLM2's tokenizer (tiny lengths, 2 steps):
-    every (context, attention, method) run, dilated runs matched to their dense partner's steps, the same zero-shot
-    evaluation for the same weights, LoRA training only its adapters, the JSON and the plot."""
+def _recipe_checkpoint(tmp_path, text: str, trained: int, head_dim: int):
+    """A small random Llama with SmolLM2's tokenizer saved as a checkpoint (trained context ``trained``), and a text
+    file: what finetune_recipe reads. Skips without the tokenizer."""
     from hf_dilated import assets
 
     tok = assets.load_smollm2_tokenizer()
     if tok is None:
         pytest.skip(assets.SMOLLM2_MISSING)
-    recipe = importlib.import_module("finetune_recipe")
     model_dir = tmp_path / "small"
-    # trained context 32 (max_position_embeddings): at 64 the recipe's YaRN applies, to dense and dilated alike
     assets.tiny_llama(0, vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      max_position_embeddings=32).save_pretrained(model_dir)
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                      max_position_embeddings=trained).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    text = tmp_path / "text.txt"
-    text.write_text(shakespeare[:60000], encoding="utf-8")
+    path = tmp_path / "text.txt"
+    path.write_text(text, encoding="utf-8")
+    return model_dir, path
+
+
+def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
+    """The recipe comparison end to end on a small random Llama with SmolLM2's tokenizer (tiny lengths, 2 steps):
+    every (context, attention, method) run, dilated runs matched to their dense partner's steps, the same zero-shot
+    evaluation for the same weights, LoRA training only its adapters, the JSON and the plot."""
+    recipe = importlib.import_module("finetune_recipe")
+    # trained context 32 (max_position_embeddings): at 64 the recipe's YaRN applies, to dense and dilated alike
+    model_dir, text = _recipe_checkpoint(tmp_path, shakespeare[:60000], trained=32, head_dim=8)
     common = ["--checkpoint", str(model_dir), "--text", str(text), "--device", "cpu", "--steps", "2",
               "--first-segment", "8", "--global-tokens", "2", "--eval-tokens", "128", "--lora-r", "2", "--no-progress",
               "--budget-s", "3600"]
@@ -372,20 +379,9 @@ def test_finetune_recipe_runs_every_pair(tmp_path, shakespeare, one_thread):
 def test_finetune_recipe_block_sparse_arm(tmp_path, shakespeare, one_thread):
     """``--sparse-attention block_sparse``: the sparse arm is block-sparse adaptive at the dilated branches' keys per
     query, at the trained context and in the reading at 2x it (with the recipe's RoPE there), and it trains."""
-    from hf_dilated import assets
-
-    tok = assets.load_smollm2_tokenizer()
-    if tok is None:
-        pytest.skip(assets.SMOLLM2_MISSING)
     recipe = importlib.import_module("finetune_recipe")
-    model_dir = tmp_path / "small"
     # trained context 256: four 64-token blocks, so the adaptive layout leaves blocks out (at one block it is dense)
-    assets.tiny_llama(0, vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    text = tmp_path / "text.txt"
-    text.write_text(shakespeare[:80000], encoding="utf-8")
+    model_dir, text = _recipe_checkpoint(tmp_path, shakespeare[:80000], trained=256, head_dim=16)
     args = recipe.parse_args(["--checkpoint", str(model_dir), "--text", str(text), "--device", "cpu", "--steps", "2",
                               "--first-segment", "32", "--global-tokens", "2", "--eval-tokens", "512",
                               "--no-progress", "--budget-s", "3600", "--methods", "full", "--long-factor", "2",
