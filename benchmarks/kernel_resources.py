@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from unittest import mock
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     # The interpreter replaces @triton.jit functions with Python ones that cannot be compiled: start again without.
@@ -165,16 +166,9 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
         fwd_bwd(f"block-sparse {pattern}", lambda: block_sparse_attention(q, k, v, pattern, backend="triton"))
     # The portable dK/dV where the Gluon one would run (sm_90): what HF_DILATED_GLUON=0, other head dims and
     # other Tritons launch there.
-    saved = os.environ.get("HF_DILATED_GLUON")
-    os.environ["HF_DILATED_GLUON"] = "0"
-    try:
+    with mock.patch.dict(os.environ, {"HF_DILATED_GLUON": "0"}):
         fwd_bwd("block-sparse adaptive, portable dK/dV",
                 lambda: block_sparse_attention(q, k, v, "adaptive", backend="triton"))
-    finally:
-        if saved is None:
-            os.environ.pop("HF_DILATED_GLUON")
-        else:
-            os.environ["HF_DILATED_GLUON"] = saved
 
 
 def _ptxas_report(ptx: str, arch: int) -> dict:

@@ -284,6 +284,15 @@ def plan(args, trained: int) -> list[tuple[int, str, str, int]]:
     return out
 
 
+def _versus(r: dict, base: dict, before: str, after: str) -> dict:
+    """The sparse run ``r`` against its dense partner ``base`` on the readings ``before`` / ``after`` training
+    (``eval_before`` / ``eval_after``, or the long context's ``eval_long_before`` / ``eval_long_after``)."""
+    return {"dilated_before": r[before]["perplexity"], "dense_before": base[before]["perplexity"],
+            "dilated_after": r[after]["perplexity"], "dense_after": base[after]["perplexity"],
+            "ratio_after": r[after]["perplexity"] / base[after]["perplexity"],
+            "ratio_after_second_half": r[after]["second_half_perplexity"] / base[after]["second_half_perplexity"]}
+
+
 def comparison(runs: list[dict]) -> list[dict]:
     """Per (context, method): the dilated run's eval perplexity after fine-tuning against the dense one's."""
     by = {(r["context"], r["attn"], r["method"]): r for r in runs if r.get("eval_after")}
@@ -292,23 +301,13 @@ def comparison(runs: list[dict]) -> list[dict]:
         base = by.get((ctx, attn.replace("dilated", "dense"), method))
         if attn.startswith("dilated") and base:
             out.append({"context": ctx, "method": method, "attn": attn, "dense": base["attn"],
-                        "dilated_before": r["eval_before"]["perplexity"], "dense_before": base["eval_before"]["perplexity"],
-                        "dilated_after": r["eval_after"]["perplexity"], "dense_after": base["eval_after"]["perplexity"],
-                        "ratio_after": r["eval_after"]["perplexity"] / base["eval_after"]["perplexity"],
-                        "ratio_after_second_half": r["eval_after"]["second_half_perplexity"]
-                        / base["eval_after"]["second_half_perplexity"]})
+                        **_versus(r, base, "eval_before", "eval_after")})
             read = [x.get(k) or {} for x in (r, base) for k in ("eval_long_before", "eval_long_after")]
             if all("perplexity" in x for x in read):  # trained at T, read at the long context
+                long = _versus(r, base, "eval_long_before", "eval_long_after")
                 out.append({"context": r["long_context"], "method": method, "trained_at": ctx,
                             "attn": "dilated+rope (tuned at T)", "dense": "dense+rope (tuned at T)",
-                            "dilated_before": r["eval_long_before"]["perplexity"],
-                            "dense_before": base["eval_long_before"]["perplexity"],
-                            "dilated_after": r["eval_long_after"]["perplexity"],
-                            "dense_after": base["eval_long_after"]["perplexity"],
-                            "ratio_before": r["eval_long_before"]["perplexity"] / base["eval_long_before"]["perplexity"],
-                            "ratio_after": r["eval_long_after"]["perplexity"] / base["eval_long_after"]["perplexity"],
-                            "ratio_after_second_half": r["eval_long_after"]["second_half_perplexity"]
-                            / base["eval_long_after"]["second_half_perplexity"]})
+                            **long, "ratio_before": long["dilated_before"] / long["dense_before"]})
     return out
 
 
