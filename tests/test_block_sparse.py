@@ -227,11 +227,16 @@ def test_gluon_dkdv_coverage_and_switch(monkeypatch):
     monkeypatch.setattr(configs, "_capability_major", lambda: 9)
     monkeypatch.setattr(configs, "interpreting", lambda: True)
     assert not block_sparse_hopper.applies(q, 128, 0, True)
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
     for off in ("0", "off", "False"):
         monkeypatch.setenv("HF_DILATED_GLUON", off)
-        assert not block_sparse_hopper.supported(q, 128, 0)
+        assert not block_sparse_hopper.enabled() and not block_sparse_hopper.applies(q, 128, 0, True)
     monkeypatch.setenv("HF_DILATED_GLUON", "1")
-    assert block_sparse_hopper.supported(q, 128, 0)
+    assert block_sparse_hopper.enabled() and block_sparse_hopper.applies(q, 128, 0, True)
+    monkeypatch.setenv("HF_DILATED_GLUON", "maybe")  # a typo is refused, not read as on, whatever the GPU
+    monkeypatch.setattr(configs, "_capability_major", lambda: 8)
+    with pytest.raises(ValueError, match="HF_DILATED_GLUON must be one of"):
+        block_sparse_hopper.applies(q, 128, 0, True)
 
 
 @kernel

@@ -58,18 +58,24 @@ def available() -> bool:
     return gluon is not None and (major, minor) >= (3, 6)
 
 
+_SWITCH = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
+
+
 def enabled() -> bool:
     """``HF_DILATED_GLUON=0`` (or ``false`` / ``off`` / ``no``) in the environment keeps the portable kernel: for a
-    Triton whose Gluon misbehaves, or to compare the two (``benchmarks/ab_block_sparse_backward.py``)."""
-    return os.environ.get("HF_DILATED_GLUON", "1").strip().lower() not in ("0", "false", "off", "no")
+    Triton whose Gluon misbehaves, or to compare the two (``benchmarks/ab_block_sparse_backward.py``). Unset or
+    ``1`` / ``true`` / ``on`` / ``yes``: the Gluon kernel where it applies; any other value is refused."""
+    value = os.environ.get("HF_DILATED_GLUON", "1").strip().lower()
+    if value not in _SWITCH:
+        raise ValueError(f"HF_DILATED_GLUON must be one of {sorted(_SWITCH)}, got {os.environ['HF_DILATED_GLUON']!r}")
+    return _SWITCH[value]
 
 
 def supported(q: torch.Tensor, block: int, q_offset: int) -> bool:
     """Whether the Gluon kernel covers this call's shapes and dtype (bf16 / fp16, head dim 64 / 128, layout blocks
-    64 / 128, queries and keys the same rows) and is available and enabled."""
+    64 / 128, queries and keys the same rows) and this Triton has its API."""
     return (
         available()
-        and enabled()
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[-1] in (64, 128)
         and block in (64, 128)
@@ -78,9 +84,10 @@ def supported(q: torch.Tensor, block: int, q_offset: int) -> bool:
 
 
 def applies(q: torch.Tensor, block: int, q_offset: int, tma: bool) -> bool:
-    """Whether the backward runs this kernel: :func:`supported`, on an sm_90 GPU (``wgmma``), with the tensor-
-    descriptor path on (``tma``), and not under Triton's interpreter (Gluon has none)."""
-    return tma and not configs.interpreting() and configs.wgmma() and supported(q, block, q_offset)
+    """Whether the backward runs this kernel: :func:`enabled` (read first, so that a bad ``HF_DILATED_GLUON`` is
+    refused on any machine), :func:`supported`, on an sm_90 GPU (``wgmma``), with the tensor-descriptor path on
+    (``tma``), and not under Triton's interpreter (Gluon has none)."""
+    return enabled() and tma and not configs.interpreting() and configs.wgmma() and supported(q, block, q_offset)
 
 
 if gluon is not None:
