@@ -49,7 +49,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
-try:  # Gluon kernels (block_sparse_hopper.py) compile from their own source type
+try:  # Gluon kernels (block_sparse_hopper.py, backward_hopper.py) compile from their own source type
     from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 except ImportError:  # pragma: no cover - a Triton without Gluon launches none
     GluonASTSource = ASTSource
@@ -167,6 +167,8 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
     # The portable dK/dV where the Gluon one would run (sm_90): what HF_DILATED_GLUON=0, other head dims and
     # other Tritons launch there.
     with mock.patch.dict(os.environ, {"HF_DILATED_GLUON": "0"}):
+        fwd_bwd("longnet causal, portable dK/dV",
+                lambda: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton"))
         fwd_bwd("block-sparse adaptive, portable dK/dV",
                 lambda: block_sparse_attention(q, k, v, "adaptive", backend="triton"))
 

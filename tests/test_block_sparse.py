@@ -26,7 +26,7 @@ from hf_dilated.ops.block_sparse import (
     random_blocks,
     union,
 )
-from hf_dilated.ops.triton import block_sparse_hopper
+from hf_dilated.ops.triton import block_sparse_hopper, hopper
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 kernel = pytest.mark.skipif(not INTERPRET,
@@ -230,9 +230,9 @@ def test_gluon_dkdv_coverage_and_switch(monkeypatch):
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     for off in ("0", "off", "False"):
         monkeypatch.setenv("HF_DILATED_GLUON", off)
-        assert not block_sparse_hopper.enabled() and not block_sparse_hopper.applies(q, 128, 0, True)
+        assert not hopper.enabled() and not block_sparse_hopper.applies(q, 128, 0, True)
     monkeypatch.setenv("HF_DILATED_GLUON", "1")
-    assert block_sparse_hopper.enabled() and block_sparse_hopper.applies(q, 128, 0, True)
+    assert hopper.enabled() and block_sparse_hopper.applies(q, 128, 0, True)
     monkeypatch.setenv("HF_DILATED_GLUON", "maybe")  # a typo is refused, not read as on, whatever the GPU
     monkeypatch.setattr(configs, "_capability_major", lambda: 8)
     with pytest.raises(ValueError, match="HF_DILATED_GLUON must be one of"):

@@ -712,3 +712,62 @@ def test_gpu_counted_positions_across_holes(rng):
     lay = layout_of(counted.cuda(), counted.cuda(), valid.cuda(), valid.cuda())
     q, k, v = make_qkv(rng, B, 8, 2, N, N, 96, torch.bfloat16, "cuda")
     check_op(q, k, v, GPU_BRANCHES, TOL[torch.bfloat16], layout=lay, global_tokens=1, window=700)
+
+
+@cpu
+def test_gluon_dkdv_coverage(monkeypatch):
+    """The dilated dK/dV kernel in Gluon (``backward_hopper.py``; compiled on the CPU by test_benchmark_tools, run by
+    the GPU tests) covers bf16 / fp16 at head dim 64 / 128 on the descriptor path without window, dropout or holes;
+    never under the interpreter, off sm_90, or with ``HF_DILATED_GLUON=0``."""
+    from hf_dilated.ops.triton import backward_hopper, configs, hopper
+
+    if not hopper.available():
+        pytest.skip("this Triton has no Gluon Hopper API (3.6 or newer)")
+    q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+    plain = dict(IS_CAUSAL=True, WINDOW=False, HOLES=False, DROPOUT=False)
+    assert not backward_hopper.applies(q, plain, True)  # the interpreter: Gluon has none
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "_capability_major", lambda: 9)
+    assert backward_hopper.applies(q, plain, True) and backward_hopper.applies(q[..., :64].half(), plain, True)
+    assert not backward_hopper.applies(q, plain, False)  # pointer loads (unaligned strides, padded head dim)
+    for flag in ("WINDOW", "HOLES", "DROPOUT"):
+        assert not backward_hopper.applies(q, dict(plain, **{flag: True}), True), flag
+    assert not backward_hopper.applies(q.float(), plain, True)
+    assert not backward_hopper.applies(q[..., :32], plain, True)
+    monkeypatch.setattr(configs, "_capability_major", lambda: 10)  # Blackwell: no wgmma
+    assert not backward_hopper.applies(q, plain, True)
+    monkeypatch.setattr(configs, "_capability_major", lambda: 9)
+    monkeypatch.setenv("HF_DILATED_GLUON", "off")
+    assert not backward_hopper.applies(q, plain, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gluon", ["1", "0"])
+def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
+    """On sm_90 the dilated dK/dV runs in Gluon where it applies, and the portable kernel with ``HF_DILATED_GLUON=0``;
+    both against the float64 oracle: GQA with several offset classes, ragged segments, bidirectional, padding,
+    packed sequences and fewer queries than keys (queries and keys of a segment at different rows)."""
+    _gpu_skip()
+    from hf_dilated.ops.triton import configs, hopper
+
+    if not configs.wgmma():
+        pytest.skip("the Gluon kernel is for sm_90")
+    assert hopper.available(), "sm_90 with a Triton whose Gluon API the kernel does not know"
+    monkeypatch.setenv("HF_DILATED_GLUON", gluon)
+    bf16, fp16 = torch.bfloat16, torch.float16
+
+    def run(q, k, v, **kw):
+        before = launch.LAUNCHES["dkdv_hopper"]
+        check(q, k, v, LONGNET_SMALL, TOL[q.dtype], use_naive=False, **kw)
+        assert (launch.LAUNCHES["dkdv_hopper"] > before) == (gluon == "1"), "not the dK/dV kernel asked for"
+
+    run(*make_qkv(rng, 2, 16, 4, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
+    run(*make_qkv(rng, 1, 8, 8, 2500, 2500, 64, fp16, "cuda"), is_causal=False, head_offset=1)
+    run(*make_qkv(rng, 1, 9, 3, 1700, 1700, 64, bf16, "cuda"))
+    run(*make_qkv(rng, 1, 8, 2, 700, 2000, 128, bf16, "cuda"), head_offset=2)
+    mask = torch.ones(2, 2048, dtype=torch.bool, device="cuda")
+    mask[1, :777] = False
+    run(*make_qkv(rng, 2, 8, 4, 2048, 2048, 128, bf16, "cuda"), attention_mask=mask)
+    lengths = [1000, 2500, 596]
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+    run(*make_qkv(rng, 1, 8, 4, sum(lengths), sum(lengths), 128, fp16, "cuda"), cu_seqlens_q=cu, cu_seqlens_k=cu)

@@ -28,47 +28,15 @@ reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
-import triton
 
-from . import configs
+from .hopper import (
+    available, fence_async_shared, gl, gluon, mbarrier, row_desc, runnable, tma_load, warpgroup_mma,
+    warpgroup_mma_init, warpgroup_mma_wait,
+)
 from .tiles import LOG2E
 
-try:  # Gluon is experimental; a Triton without it (or with another API) keeps the portable kernel
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
-    )
-
-    # The TMA load's name: ``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` after.
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-except Exception:  # pragma: no cover - depends on the installed Triton
-    gluon = None
-
 BLOCK_Q = 64  # query rows per step: n64 tensor-core instructions for the transposed products
-
-
-def available() -> bool:
-    """Whether this Triton has the Gluon Hopper API the kernel is written against (checked on Triton 3.6 and 3.9;
-    earlier Gluon releases named and laid out things differently)."""
-    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    return gluon is not None and (major, minor) >= (3, 6)
-
-
-_SWITCH = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
-
-
-def enabled() -> bool:
-    """``HF_DILATED_GLUON=0`` (or ``false`` / ``off`` / ``no``) in the environment keeps the portable kernel: for a
-    Triton whose Gluon misbehaves, or to compare the two (``benchmarks/ab_block_sparse_backward.py``). Unset or
-    ``1`` / ``true`` / ``on`` / ``yes``: the Gluon kernel where it applies; any other value is refused."""
-    value = os.environ.get("HF_DILATED_GLUON", "1").strip().lower()
-    if value not in _SWITCH:
-        raise ValueError(f"HF_DILATED_GLUON must be one of {sorted(_SWITCH)}, got {os.environ['HF_DILATED_GLUON']!r}")
-    return _SWITCH[value]
 
 
 def supported(q: torch.Tensor, block: int, q_offset: int) -> bool:
@@ -84,10 +52,9 @@ def supported(q: torch.Tensor, block: int, q_offset: int) -> bool:
 
 
 def applies(q: torch.Tensor, block: int, q_offset: int, tma: bool) -> bool:
-    """Whether the backward runs this kernel: :func:`enabled` (read first, so that a bad ``HF_DILATED_GLUON`` is
-    refused on any machine), :func:`supported`, on an sm_90 GPU (``wgmma``), with the tensor-descriptor path on
-    (``tma``), and not under Triton's interpreter (Gluon has none)."""
-    return enabled() and tma and not configs.interpreting() and configs.wgmma() and supported(q, block, q_offset)
+    """Whether the backward runs this kernel: ``hopper.runnable`` (the switch, sm_90, the tensor-descriptor path on,
+    not the interpreter) and :func:`supported`."""
+    return runnable(tma) and supported(q, block, q_offset)
 
 
 if gluon is not None:
@@ -114,13 +81,6 @@ if gluon is not None:
             if IS_CAUSAL:
                 ok = ok & (kp[:, None] <= qp[None, :])
         return ok
-
-    @gluon.jit
-    def _row_desc(base, n, row_stride, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
-        """A TMA descriptor over a head's ``n`` rows (``row_stride`` apart), read ``BLOCK_ROWS`` at a time into shared
-        memory of ``layout``; rows past ``n`` read as zeros (Gluon's ``tiles.row_desc``)."""
-        return tma.make_tensor_descriptor(base, shape=[n, HEAD_DIM], strides=[row_stride, 1],
-                                          block_shape=[BLOCK_ROWS, HEAD_DIM], layout=layout)
 
     @gluon.jit
     def bs_bwd_dkdv_hopper_kernel(
@@ -173,11 +133,11 @@ if gluon is not None:
         mbarrier.init(ready.index(1), count=1)
         fence_async_shared()
 
-        k_desc = _row_desc(K + b * stride_kb + kvh64 * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM, kv_smem_layout)
-        v_desc = _row_desc(V + b * stride_vb + kvh64 * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM, kv_smem_layout)
+        k_desc = row_desc(K + b * stride_kb + kvh64 * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM, kv_smem_layout)
+        v_desc = row_desc(V + b * stride_vb + kvh64 * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM, kv_smem_layout)
         mbarrier.expect(kv_bar, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
-        _tma_load(k_desc, [k_first, 0], kv_bar, k_smem)
-        _tma_load(v_desc, [k_first, 0], kv_bar, v_smem)
+        tma_load(k_desc, [k_first, 0], kv_bar, k_smem)
+        tma_load(v_desc, [k_first, 0], kv_bar, v_smem)
 
         tile_bytes: gl.constexpr = 2 * BLOCK_Q * HEAD_DIM * dtype.primitive_bitwidth // 8
         kc = k_first + gl.arange(0, BLOCK_N, layout=key_axis)
@@ -198,8 +158,8 @@ if gluon is not None:
             p0 = gl.load(ptr)
             n_steps = (gl.load(ptr + 1) - p0) * STEPS_PER_BLOCK
             idx_row = QIDX + b * stride_ib + lh * stride_ih + p0
-            q_desc = _row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_Q, HEAD_DIM, q_smem_layout)
-            do_desc = _row_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, BLOCK_Q, HEAD_DIM, q_smem_layout)
+            q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_Q, HEAD_DIM, q_smem_layout)
+            do_desc = row_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, BLOCK_Q, HEAD_DIM, q_smem_layout)
             l_row = L + b * stride_lb + h64 * stride_lh
             dl_row = Delta + b * stride_lb + h64 * stride_lh
             # Prologue: this head's first query tile, its Q / dO by TMA and its lse / delta into registers (one value
@@ -211,8 +171,8 @@ if gluon is not None:
             if n_steps > 0:
                 buf = it % 2
                 mbarrier.expect(ready.index(buf), tile_bytes)
-                _tma_load(q_desc, [q_cur, 0], ready.index(buf), q_smem.index(buf))
-                _tma_load(do_desc, [q_cur, 0], ready.index(buf), do_smem.index(buf))
+                tma_load(q_desc, [q_cur, 0], ready.index(buf), q_smem.index(buf))
+                tma_load(do_desc, [q_cur, 0], ready.index(buf), do_smem.index(buf))
             for s in range(0, n_steps):
                 buf = it % 2
                 q0 = q_cur
@@ -233,8 +193,8 @@ if gluon is not None:
                     q_cur = gl.load(idx_row + nxt // STEPS_PER_BLOCK) * BLOCK + (nxt % STEPS_PER_BLOCK) * BLOCK_Q
                     nbuf = 1 - buf
                     mbarrier.expect(ready.index(nbuf), tile_bytes)
-                    _tma_load(q_desc, [q_cur, 0], ready.index(nbuf), q_smem.index(nbuf))
-                    _tma_load(do_desc, [q_cur, 0], ready.index(nbuf), do_smem.index(nbuf))
+                    tma_load(q_desc, [q_cur, 0], ready.index(nbuf), q_smem.index(nbuf))
+                    tma_load(do_desc, [q_cur, 0], ready.index(nbuf), do_smem.index(nbuf))
                     vmask = q_cur + vrows < Nq
                     lse_next = gl.load(l_row + q_cur + vrows, mask=vmask, other=0.0)
                     delta_next = gl.load(dl_row + q_cur + vrows, mask=vmask, other=0.0)

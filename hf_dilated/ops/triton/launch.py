@@ -13,6 +13,7 @@ import torch
 
 from ...config import DENSE_SEGMENT
 from ..dropout import keep_threshold, stream
+from . import backward_hopper
 from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kernel
 from .configs import bwd_config, decode_config, descriptor_scratch, dot_mode, fwd_config, interpreting, use_tma
 from .decode import dilated_decode_kernel
@@ -233,19 +234,30 @@ def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, h0, items, pb: Problem,
     if tma:
         descriptor_scratch(q.device)
         LAUNCHES["backward_tma"] += 1
+    gluon = backward_hopper.applies(q, flags, tma)  # the dK/dV kernel in Gluon (sm_90)
     first = True
     for i, r, it in items:
         s = streams[i, :, h0:] if flags["DROPOUT"] else streams[i]
         n_classes = min(group, r)
-        grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
-        dilated_bwd_dkdv_kernel[grid](
-            q, k, v, do, lse, delta, dk, dv, it.items, qv, kv, s,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
-            *dk.stride()[:3], *dv.stride()[:3],
-            Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
-            inv_keep, n_tiles,
-            HEAD_DIM=hd, D=D, FIRST=first, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **kv_cfg,
-        )
+        tensors = (q, k, v, do, lse, delta, dk, dv, it.items)
+        strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
+                   *dk.stride()[:3], *dv.stride()[:3])
+        if gluon:
+            cfg = backward_hopper.launch_config()
+            grid, n_tiles = items_grid(it.n_items, it.max_k_rows, cfg["BLOCK_N"], Hk * n_classes)
+            backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
+                *tensors, *strides, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, n_tiles,
+                HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], FIRST=first, **cfg,
+            )
+            LAUNCHES["dkdv_hopper"] += 1
+        else:
+            grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
+            dilated_bwd_dkdv_kernel[grid](
+                *tensors, qv, kv, s, *strides,
+                Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
+                inv_keep, n_tiles,
+                HEAD_DIM=hd, D=D, FIRST=first, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **kv_cfg,
+            )
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, q_cfg["BLOCK_M"], H)
         dilated_bwd_dq_kernel[grid](
             q, k, v, do, lse, delta, dq, it.items, qv, kv, s,

@@ -1,0 +1,244 @@
+"""Dilated dK/dV on Hopper, written in Gluon: the arrangement of ``block_sparse_hopper.py`` (K / V resident in shared
+memory, 64-query steps, asynchronous ``wgmma``s) over a branch's dilated rows.
+
+The portable kernel (``backward.dilated_bwd_dkdv_kernel``) holds K and V of a 64-key tile in registers (255
+registers with spills at D = 128) and runs 32-query tiles, so its transposed products are m64 n32 tensor-core
+instructions. Here one warpgroup owns a tile of 64 dilated key rows of one segment item and one kv head x offset
+class (the portable kernel's grid and contract):
+
+- K and V read once by TMA through descriptors over the item's dilated key rows (row stride ``r`` rows) and kept in
+  shared memory, the A operand of ``K Q^T`` / ``V dO^T``;
+- 64-query steps over the query heads of the class, Q and dO double-buffered by TMA (descriptors over each head's
+  dilated query rows, zeros past the last), lse and delta read a step ahead into registers;
+- ``P^T`` / ``dS^T`` through shared memory to asynchronous dV / dK products that overlap the next step's scores;
+- steps that need no mask (every key before every query, no row past the item's end) skip it;
+- the branch's share is added to the float32 sums of the earlier branches (read, add, write: no two programs write
+  one key row).
+
+It covers the training path's common case: bf16 / fp16, head dim 64 / 128, the tensor-descriptor path (no holes), no
+sliding window and no dropout (``applies``); everything else runs the portable kernel, as does
+``HF_DILATED_GLUON=0``. The products are the portable kernel's, summed in the same order (16-row k-steps in query
+order), so the gradients are expected bit-identical (``benchmarks/ab_gluon_backward.py`` checks it on the GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hopper import (
+    fence_async_shared, gl, gluon, mbarrier, row_desc, runnable, tma_load, warpgroup_mma, warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+from .tiles import LOG2E, _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI, _IT_Q_LO
+
+BLOCK_N = 64  # dilated key rows per program (one warpgroup)
+BLOCK_Q = 64  # dilated query rows per step: n64 instructions for the transposed products
+
+
+def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
+    """Whether the dilated backward runs this kernel: ``hopper.runnable`` (the switch, sm_90, the tensor-descriptor
+    path, not the interpreter), bf16 / fp16, head dim 64 / 128, no sliding window, no dropout (``flags``: the
+    launchers' constexpr flags; holes never reach here, they turn the descriptor path off)."""
+    return (
+        runnable(tma)
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[-1] in (64, 128)
+        and not flags["WINDOW"]
+        and not flags["DROPOUT"]
+        and not flags["HOLES"]
+    )
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _first_selected(lo, off, r):
+        """``tiles.first_selected`` in Gluon: the smallest position ``p >= lo`` with ``p % r == off``."""
+        return lo + ((off - lo) % r + r) % r
+
+    @gluon.jit
+    def _n_rows(first, hi, r):
+        """``tiles.n_rows`` in Gluon: how many dilated rows ``first, first + r, ...`` lie below ``hi``."""
+        return gl.maximum((hi - first + r - 1) // r, 0)
+
+    @gluon.jit
+    def dilated_bwd_dkdv_hopper_kernel(
+        Q, K, V, DO, L, Delta, DK, DV, T,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_db, stride_dh, stride_dn,
+        stride_lb, stride_lh,
+        stride_dkb, stride_dkh, stride_dkn,
+        stride_dvb, stride_dvh, stride_dvn,
+        head_offset, group, n_classes, r, scale, qk_scale, n_tiles,
+        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, FIRST: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """dK and dV of one tile of ``BLOCK_N`` dilated key rows of one segment item, for one kv head and offset
+        class (the query heads ``h0, h0 + r, ...`` of its GQA group read the same key rows), added to ``DK`` / ``DV``
+        unless ``FIRST``."""
+        dtype: gl.constexpr = Q.dtype.element_ty
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_Q, 16])
+        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
+        p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
+        key_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
+        query_axis: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+        pid = gl.program_id(0)
+        item = pid // n_tiles
+        tile = pid % n_tiles
+        hc = gl.program_id(1)
+        kvh = hc // n_classes
+        h0 = kvh * group + hc % n_classes
+        t = T + item * _ITEM_COLUMNS
+        b = gl.load(t + _IT_B).to(gl.int64)
+        qbase = gl.load(t + _IT_Q_BASE)
+        kbase = gl.load(t + _IT_K_BASE)
+        q_lo = gl.load(t + _IT_Q_LO)
+        q_hi = gl.load(t + _IT_Q_HI)
+        k_lo = gl.load(t + _IT_K_LO)
+        k_hi = gl.load(t + _IT_K_HI)
+        off = (h0 + head_offset) % r
+        k_first = _first_selected(k_lo, off, r)
+        n_k = _n_rows(k_first, k_hi, r)
+        j_first = tile * BLOCK_N  # this tile's first dilated key row
+        kp_min = k_first + j_first * r
+        kp_max = gl.minimum(kp_min + (BLOCK_N - 1) * r, k_hi - 1)
+        q_first = _first_selected(q_lo, off, r)
+        n_q = _n_rows(q_first, q_hi, r)
+        lo = q_lo
+        if IS_CAUSAL:
+            lo = gl.maximum(lo, kp_min)
+        j0 = gl.where(lo > q_first, (lo - q_first) // r, 0)  # queries before ``lo`` see none of the tile's keys
+        start_q = (j0 // BLOCK_Q) * BLOCK_Q
+        n_steps = gl.where(j_first < n_k, gl.maximum(n_q - start_q + BLOCK_Q - 1, 0) // BLOCK_Q, 0)  # 0: no keys
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_smem_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_smem_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        mbarrier.init(ready.index(0), count=1)
+        mbarrier.init(ready.index(1), count=1)
+        fence_async_shared()
+
+        # K and V: the item's dilated key rows (row stride r rows, zeros past the last), read once.
+        kvh64 = kvh.to(gl.int64)
+        k0 = (kbase + k_first).to(gl.int64)
+        n_desc = gl.maximum(n_k, 1)
+        k_desc = row_desc(K + b * stride_kb + kvh64 * stride_kh + k0 * stride_kn, n_desc, r * stride_kn, BLOCK_N,
+                          HEAD_DIM, kv_smem_layout)
+        v_desc = row_desc(V + b * stride_vb + kvh64 * stride_vh + k0 * stride_vn, n_desc, r * stride_vn, BLOCK_N,
+                          HEAD_DIM, kv_smem_layout)
+        has_keys = j_first < n_k  # else nothing is read (the descriptor's one row may lie past the tensor)
+        if has_keys:
+            mbarrier.expect(kv_bar, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
+            tma_load(k_desc, [j_first, 0], kv_bar, k_smem)
+            tma_load(v_desc, [j_first, 0], kv_bar, v_smem)
+
+        tile_bytes: gl.constexpr = 2 * BLOCK_Q * HEAD_DIM * dtype.primitive_bitwidth // 8
+        kj = j_first + gl.arange(0, BLOCK_N, layout=key_axis)
+        # Keys and queries of one offset class: key row kj is at or before query row qj iff kj <= qj + shift.
+        shift = (q_first - k_first) // r
+        rows = gl.arange(0, BLOCK_Q, layout=query_axis)
+        vrows = gl.arange(0, BLOCK_Q, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        s_zero = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=s_layout)
+        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
+        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
+        if has_keys:
+            mbarrier.wait(kv_bar, 0)
+        key_tail = j_first + BLOCK_N > n_k  # rows past the item's last key: masked (and never stored)
+
+        q0_row = (qbase + q_first).to(gl.int64)
+        n_qdesc = gl.maximum(n_q, 1)
+        it = 0  # steps issued over all heads: buffer it % 2, its barrier's phase (it // 2) % 2
+        for h in range(h0, (kvh + 1) * group, r):
+            h64 = h.to(gl.int64)
+            q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh + q0_row * stride_qn, n_qdesc, r * stride_qn,
+                              BLOCK_Q, HEAD_DIM, q_smem_layout)
+            do_desc = row_desc(DO + b * stride_db + h64 * stride_dh + q0_row * stride_dn, n_qdesc, r * stride_dn,
+                               BLOCK_Q, HEAD_DIM, q_smem_layout)
+            l_row = L + b * stride_lb + h64 * stride_lh + q0_row
+            dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
+            # Prologue: the first query tile's Q / dO by TMA, its lse / delta into registers (a step ahead).
+            q_cur = start_q
+            vmask = (q_cur + vrows < n_q) & (n_steps > 0)
+            lse_next = gl.load(l_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+            delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+            if n_steps > 0:
+                buf = it % 2
+                mbarrier.expect(ready.index(buf), tile_bytes)
+                tma_load(q_desc, [q_cur, 0], ready.index(buf), q_smem.index(buf))
+                tma_load(do_desc, [q_cur, 0], ready.index(buf), do_smem.index(buf))
+            for s in range(0, n_steps):
+                buf = it % 2
+                qj = q_cur + rows
+                lse = gl.convert_layout(lse_next, query_axis)
+                lse = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+                delta = gl.convert_layout(delta_next, query_axis)
+                needs_mask = key_tail | (q_cur + BLOCK_Q > n_q)
+                if IS_CAUSAL:  # some key of the tile after some query of the step
+                    needs_mask = needs_mask | (kp_max > q_first + q_cur * r)
+                mbarrier.wait(ready.index(buf), (it // 2) % 2)
+                qs = q_smem.index(buf)
+                dos = do_smem.index(buf)
+                sT = warpgroup_mma(k_smem, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dpT = warpgroup_mma(v_smem, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                # In flight: the last step's dV / dK products, then sT, then dpT. Leaving only dpT outstanding
+                # also retires the last step's products, whose buffer the next tile's copy overwrites.
+                sT, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv))
+                if s + 1 < n_steps:
+                    q_cur = q_cur + BLOCK_Q
+                    nbuf = 1 - buf
+                    mbarrier.expect(ready.index(nbuf), tile_bytes)
+                    tma_load(q_desc, [q_cur, 0], ready.index(nbuf), q_smem.index(nbuf))
+                    tma_load(do_desc, [q_cur, 0], ready.index(nbuf), do_smem.index(nbuf))
+                    vmask = q_cur + vrows < n_q
+                    lse_next = gl.load(l_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+                    delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+                pT = gl.exp2(sT * qk_scale - lse[None, :])
+                if needs_mask:
+                    ok = (kj < n_k)[:, None] & (qj < n_q)[None, :]
+                    if IS_CAUSAL:
+                        ok = ok & (kj[:, None] <= (qj + shift)[None, :])
+                    pT = gl.where(ok, pT, 0.0)
+                p_smem.store(pT.to(dtype))
+                fence_async_shared()
+                dv = warpgroup_mma(p_smem, dos, dv, is_async=True)
+                dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+                dsT = pT * (dpT - delta[None, :])
+                ds_smem.store(dsT.to(dtype))
+                fence_async_shared()
+                dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
+                it += 1
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        mbarrier.invalidate(kv_bar)
+        mbarrier.invalidate(ready.index(0))
+        mbarrier.invalidate(ready.index(1))
+
+        kr = j_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
+        kc64 = (kbase + k_first + kr * r).to(gl.int64)[:, None]
+        kmask = (kr < n_k)[:, None]
+        dk_ptrs = DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :]
+        dv_ptrs = DV + b * stride_dvb + kvh64 * stride_dvh + kc64 * stride_dvn + d[None, :]
+        dk = dk * scale
+        if not FIRST:
+            dk += gl.load(dk_ptrs, mask=kmask, other=0.0).to(gl.float32)
+            dv += gl.load(dv_ptrs, mask=kmask, other=0.0).to(gl.float32)
+        gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kmask)
+        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kmask)
+
+
+def launch_config() -> dict:
+    """64 dilated keys x 64 dilated queries per step on one warpgroup."""
+    return dict(BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q, num_warps=4)
