@@ -270,7 +270,7 @@ def specialisation(launch: Launch, arch: int) -> tuple[tuple, str]:
     spec = _bind(launch, arch)[3]
     ones = [p.name for p, s in zip(launch.fn.params, spec) if not p.is_constexpr and s[0] == "constexpr"]
     key = (launch.fn.__name__, str(spec), repr(sorted(launch.kwargs.items())))
-    flags = [f"{name}=1" for name in ones] + [f"{k}" for k in ("FIRST",) if launch.kwargs.get(k)]
+    flags = [f"{name}=1" for name in ones] + [f"{k}" for k in ("MERGE", "LAST") if launch.kwargs.get(k)]
     return key, " ".join(flags)
 
 

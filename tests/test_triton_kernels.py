@@ -771,3 +771,32 @@ def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
     lengths = [1000, 2500, 596]
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
     run(*make_qkv(rng, 1, 8, 4, sum(lengths), sum(lengths), 128, fp16, "cuda"), cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+@cpu
+def test_unfilled_buffers_and_last_launch(rng, monkeypatch):
+    """On a contiguous layout with an ``r = 1`` branch the launches merge into unfilled buffers (NaN under the
+    interpreter: a row that no launch wrote, or one read before it was written, would show) and the ``r = 1`` branch,
+    launched last, writes the output and the gradients in their dtype; a padded layout, a global-token branch (it
+    stops at position g, so some key rows get no dK from it) or fewer queries than keys keep filled buffers where
+    some row could be missed."""
+    made = []
+    real = launch._buffer
+    monkeypatch.setattr(launch, "_buffer", lambda shape, device, filled, *a: made.append(filled) or real(
+        shape, device, filled, *a))
+    q, k, v = make_qkv(rng, 1, 4, 2, 50, 50, 16, torch.bfloat16, "cpu")
+    branches = [(8, 2), (16, 1), (32, 4)]  # r = 1 not first: it is moved to the end
+    check(q, k, v, branches, TOL[torch.bfloat16], head_offset=1)
+    assert made and not any(made)
+    made.clear()
+    mask = torch.ones(1, 50, dtype=torch.bool)
+    mask[0, :7] = False
+    check(q, k, v, branches, TOL[torch.bfloat16], attention_mask=mask, use_naive=False)
+    assert made and all(made)
+    made.clear()
+    check(q, k, v, branches, TOL[torch.bfloat16], global_tokens=3, use_naive=False)
+    assert made[0] is False and made[-1] is True  # forward unfilled (every query reached), backward filled
+    made.clear()
+    q, k, v = make_qkv(rng, 1, 4, 2, 70, 90, 16, torch.bfloat16, "cpu")  # keys before the queries see no query
+    check(q, k, v, branches, TOL[torch.bfloat16], use_naive=False)
+    assert made[0] is False and made[-1] is True

@@ -6,8 +6,10 @@ branch's share of the gradient is a flash-attention backward that uses the *merg
 With dropout (keep mask ``M`` of the branch, scale ``c = 1 / (1 - p)``, the lse undropped) the output is
 ``sum_branches (c M * P) V``, so ``dV += (c M * P)^T dO`` and ``dS = P * (c M * (dO V^T) - delta)``, with ``delta``
 of the (dropped) output; a gradient ``dlse`` on the lse enters as ``delta - dlse``.
-Launches run one branch after another and add into ``dq`` / ``dk`` / ``dv`` (read, add in float32, write); within a
-launch no two programs touch the same row, so the sums need no atomics and are deterministic.
+Launches run one branch after another and add into ``dq`` / ``dk`` / ``dv`` (read, add in float32, write) the rows
+an earlier launch wrote (``tiles.written_before``); the ``LAST`` launch (an ``r = 1`` branch, which reaches every row)
+writes the final gradients in their dtype to ``DQ_OUT`` / ``DK_OUT`` / ``DV_OUT``. Within a launch no two programs
+touch the same row, so the sums need no atomics and are deterministic.
 
 - ``dkdv``: one program per (segment item, tile of dilated key rows, kv head x offset class), the tiles of an item
   consecutive (``tiles.item_tile``). Query heads of a GQA group with the same offset ``(h + head_offset) % r`` read
@@ -23,7 +25,7 @@ import triton.language as tl
 
 from .tiles import (
     LOG2E, allowed, drop_keep, drop_rows, first_selected, item_tile, load_item, load_rows, mm, n_rows, query_range,
-    query_tile_keys, row_desc, tile_mask, tile_rows,
+    query_tile_keys, row_desc, tile_mask, tile_rows, written_before,
 )
 
 
@@ -97,7 +99,7 @@ def dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, q
 
 @triton.jit
 def dilated_bwd_dkdv_kernel(
-    Q, K, V, DO, L, Delta, DK, DV, T, QV, KV, S,
+    Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, T, QV, KV, S,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -105,10 +107,12 @@ def dilated_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    Nq, Nk, H, head_offset, group, n_classes, r, scale, qk_scale, window, drop_threshold, inv_keep, n_tiles,
+    stride_xkb, stride_xkh, stride_xkn,
+    stride_xvb, stride_xvh, stride_xvn,
+    Nq, Nk, H, head_offset, group, n_classes, r, scale, qk_scale, window, drop_threshold, inv_keep, n_tiles, n_prev,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-    FIRST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    MERGE: tl.constexpr, LAST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     item, tile = item_tile(n_tiles, False)  # under causal attention the first key tile is the heaviest already
     hc = tl.program_id(1)
@@ -183,26 +187,34 @@ def dilated_bwd_dkdv_kernel(
     smask = tile_mask(in_range, dmask, EVEN_D)
     dk_ptrs = DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :]
     dv_ptrs = DV + b * stride_dvb + kvh64 * stride_dvh + kc64 * stride_dvn + d[None, :]
-    if not FIRST:
-        dk += tl.load(dk_ptrs, mask=smask, other=0.0).to(tl.float32)
-        dv += tl.load(dv_ptrs, mask=smask, other=0.0).to(tl.float32)
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=smask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=smask)
+    if MERGE:  # key rows an earlier launch wrote for some query head of this kv head
+        seen = tile_mask(in_range & written_before(kp, kvh * group, head_offset, PREV, n_prev, group), dmask, EVEN_D)
+        dk += tl.load(dk_ptrs, mask=seen, other=0.0).to(tl.float32)
+        dv += tl.load(dv_ptrs, mask=seen, other=0.0).to(tl.float32)
+    if LAST:
+        tl.store(DK_OUT + b * stride_xkb + kvh64 * stride_xkh + kc64 * stride_xkn + d[None, :],
+                 dk.to(DK_OUT.dtype.element_ty), mask=smask)
+        tl.store(DV_OUT + b * stride_xvb + kvh64 * stride_xvh + kc64 * stride_xvn + d[None, :],
+                 dv.to(DV_OUT.dtype.element_ty), mask=smask)
+    else:
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=smask)
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=smask)
 
 
 @triton.jit
 def dilated_bwd_dq_kernel(
-    Q, K, V, DO, L, Delta, DQ, T, QV, KV, S,
+    Q, K, V, DO, L, Delta, DQ, DQ_OUT, PREV, T, QV, KV, S,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_db, stride_dh, stride_dn,
     stride_lb, stride_lh,
     stride_dqb, stride_dqh, stride_dqn,
-    Nq, Nk, H, head_offset, group, r, scale, qk_scale, window, drop_threshold, inv_keep, n_tiles,
+    stride_xqb, stride_xqh, stride_xqn,
+    Nq, Nk, H, head_offset, group, r, scale, qk_scale, window, drop_threshold, inv_keep, n_tiles, n_prev,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-    FIRST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    MERGE: tl.constexpr, LAST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     item, tile = item_tile(n_tiles, IS_CAUSAL)
     h = tl.program_id(1)
@@ -255,9 +267,14 @@ def dilated_bwd_dq_kernel(
     dq = dq * scale
     smask = tile_mask(in_range, dmask, EVEN_D)
     dq_ptrs = DQ + b * stride_dqb + h64 * stride_dqh + qc64[:, None] * stride_dqn + d[None, :]
-    if not FIRST:
-        dq += tl.load(dq_ptrs, mask=smask, other=0.0).to(tl.float32)
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=smask)
+    if MERGE:  # query rows an earlier launch wrote
+        seen = tile_mask(in_range & written_before(qp, h, head_offset, PREV, n_prev, 1), dmask, EVEN_D)
+        dq += tl.load(dq_ptrs, mask=seen, other=0.0).to(tl.float32)
+    if LAST:
+        tl.store(DQ_OUT + b * stride_xqb + h64 * stride_xqh + qc64[:, None] * stride_xqn + d[None, :],
+                 dq.to(DQ_OUT.dtype.element_ty), mask=smask)
+    else:
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=smask)
 
 
 @triton.jit

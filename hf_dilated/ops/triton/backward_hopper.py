@@ -12,8 +12,8 @@ class (the portable kernel's grid and contract):
   dilated query rows, zeros past the last), lse and delta read a step ahead into registers;
 - ``P^T`` / ``dS^T`` through shared memory to asynchronous dV / dK products that overlap the next step's scores;
 - steps that need no mask (every key before every query, no row past the item's end) skip it;
-- the branch's share is added to the float32 sums of the earlier branches (read, add, write: no two programs write
-  one key row).
+- the branch's share is added to the float32 sums of the earlier launches (read, add, write the rows they wrote: no
+  two programs write one key row); the ``LAST`` launch writes the final dK / dV in their dtype (``launch.backward``).
 
 It covers the training path's common case: bf16 / fp16, head dim 64 / 128, the tensor-descriptor path (no holes), no
 sliding window and no dropout (``applies``); everything else runs the portable kernel, as does
@@ -62,8 +62,18 @@ if gluon is not None:
         return gl.maximum((hi - first + r - 1) // r, 0)
 
     @gluon.jit
+    def _written_before(p, head, head_offset, PREV, n_prev, heads):
+        """``tiles.written_before`` in Gluon: whether a launch before this one wrote row ``p`` for one of the heads
+        ``head .. head + heads - 1`` (earlier branches' rates in ``PREV[:n_prev]``)."""
+        seen = p < -1
+        for i in range(n_prev):
+            ri = gl.load(PREV + i)
+            seen = seen | ((((p - head - head_offset) % ri) + ri) % ri < heads)
+        return seen
+
+    @gluon.jit
     def dilated_bwd_dkdv_hopper_kernel(
-        Q, K, V, DO, L, Delta, DK, DV, T,
+        Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, T,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
@@ -71,13 +81,15 @@ if gluon is not None:
         stride_lb, stride_lh,
         stride_dkb, stride_dkh, stride_dkn,
         stride_dvb, stride_dvh, stride_dvn,
-        head_offset, group, n_classes, r, scale, qk_scale, n_tiles,
+        stride_xkb, stride_xkh, stride_xkn,
+        stride_xvb, stride_xvh, stride_xvn,
+        head_offset, group, n_classes, r, scale, qk_scale, n_tiles, n_prev,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
-        IS_CAUSAL: gl.constexpr, FIRST: gl.constexpr, num_warps: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, num_warps: gl.constexpr,
     ):
         """dK and dV of one tile of ``BLOCK_N`` dilated key rows of one segment item, for one kv head and offset
-        class (the query heads ``h0, h0 + r, ...`` of its GQA group read the same key rows), added to ``DK`` / ``DV``
-        unless ``FIRST``."""
+        class (the query heads ``h0, h0 + r, ...`` of its GQA group read the same key rows), added to the rows of
+        ``DK`` / ``DV`` earlier launches wrote (``MERGE``), stored there or, ``LAST``, to ``DK_OUT`` / ``DV_OUT``."""
         dtype: gl.constexpr = Q.dtype.element_ty
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_Q, 16])
@@ -227,16 +239,28 @@ if gluon is not None:
 
         kr = j_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
-        kc64 = (kbase + k_first + kr * r).to(gl.int64)[:, None]
-        kmask = (kr < n_k)[:, None]
-        dk_ptrs = DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :]
-        dv_ptrs = DV + b * stride_dvb + kvh64 * stride_dvh + kc64 * stride_dvn + d[None, :]
-        dk = dk * scale
-        if not FIRST:
-            dk += gl.load(dk_ptrs, mask=kmask, other=0.0).to(gl.float32)
-            dv += gl.load(dv_ptrs, mask=kmask, other=0.0).to(gl.float32)
-        gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kmask)
-        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kmask)
+        kp = k_first + kr * r
+        kc64 = (kbase + kp).to(gl.int64)[:, None]
+        kin = kr < n_k
+        seen = kin
+        if MERGE:
+            seen = kin & _written_before(kp, kvh * group, head_offset, PREV, n_prev, group)
+        _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh, DK_OUT + b * stride_xkb + kvh64 * stride_xkh,
+                kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE, LAST)
+        _finish(dv, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh,
+                kc64, d, kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
+
+    @gluon.jit
+    def _finish(acc, SUMS, OUT, rows64, d, rmask, seen, stride_sn, stride_on, MERGE: gl.constexpr,
+                LAST: gl.constexpr):
+        """One gradient tile's epilogue: add the rows an earlier launch wrote to ``SUMS`` (``MERGE``), store to
+        ``SUMS`` or, ``LAST``, to ``OUT`` in its dtype (one tensor at a time: fewer live registers)."""
+        if MERGE:
+            acc += gl.load(SUMS + rows64 * stride_sn + d[None, :], mask=seen[:, None], other=0.0).to(gl.float32)
+        if LAST:
+            gl.store(OUT + rows64 * stride_on + d[None, :], acc.to(OUT.dtype.element_ty), mask=rmask[:, None])
+        else:
+            gl.store(SUMS + rows64 * stride_sn + d[None, :], acc.to(SUMS.dtype.element_ty), mask=rmask[:, None])
 
 
 def launch_config() -> dict:

@@ -8,8 +8,9 @@ through the row stride times ``r``: no gathered copies. A sliding window (``WIND
 holes (``HOLES``) mask keys and queries by their validity, ``DROPOUT`` drops probabilities by the counter-based draw.
 With ``TMA`` (Hopper, unpadded head dim, no holes) the dilated Q, K and V rows are read through tensor descriptors
 whose row stride is ``r`` rows, so the copy engine fetches them and zero-fills the rows past the item's end.
-The kernel folds its branch into the running output (float32) and log-sum-exp of the earlier branches with the
-exact merge ``o = sum_i softmax(lse)_i o_i``.
+The kernel folds its branch into the running output (float32) and log-sum-exp of the earlier launches with the
+exact merge ``o = sum_i softmax(lse)_i o_i``, reading only the rows an earlier launch wrote (``tiles.written_before``);
+the ``LAST`` launch (an ``r = 1`` branch, which reaches every row) writes the final output in its dtype to ``OUT``.
 """
 
 from __future__ import annotations
@@ -19,22 +20,22 @@ import triton.language as tl
 
 from .tiles import (
     allowed, drop_rows, finish, first_selected, item_tile, load_item, load_rows, mm, n_rows, query_tile_keys, row_desc,
-    softmax_step, tile_mask, tile_rows,
+    softmax_step, tile_mask, tile_rows, written_before,
 )
 
 
 @triton.jit
 def dilated_fwd_branch_kernel(
-    Q, K, V, O, L, T, QV, KV, S,
+    Q, K, V, O, L, OUT, PREV, T, QV, KV, S,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     stride_lb, stride_lh,
-    Nq, Nk, H, head_offset, group, r, qk_scale, window, drop_threshold, inv_keep, n_tiles,
+    Nq, Nk, H, head_offset, group, r, qk_scale, window, drop_threshold, inv_keep, n_tiles, n_prev,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-    FIRST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    MERGE: tl.constexpr, LAST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     item, tile = item_tile(n_tiles, IS_CAUSAL)
     h = tl.program_id(1)
@@ -112,12 +113,10 @@ def dilated_fwd_branch_kernel(
     o_ptrs = O + b * stride_ob + h64 * stride_oh + qc.to(tl.int64)[:, None] * stride_on + d[None, :]
     l_ptrs = L + b * stride_lb + h64 * stride_lh + qc.to(tl.int64)
     smask = tile_mask(in_range, dmask, EVEN_D)
-    if FIRST:
-        out = o_b
-        lse = lse_b
-    else:
-        old_lse = tl.load(l_ptrs, mask=in_range, other=float("-inf"))
-        old_o = tl.load(o_ptrs, mask=smask, other=0.0).to(tl.float32)
+    if MERGE:  # rows an earlier launch wrote (the others read as no output, lse -inf)
+        seen = in_range & written_before(qp, h, head_offset, PREV, n_prev, 1)
+        old_lse = tl.load(l_ptrs, mask=seen, other=float("-inf"))
+        old_o = tl.load(o_ptrs, mask=tile_mask(seen, dmask, EVEN_D), other=0.0).to(tl.float32)
         m = tl.maximum(old_lse, lse_b)
         m = tl.where(m == float("-inf"), 0.0, m)
         a = tl.exp(old_lse - m)
@@ -127,5 +126,12 @@ def dilated_fwd_branch_kernel(
         s_safe = tl.where(reached, s, 1.0)
         out = (old_o * a[:, None] + o_b * c[:, None]) / s_safe[:, None]
         lse = tl.where(reached, m + tl.log(s_safe), float("-inf"))
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=smask)
+    else:
+        out = o_b
+        lse = lse_b
+    if LAST:  # the final output, in its dtype (``OUT`` has ``O``'s strides)
+        o_ptrs = OUT + b * stride_ob + h64 * stride_oh + qc.to(tl.int64)[:, None] * stride_on + d[None, :]
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=smask)
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=smask)
     tl.store(l_ptrs, lse, mask=in_range)

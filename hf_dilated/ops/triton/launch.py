@@ -18,7 +18,7 @@ from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kern
 from .configs import bwd_config, decode_config, descriptor_scratch, dot_mode, fwd_config, interpreting, use_tma
 from .decode import dilated_decode_kernel
 from .forward import dilated_fwd_branch_kernel
-from .schedule import RunPlan, branch_items
+from .schedule import RUN_K_LEN, RUN_Q_LEN, RunPlan, branch_items
 from .tiles import LOG2E_F as LOG2E
 
 LAUNCHES: Counter = Counter()
@@ -126,23 +126,44 @@ def _extras(pb: Problem, holes: bool, layout_valid, B: int, H: int, device):
     return qv, kv, streams, window, thr, inv_keep, flags
 
 
-def _first_branch_covers_every_row(pb: Problem, plan: RunPlan, cache_key) -> bool:
-    """Whether the first launch stores every query row: a contiguous layout (``cache_key`` is given only for those:
-    no padding, one sequence per row) whose first branch has ``r = 1`` puts every query in one of its segments."""
-    return cache_key is not None and not plan.holes and bool(pb.branches) and int(pb.branches[0][1]) == 1
+def _covering_branch(pb: Problem, plan: RunPlan, cache_key, keys: bool) -> int | None:
+    """The branch (index in ``pb.kernel_branches()``) that writes every row, or ``None``: on a contiguous layout
+    (``cache_key`` is given only for those: no padding, one sequence per row) every selected row of every branch lies
+    in one of its segments, so an ``r = 1`` branch reaches every query. It is launched last and writes the final
+    output in its dtype, and the buffers the launches merge into need no fill (the launches read only rows that an
+    earlier one wrote, ``tiles.written_before``). With ``keys`` (the backward's dK / dV) every key must be reached
+    too: queries and keys the same rows, no global-token branch (it stops at position g)."""
+    if cache_key is None or plan.holes:
+        return None
+    if keys and (pb.global_tokens > 0 or plan.runs[:, RUN_Q_LEN].ne(plan.runs[:, RUN_K_LEN]).any()):
+        return None
+    for i, (_, r, cap) in enumerate(pb.kernel_branches()):
+        if r == 1 and cap is None:
+            return i
+    return None
 
 
-def _merge_buffers(B, H, Nq, D, device, covered: bool):
-    """The float32 output and lse the branches merge into: zeros and ``-inf`` for rows no branch reaches, or, when
-    the first launch stores every row (``covered``), uninitialized memory (a fill of 10% of the forward's time at
-    64K on the H100, ``benchmarks/NOTES_triton.md``). Under the interpreter ``covered`` buffers start as NaN, so
-    that the CPU tests would see any row the first launch missed."""
-    if not covered:
-        return (torch.zeros(B, H, Nq, D, device=device, dtype=torch.float32),
-                torch.full((B, H, Nq), float("-inf"), device=device, dtype=torch.float32))
-    make = (lambda *shape: torch.full(shape, float("nan"), device=device)) if interpreting() else (  # noqa: E731
-        lambda *shape: torch.empty(shape, device=device, dtype=torch.float32))
-    return make(B, H, Nq, D), make(B, H, Nq)
+def _launch_order(items: list, last: int | None) -> tuple[list, torch.Tensor | None]:
+    """``items`` (``(branch index, r, BranchItems)``, branches without items left out) with the branch ``last`` moved
+    to the end, and the rates in that order as an int32 device table (``tiles.written_before`` reads the first ``j``
+    for launch ``j``), built once per device and order."""
+    order = [x for x in items if x[0] != last] + [x for x in items if x[0] == last]
+    if not order:
+        return order, None
+    rates = [r for _, r, _ in order]
+    device = order[0][2].items.device
+    return order, _constant(f"rates{rates}", device, lambda: torch.tensor(rates, dtype=torch.int32).to(device))
+
+
+def _buffer(shape, device, filled: bool, dtype=torch.float32):
+    """A buffer the launches write: zeros (``filled``: rows no launch reaches must read as 0), or uninitialized
+    memory (a fill of 10% of the forward's time at 64K on the H100, ``benchmarks/NOTES_triton.md``); under the
+    interpreter unfilled buffers start as NaN, so that the CPU tests would see any row the launches missed."""
+    if filled:
+        return torch.zeros(shape, device=device, dtype=dtype)
+    if interpreting():
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+    return torch.empty(shape, device=device, dtype=dtype)
 
 
 def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
@@ -152,27 +173,31 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     group = H // k.shape[1]
-    o, lse = _merge_buffers(B, H, Nq, D, q.device, covered=_first_branch_covers_every_row(pb, plan, cache_key))
+    last = _covering_branch(pb, plan, cache_key, keys=False)
+    filled = last is None
+    o = _buffer((B, H, Nq, D), q.device, filled)
+    lse = torch.full((B, H, Nq), float("-inf"), device=q.device) if filled else _buffer((B, H, Nq), q.device, False)
+    # The last launch writes the output in the query dtype (in place of the float32 one for float32 inputs).
+    out = o if filled or q.dtype == torch.float32 else _buffer((B, H, Nq, D), q.device, False, q.dtype)
     qv, kv, streams, window, thr, inv_keep, flags = _extras(pb, plan.holes, layout_valid, B, H, q.device)
     cfg = fwd_config(head_dim_block(D), q.dtype)
     tma = use_tma((q, k, v), head_dim_block(D) != D, plan.holes)
     if tma:
         descriptor_scratch(q.device)
         LAUNCHES["forward_tma"] += 1
-    first = True
-    for i, (w, r, cap) in enumerate(pb.kernel_branches()):
-        it = branch_items(plan.runs, w, r, pb.is_causal, q.device, cache_key, cap)
-        if it.n_items == 0:
-            continue
+    items = [(i, r, branch_items(plan.runs, w, r, pb.is_causal, q.device, cache_key, cap))
+             for i, (w, r, cap) in enumerate(pb.kernel_branches())]
+    order, rates = _launch_order([x for x in items if x[2].n_items], last)
+    for j, (i, r, it) in enumerate(order):
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], H)
         dilated_fwd_branch_kernel[grid](
-            q, k, v, o, lse, it.items, qv, kv, streams[i],
+            q, k, v, o, lse, out, rates, it.items, qv, kv, streams[i],
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
-            Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles,
-            HEAD_DIM=head_dim_block(D), D=D, FIRST=first, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **cfg,
+            Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles, j,
+            HEAD_DIM=head_dim_block(D), D=D, MERGE=j > 0, LAST=i == last, UPCAST=dot_mode(q.dtype), TMA=tma,
+            **flags, **cfg,
         )
-        first = False
-    return o.to(q.dtype), lse
+    return (o.to(q.dtype) if filled else out), lse
 
 
 def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cache_key, dlse=None):
@@ -188,16 +213,19 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
     delta = row_deltas(o, do, dlse)
     extras = _extras(pb, plan.holes, layout_valid, B, H, q.device)
     kv_cfg, q_cfg = bwd_config(head_dim_block(D), q.dtype)
+    last = _covering_branch(pb, plan, cache_key, keys=True)
+    filled = last is None
     items = [(i, r, branch_items(plan.runs, w, r, pb.is_causal, q.device, cache_key, cap))
              for i, (w, r, cap) in enumerate(pb.kernel_branches())]
-    items = [x for x in items if x[2].n_items]
-    args = (items, pb, extras, kv_cfg, q_cfg)
-    if q.dtype == torch.float32:
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, 0, *args)
-        return dq, dk, dv
+    order, rates = _launch_order([x for x in items if x[2].n_items], last)
+    args = (order, rates, last, pb, extras, kv_cfg, q_cfg)
+    if q.dtype == torch.float32:  # the sums are the gradients (the last launch writes them in place)
+        grads = tuple(_buffer(t.shape, q.device, filled) for t in (q, k, v))
+        _backward_heads(q, k, v, do, lse, delta, grads, grads, 0, *args)
+        return grads
     # Half precision: sum the branches in float32 scratch (rounding once, not once per branch), a chunk of kv heads
-    # at a time so the scratch stays within SCRATCH_FRACTION of q + k + v.
+    # at a time so the scratch stays within SCRATCH_FRACTION of q + k + v; the last launch writes the gradients in
+    # their dtype (a copy from the scratch when no launch reaches every row).
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     limit = max(SCRATCH_MIN_BYTES, SCRATCH_FRACTION * (q.nbytes + k.nbytes + v.nbytes))
     per_kv_head = 2 * (q.nbytes + k.nbytes + v.nbytes) / Hk
@@ -206,14 +234,13 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
         g1 = min(Hk, g0 + chunk)
         h0, h1 = g0 * group, g1 * group
         sq, sk, sv = q[:, h0:h1], k[:, g0:g1], v[:, g0:g1]
-        gq = torch.zeros(sq.shape, device=q.device, dtype=torch.float32)
-        gk = torch.zeros(sk.shape, device=q.device, dtype=torch.float32)
-        gv = torch.zeros(sv.shape, device=q.device, dtype=torch.float32)
-        _backward_heads(sq, sk, sv, do[:, h0:h1], lse[:, h0:h1], delta[:, h0:h1], gq, gk, gv, h0, *args)
-        dq[:, h0:h1].copy_(gq)
-        dk[:, g0:g1].copy_(gk)
-        dv[:, g0:g1].copy_(gv)
-        del gq, gk, gv
+        outs = (dq[:, h0:h1], dk[:, g0:g1], dv[:, g0:g1])
+        scratch = tuple(_buffer(t.shape, q.device, filled) for t in (sq, sk, sv))
+        _backward_heads(sq, sk, sv, do[:, h0:h1], lse[:, h0:h1], delta[:, h0:h1], scratch, outs, h0, *args)
+        if filled:
+            for out, sums in zip(outs, scratch):
+                out.copy_(sums)
+        del scratch
     return dq, dk, dv
 
 
@@ -221,52 +248,53 @@ SCRATCH_FRACTION = 0.125
 SCRATCH_MIN_BYTES = 2**30
 
 
-def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, h0, items, pb: Problem, extras, kv_cfg, q_cfg):
-    """All branches of the backward for the heads ``h0..`` of these (possibly head-sliced) tensors, summed into
-    dq, dk, dv. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0."""
+def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem, extras, kv_cfg, q_cfg):
+    """All branches of the backward for the heads ``h0..`` of these (possibly head-sliced) tensors, in launch
+    ``order``, summed into the float32 ``sums`` (dq, dk, dv); the ``last`` branch's launches write ``outs`` in their
+    dtype. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0."""
     H, Hk, Nq, D = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     Nk = k.shape[2]
     H_all = extras[2].shape[2]
     group = H // Hk
     qv, kv, streams, window, thr, inv_keep, flags = extras
+    dq, dk, dv = sums
+    xq, xk, xv = outs
     hd = head_dim_block(D)
     tma = use_tma((q, k, v, do), hd != D, flags["HOLES"])
     if tma:
         descriptor_scratch(q.device)
         LAUNCHES["backward_tma"] += 1
     gluon = backward_hopper.applies(q, flags, tma)  # the dK/dV kernel in Gluon (sm_90)
-    first = True
-    for i, r, it in items:
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
+    for j, (i, r, it) in enumerate(order):
         s = streams[i, :, h0:] if flags["DROPOUT"] else streams[i]
         n_classes = min(group, r)
-        tensors = (q, k, v, do, lse, delta, dk, dv, it.items)
-        strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
-                   *dk.stride()[:3], *dv.stride()[:3])
+        merge = dict(MERGE=j > 0, LAST=i == last)
+        kv_tensors = (q, k, v, do, lse, delta, dk, dv, xk, xv, rates, it.items)
+        kv_strides = (*strides, *dk.stride()[:3], *dv.stride()[:3], *xk.stride()[:3], *xv.stride()[:3])
         if gluon:
             cfg = backward_hopper.launch_config()
             grid, n_tiles = items_grid(it.n_items, it.max_k_rows, cfg["BLOCK_N"], Hk * n_classes)
             backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
-                *tensors, *strides, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, n_tiles,
-                HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], FIRST=first, **cfg,
+                *kv_tensors, *kv_strides, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E,
+                n_tiles, j, HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **cfg,
             )
             LAUNCHES["dkdv_hopper"] += 1
         else:
             grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
             dilated_bwd_dkdv_kernel[grid](
-                *tensors, qv, kv, s, *strides,
+                *kv_tensors, qv, kv, s, *kv_strides,
                 Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
-                inv_keep, n_tiles,
-                HEAD_DIM=hd, D=D, FIRST=first, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **kv_cfg,
+                inv_keep, n_tiles, j,
+                HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge, **kv_cfg,
             )
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, q_cfg["BLOCK_M"], H)
         dilated_bwd_dq_kernel[grid](
-            q, k, v, do, lse, delta, dq, it.items, qv, kv, s,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
-            *dq.stride()[:3],
+            q, k, v, do, lse, delta, dq, xq, rates, it.items, qv, kv, s,
+            *strides, *dq.stride()[:3], *xq.stride()[:3],
             Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr, inv_keep, n_tiles,
-            HEAD_DIM=hd, D=D, FIRST=first, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **q_cfg,
+            j, HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge, **q_cfg,
         )
-        first = False
 
 
 def decode(q, k, v, pb: Problem, q_pos, q_valid, k_valid, kdesc):

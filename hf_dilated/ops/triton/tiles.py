@@ -79,6 +79,20 @@ def n_rows(first, hi, r):
 
 
 @triton.jit
+def written_before(p, head, head_offset, PREV, n_prev, heads):
+    """Whether a launch before this one wrote row ``p``: some earlier branch (rates ``PREV[:n_prev]``, int32) selects
+    position ``p`` for one of the heads ``head .. head + heads - 1`` (``heads`` 1 for a query row; a kv head's query
+    heads for a key row). Branch launches merge into what earlier ones wrote, reading only these rows, so the
+    buffers need no fill when every selected row of every branch is written (contiguous layouts); elsewhere they
+    start at zeros / -inf and the rows this names are a superset of those written."""
+    seen = p < -1  # all false
+    for i in range(n_prev):
+        ri = tl.load(PREV + i)
+        seen = seen | ((((p - head - head_offset) % ri) + ri) % ri < heads)
+    return seen
+
+
+@triton.jit
 def tile_rows(first, tile, r, hi, base, VALID, valid_base, BLOCK: tl.constexpr, HOLES: tl.constexpr):
     """Tile ``tile`` of a branch's dilated rows (positions ``first + j r``, below ``hi``; column ``base + p``):
     ``(positions, in range, columns, mask)``, the mask being in range and, with ``HOLES``, valid
