@@ -84,7 +84,7 @@ if gluon is not None:
         stride_xkb, stride_xkh, stride_xkn,
         stride_xvb, stride_xvh, stride_xvn,
         head_offset, group, n_classes, r, scale, qk_scale, n_tiles, n_prev,
-        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
+        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
         IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, num_warps: gl.constexpr,
     ):
         """dK and dV of one tile of ``BLOCK_N`` dilated key rows of one segment item, for one kv head and offset
@@ -158,22 +158,31 @@ if gluon is not None:
             tma_load(v_desc, [j_first, 0], kv_bar, v_smem)
 
         tile_bytes: gl.constexpr = 2 * BLOCK_Q * HEAD_DIM * dtype.primitive_bitwidth // 8
-        kj = j_first + gl.arange(0, BLOCK_N, layout=key_axis)
-        # Keys and queries of one offset class: key row kj is at or before query row qj iff kj <= qj + shift.
-        shift = (q_first - k_first) // r
-        rows = gl.arange(0, BLOCK_Q, layout=query_axis)
+        kidx = gl.arange(0, BLOCK_N, layout=key_axis)
+        # Keys and queries of one offset class: key row j_first + a is at or before query row q_cur + b iff
+        # a <= b + (q_cur + shift - j_first). Steps from query row ``full_from`` on see every key of the tile. No other
+        # mask is needed: rows past the item's last query read as zeros (Q, dO by TMA; lse, delta masked to 0), so
+        # they add nothing, and rows past its last key are never stored.
+        shift = (q_first - k_first) // r - j_first
+        full_from = 0
+        if IS_CAUSAL:
+            full_from = gl.maximum(kp_max - q_first + r - 1, 0) // r
         vrows = gl.arange(0, BLOCK_Q, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
         s_zero = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=s_layout)
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
         dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
         if has_keys:
             mbarrier.wait(kv_bar, 0)
-        key_tail = j_first + BLOCK_N > n_k  # rows past the item's last key: masked (and never stored)
 
         q0_row = (qbase + q_first).to(gl.int64)
         n_qdesc = gl.maximum(n_q, 1)
         it = 0  # steps issued over all heads: buffer it % 2, its barrier's phase (it // 2) % 2
-        for h in range(h0, (kvh + 1) * group, r):
+        # The class's query heads h0, h0 + r, ... below the group's end: at most HEADS (a constexpr, so that with one
+        # head per class there is no loop at all: Triton 3.6 then keeps the loop's values in registers instead of
+        # spilling 150 bytes of them); a class with fewer runs no step for the rest.
+        for g in range(0, HEADS):
+            h = h0 + g * r
+            n_steps_h = gl.where(h < (kvh + 1) * group, n_steps, 0)
             h64 = h.to(gl.int64)
             q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh + q0_row * stride_qn, n_qdesc, r * stride_qn,
                               BLOCK_Q, HEAD_DIM, q_smem_layout)
@@ -183,23 +192,21 @@ if gluon is not None:
             dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
             # Prologue: the first query tile's Q / dO by TMA, its lse / delta into registers (a step ahead).
             q_cur = start_q
-            vmask = (q_cur + vrows < n_q) & (n_steps > 0)
+            vmask = (q_cur + vrows < n_q) & (n_steps_h > 0)
             lse_next = gl.load(l_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
             delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
-            if n_steps > 0:
+            if n_steps_h > 0:
                 buf = it % 2
                 mbarrier.expect(ready.index(buf), tile_bytes)
                 tma_load(q_desc, [q_cur, 0], ready.index(buf), q_smem.index(buf))
                 tma_load(do_desc, [q_cur, 0], ready.index(buf), do_smem.index(buf))
-            for s in range(0, n_steps):
+            for s in range(0, n_steps_h):
                 buf = it % 2
-                qj = q_cur + rows
                 lse = gl.convert_layout(lse_next, query_axis)
                 lse = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
                 delta = gl.convert_layout(delta_next, query_axis)
-                needs_mask = key_tail | (q_cur + BLOCK_Q > n_q)
-                if IS_CAUSAL:  # some key of the tile after some query of the step
-                    needs_mask = needs_mask | (kp_max > q_first + q_cur * r)
+                needs_mask = q_cur < full_from  # some key of the tile after some query of the step
+                diag = q_cur + shift
                 mbarrier.wait(ready.index(buf), (it // 2) % 2)
                 qs = q_smem.index(buf)
                 dos = do_smem.index(buf)
@@ -208,7 +215,7 @@ if gluon is not None:
                 # In flight: the last step's dV / dK products, then sT, then dpT. Leaving only dpT outstanding
                 # also retires the last step's products, whose buffer the next tile's copy overwrites.
                 sT, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv))
-                if s + 1 < n_steps:
+                if s + 1 < n_steps_h:
                     q_cur = q_cur + BLOCK_Q
                     nbuf = 1 - buf
                     mbarrier.expect(ready.index(nbuf), tile_bytes)
@@ -219,10 +226,8 @@ if gluon is not None:
                     delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
                 pT = gl.exp2(sT * qk_scale - lse[None, :])
                 if needs_mask:
-                    ok = (kj < n_k)[:, None] & (qj < n_q)[None, :]
-                    if IS_CAUSAL:
-                        ok = ok & (kj[:, None] <= (qj + shift)[None, :])
-                    pT = gl.where(ok, pT, 0.0)
+                    qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
+                    pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
                 p_smem.store(pT.to(dtype))
                 fence_async_shared()
                 dv = warpgroup_mma(p_smem, dos, dv, is_async=True)

@@ -277,7 +277,7 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
             grid, n_tiles = items_grid(it.n_items, it.max_k_rows, cfg["BLOCK_N"], Hk * n_classes)
             backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
                 *kv_tensors, *kv_strides, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E,
-                n_tiles, j, HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **cfg,
+                n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes), IS_CAUSAL=flags["IS_CAUSAL"], **merge, **cfg,
             )
             LAUNCHES["dkdv_hopper"] += 1
         else:
