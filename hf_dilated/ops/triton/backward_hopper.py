@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    fence_async_shared, gl, gluon, mbarrier, row_desc, runnable, tma_load, warpgroup_mma, warpgroup_mma_init,
-    warpgroup_mma_wait,
+    dkdv_products, dkdv_scores, fence_async_shared, gl, gluon, mbarrier, row_desc, runnable, tma_load,
+    warpgroup_mma_init, warpgroup_mma_wait,
 )
 from .tiles import LOG2E, _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI, _IT_Q_LO
 
@@ -210,11 +210,7 @@ if gluon is not None:
                 mbarrier.wait(ready.index(buf), (it // 2) % 2)
                 qs = q_smem.index(buf)
                 dos = do_smem.index(buf)
-                sT = warpgroup_mma(k_smem, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                dpT = warpgroup_mma(v_smem, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                # In flight: the last step's dV / dK products, then sT, then dpT. Leaving only dpT outstanding
-                # also retires the last step's products, whose buffer the next tile's copy overwrites.
-                sT, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv))
+                sT, dpT, dk, dv = dkdv_scores(k_smem, v_smem, qs, dos, s_zero, dk, dv)
                 if s + 1 < n_steps_h:
                     q_cur = q_cur + BLOCK_Q
                     nbuf = 1 - buf
@@ -228,14 +224,7 @@ if gluon is not None:
                 if needs_mask:
                     qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
                     pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
-                p_smem.store(pT.to(dtype))
-                fence_async_shared()
-                dv = warpgroup_mma(p_smem, dos, dv, is_async=True)
-                dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-                dsT = pT * (dpT - delta[None, :])
-                ds_smem.store(dsT.to(dtype))
-                fence_async_shared()
-                dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
+                dk, dv = dkdv_products(pT, dpT, delta, qs, dos, p_smem, ds_smem, dk, dv, dtype)
                 it += 1
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.invalidate(kv_bar)

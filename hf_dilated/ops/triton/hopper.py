@@ -3,7 +3,8 @@ named otherwise), the ``HF_DILATED_GLUON`` switch, when a Gluon kernel may run a
 
 Gluon (``triton.experimental.gluon``) lets a kernel say where each operand lives, which ``wgmma`` runs
 asynchronously and when a buffer may be refilled: the arrangement of the dK/dV kernels in ``block_sparse_hopper.py``
-and ``backward_hopper.py`` that Triton's compiler does not choose. Gluon has no interpreter: the CPU tests compile
+and ``backward_hopper.py`` that Triton's compiler does not choose. Their step (the products of one key tile with one
+query tile) is here, :func:`dkdv_scores` and :func:`dkdv_products`; what a kernel walks and masks is its own. Gluon has no interpreter: the CPU tests compile
 those kernels for sm_90 (``benchmarks/kernel_resources.py``), the GPU tests run them against the float64 reference.
 """
 
@@ -65,3 +66,31 @@ if gluon is not None:
         zeros (Gluon's ``tiles.row_desc``)."""
         return tma.make_tensor_descriptor(base, shape=[n, HEAD_DIM], strides=[row_stride, 1],
                                           block_shape=[BLOCK_ROWS, HEAD_DIM], layout=layout)
+
+    @gluon.jit
+    def dkdv_scores(k_smem, v_smem, qs, dos, s_zero, dk, dv):
+        """A dK/dV step's transposed products, ``S^T = K Q^T`` and ``dP^T = V dO^T`` (K, V, Q, dO in shared memory),
+        issued asynchronously: ``(S^T, dP^T in flight, dk, dv)``. In flight before them are the last step's dV / dK
+        products; leaving only dP^T outstanding also retires those, whose buffers the next tile's copy overwrites."""
+        sT = warpgroup_mma(k_smem, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v_smem, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sT, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv))
+        return sT, dpT, dk, dv
+
+    @gluon.jit
+    def dkdv_products(pT, dpT, delta, qs, dos, p_smem, ds_smem, dk, dv, dtype: gl.constexpr):
+        """The rest of a dK/dV step: ``dV += P^T dO`` issued while ``dS^T = P^T (dP^T - delta)`` is computed, then
+        ``dK += dS^T Q``, both left in flight. ``P^T`` and ``dS^T`` go to the products through shared memory, so that
+        no register stays locked under an in-flight product."""
+        p_smem.store(pT.to(dtype))
+        fence_async_shared()
+        dv = warpgroup_mma(p_smem, dos, dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+        dsT = pT * (dpT - delta[None, :])
+        ds_smem.store(dsT.to(dtype))
+        fence_async_shared()
+        dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
+        return dk, dv
+
+else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
+    row_desc = dkdv_scores = dkdv_products = None
