@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    dkdv_products, dkdv_scores, fence_async_shared, gl, gluon, mbarrier, row_desc, runnable, tma_load,
-    warpgroup_mma_init, warpgroup_mma_wait,
+    dkdv_buffers, dkdv_products, dkdv_scores, gl, gluon, mbarrier, row_desc, runnable, tma_load, warpgroup_mma_init,
+    warpgroup_mma_wait,
 )
 from .tiles import LOG2E, _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI, _IT_Q_LO
 
@@ -130,18 +130,8 @@ if gluon is not None:
         start_q = (j0 // BLOCK_Q) * BLOCK_Q
         n_steps = gl.where(j_first < n_k, gl.maximum(n_q - start_q + BLOCK_Q - 1, 0) // BLOCK_Q, 0)  # 0: no keys
 
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
-        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
-        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_smem_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_smem_layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        mbarrier.init(ready.index(0), count=1)
-        mbarrier.init(ready.index(1), count=1)
-        fence_async_shared()
+        k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready = dkdv_buffers(
+            dtype, kv_smem_layout, q_smem_layout, p_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM)
 
         # K and V: the item's dilated key rows (row stride r rows, zeros past the last), read once.
         kvh64 = kvh.to(gl.int64)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    available, dkdv_products, dkdv_scores, fence_async_shared, gl, gluon, mbarrier, row_desc, runnable, tma_load,
+    available, dkdv_buffers, dkdv_products, dkdv_scores, gl, gluon, mbarrier, row_desc, runnable, tma_load,
     warpgroup_mma_init, warpgroup_mma_wait,
 )
 from .tiles import LOG2E
@@ -120,18 +120,8 @@ if gluon is not None:
         j = k_first // BLOCK
 
         # K and V: read once, kept in shared memory for the whole program.
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
-        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
-        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_smem_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_smem_layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        mbarrier.init(ready.index(0), count=1)
-        mbarrier.init(ready.index(1), count=1)
-        fence_async_shared()
+        k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready = dkdv_buffers(
+            dtype, kv_smem_layout, q_smem_layout, p_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM)
 
         k_desc = row_desc(K + b * stride_kb + kvh64 * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM, kv_smem_layout)
         v_desc = row_desc(V + b * stride_vb + kvh64 * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM, kv_smem_layout)

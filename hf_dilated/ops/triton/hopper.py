@@ -4,7 +4,7 @@ named otherwise), the ``HF_DILATED_GLUON`` switch, when a Gluon kernel may run a
 Gluon (``triton.experimental.gluon``) lets a kernel say where each operand lives, which ``wgmma`` runs
 asynchronously and when a buffer may be refilled: the arrangement of the dK/dV kernels in ``block_sparse_hopper.py``
 and ``backward_hopper.py`` that Triton's compiler does not choose. Their step (the products of one key tile with one
-query tile) is here, :func:`dkdv_scores` and :func:`dkdv_products`; what a kernel walks and masks is its own. Gluon has no interpreter: the CPU tests compile
+query tile) and its buffers are here (:func:`dkdv_buffers`, :func:`dkdv_scores`, :func:`dkdv_products`); what a kernel walks and masks is its own. Gluon has no interpreter: the CPU tests compile
 those kernels for sm_90 (``benchmarks/kernel_resources.py``), the GPU tests run them against the float64 reference.
 """
 
@@ -68,6 +68,25 @@ if gluon is not None:
                                           block_shape=[BLOCK_ROWS, HEAD_DIM], layout=layout)
 
     @gluon.jit
+    def dkdv_buffers(dtype: gl.constexpr, kv_layout: gl.constexpr, q_layout: gl.constexpr, p_layout: gl.constexpr,
+                     BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """The shared memory of a dK/dV program: ``(K, V, Q[2], dO[2], P^T, dS^T, the K/V copy's barrier, a barrier
+        per Q/dO buffer)``, barriers initialised: K and V read once, Q and dO double-buffered."""
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_layout)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        mbarrier.init(ready.index(0), count=1)
+        mbarrier.init(ready.index(1), count=1)
+        fence_async_shared()
+        return k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready
+
+    @gluon.jit
     def dkdv_scores(k_smem, v_smem, qs, dos, s_zero, dk, dv):
         """A dK/dV step's transposed products, ``S^T = K Q^T`` and ``dP^T = V dO^T`` (K, V, Q, dO in shared memory),
         issued asynchronously: ``(S^T, dP^T in flight, dk, dv)``. In flight before them are the last step's dV / dK
@@ -93,4 +112,4 @@ if gluon is not None:
         return dk, dv
 
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
-    row_desc = dkdv_scores = dkdv_products = None
+    row_desc = dkdv_buffers = dkdv_scores = dkdv_products = None
