@@ -782,8 +782,8 @@ def test_unfilled_buffers_and_last_launch(rng, monkeypatch):
     some row could be missed."""
     made = []
     real = launch._buffer
-    monkeypatch.setattr(launch, "_buffer", lambda shape, device, filled, *a: made.append(filled) or real(
-        shape, device, filled, *a))
+    monkeypatch.setattr(launch, "_buffer", lambda shape, device, filled, *a, **kw: made.append(filled) or real(
+        shape, device, filled, *a, **kw))
     q, k, v = make_qkv(rng, 1, 4, 2, 50, 50, 16, torch.bfloat16, "cpu")
     branches = [(8, 2), (16, 1), (32, 4)]  # r = 1 not first: it is moved to the end
     check(q, k, v, branches, TOL[torch.bfloat16], head_offset=1)

@@ -155,15 +155,17 @@ def _launch_order(items: list, last: int | None) -> tuple[list, torch.Tensor | N
     return order, _constant(f"rates{rates}", device, lambda: torch.tensor(rates, dtype=torch.int32).to(device))
 
 
-def _buffer(shape, device, filled: bool, dtype=torch.float32):
-    """A buffer the launches write: zeros (``filled``: rows no launch reaches must read as 0), or uninitialized
-    memory (a fill of 10% of the forward's time at 64K on the H100, ``benchmarks/NOTES_triton.md``); under the
-    interpreter unfilled buffers start as NaN, so that the CPU tests would see any row the launches missed."""
+def _buffer(shape, device, filled: bool, dtype=torch.float32, like: torch.Tensor | None = None):
+    """A buffer the launches write (contiguous, or laid out ``like`` a tensor of that shape and dtype): zeros
+    (``filled``: rows no launch reaches must read as 0), or uninitialized memory (a fill of 10% of the forward's time at
+    64K on the H100, ``benchmarks/NOTES_triton.md``); under the interpreter unfilled buffers start as NaN, so that the
+    CPU tests would see any row the launches missed."""
+    out = torch.empty(shape, device=device, dtype=dtype) if like is None else torch.empty_like(like, dtype=dtype)
     if filled:
-        return torch.zeros(shape, device=device, dtype=dtype)
+        return out.zero_()
     if interpreting():
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-    return torch.empty(shape, device=device, dtype=dtype)
+        return out.fill_(float("nan"))
+    return out
 
 
 def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
@@ -219,8 +221,9 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
              for i, (w, r, cap) in enumerate(pb.kernel_branches())]
     order, rates = _launch_order([x for x in items if x[2].n_items], last)
     args = (order, rates, last, pb, extras, kv_cfg, q_cfg)
-    if q.dtype == torch.float32:  # the sums are the gradients (the last launch writes them in place)
-        grads = tuple(_buffer(t.shape, q.device, filled) for t in (q, k, v))
+    if q.dtype == torch.float32:  # the sums are the gradients (the last launch writes them in place), laid out like
+        # q, k, v (the op's fake implementation says so: compiled graphs rely on it)
+        grads = tuple(_buffer(t.shape, q.device, filled, like=t) for t in (q, k, v))
         _backward_heads(q, k, v, do, lse, delta, grads, grads, 0, *args)
         return grads
     # Half precision: sum the branches in float32 scratch (rounding once, not once per branch), a chunk of kv heads
