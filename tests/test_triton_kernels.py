@@ -746,7 +746,8 @@ def test_gluon_dkdv_coverage(monkeypatch):
 def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
     """On sm_90 the dilated dK/dV runs in Gluon where it applies, and the portable kernel with ``HF_DILATED_GLUON=0``;
     both against the float64 oracle: GQA with several offset classes, ragged segments, bidirectional, padding,
-    packed sequences and fewer queries than keys (queries and keys of a segment at different rows)."""
+    packed sequences, fewer queries than keys (queries and keys of a segment at different rows), global tokens and
+    the backward's head chunks."""
     _gpu_skip()
     from hf_dilated.ops.triton import configs, hopper
 
@@ -771,32 +772,56 @@ def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
     lengths = [1000, 2500, 596]
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
     run(*make_qkv(rng, 1, 8, 4, sum(lengths), sum(lengths), 128, fp16, "cuda"), cu_seqlens_q=cu, cu_seqlens_k=cu)
+    run(*make_qkv(rng, 1, 8, 2, 2000, 2000, 128, bf16, "cuda"), global_tokens=5, head_offset=1)  # keys below g
+    monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head at a time: heads from h0 > 0 in the kernels
+    monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
+    run(*make_qkv(rng, 1, 8, 4, 2100, 2100, 64, bf16, "cuda"), head_offset=2)
 
 
 @cpu
 def test_unfilled_buffers_and_last_launch(rng, monkeypatch):
     """On a contiguous layout with an ``r = 1`` branch the launches merge into unfilled buffers (NaN under the
     interpreter: a row that no launch wrote, or one read before it was written, would show) and the ``r = 1`` branch,
-    launched last, writes the output and the gradients in their dtype; a padded layout, a global-token branch (it
-    stops at position g, so some key rows get no dK from it) or fewer queries than keys keep filled buffers where
-    some row could be missed."""
-    made = []
-    real = launch._buffer
-    monkeypatch.setattr(launch, "_buffer", lambda shape, device, filled, *a, **kw: made.append(filled) or real(
-        shape, device, filled, *a, **kw))
+    launched last, writes the output and the gradients in their dtype (alone, it writes them with no float32 buffer
+    at all); a padded layout keeps filled buffers, and so do the gradients with a global-token branch (it stops at
+    position g, so some key rows get no dK from it) or with fewer queries than keys (keys before them see none)."""
+    made, phase = [], []
+    real = {name: getattr(launch, name) for name in ("_buffer", "forward", "backward")}
+
+    def buffer(shape, device, filled, dtype=torch.float32, **kw):
+        made.append((phase[-1], filled, dtype))
+        return real["_buffer"](shape, device, filled, dtype, **kw)
+
+    def in_phase(name):
+        def run(*a, **kw):
+            phase.append(name)
+            return real[name](*a, **kw)
+        return run
+
+    monkeypatch.setattr(launch, "_buffer", buffer)
+    monkeypatch.setattr(launch, "forward", in_phase("forward"))
+    monkeypatch.setattr(launch, "backward", in_phase("backward"))
+
+    def filled(name):
+        return {f for p, f, _ in made if p == name}
+
     q, k, v = make_qkv(rng, 1, 4, 2, 50, 50, 16, torch.bfloat16, "cpu")
     branches = [(8, 2), (16, 1), (32, 4)]  # r = 1 not first: it is moved to the end
     check(q, k, v, branches, TOL[torch.bfloat16], head_offset=1)
-    assert made and not any(made)
+    assert filled("forward") == {False} and filled("backward") == {False}
+    made.clear()
+    check(q, k, v, [(64, 1)], TOL[torch.bfloat16])  # one launch: the output and gradients only, in bf16
+    assert [d for p, _, d in made if p == "forward"] == [torch.float32, torch.bfloat16]  # lse, output
+    assert {d for p, _, d in made if p == "backward"} == {torch.bfloat16}
     made.clear()
     mask = torch.ones(1, 50, dtype=torch.bool)
     mask[0, :7] = False
     check(q, k, v, branches, TOL[torch.bfloat16], attention_mask=mask, use_naive=False)
-    assert made and all(made)
+    assert filled("forward") == {True} and filled("backward") == {True}
     made.clear()
     check(q, k, v, branches, TOL[torch.bfloat16], global_tokens=3, use_naive=False)
-    assert made[0] is False and made[-1] is True  # forward unfilled (every query reached), backward filled
+    assert filled("forward") == {False} and filled("backward") == {True}
     made.clear()
     q, k, v = make_qkv(rng, 1, 4, 2, 70, 90, 16, torch.bfloat16, "cpu")  # keys before the queries see no query
     check(q, k, v, branches, TOL[torch.bfloat16], use_naive=False)
-    assert made[0] is False and made[-1] is True
+    assert filled("forward") == {False} and filled("backward") == {True}

@@ -5,6 +5,7 @@ with a stand-in timer (the real timing needs a GPU)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -112,10 +113,15 @@ def test_tune_measures_checks_and_stores(cache):
     speed = {None: 3.0, (16, 16, 4, 1): 2.0, (32, 16, 4, 1): 1.0, (16, 32, 4, 1): 1.5}
     timed = []
 
+    switch = {}
+
     def timer(fn):
         fn()
         config = next(iter(configs._FORCED.values()), None)  # the candidate being timed (None: the current config)
         timed.append(config)
+        kernel = next(iter(configs._FORCED), None)
+        if kernel:  # the dK/dV candidates are timed on the portable kernel (the Gluon one would ignore them)
+            switch.setdefault(kernel, set()).add(os.environ.get("HF_DILATED_GLUON"))
         return speed[config]
 
     def candidates_of(kernel, d):
@@ -133,6 +139,7 @@ def test_tune_measures_checks_and_stores(cache):
     assert (16, 24, 4, 1) not in timed  # refused before it was timed
     for kernel in tuned.KERNELS:
         assert tuned.lookup(kernel, 16, torch.float32, key=KEY) == (32, 16, 4, 1)
+    assert switch["dkdv"] == {"0"} and "0" not in switch["fwd"] | switch["dq"]
 
 
 def test_tune_refuses_bad_arguments():

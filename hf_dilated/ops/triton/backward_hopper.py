@@ -11,7 +11,7 @@ class (the portable kernel's grid and contract):
 - 64-query steps over the query heads of the class, Q and dO double-buffered by TMA (descriptors over each head's
   dilated query rows, zeros past the last), lse and delta read a step ahead into registers;
 - ``P^T`` / ``dS^T`` through shared memory to asynchronous dV / dK products that overlap the next step's scores;
-- steps that need no mask (every key before every query, no row past the item's end) skip it;
+- only steps on the causal diagonal are masked (rows past an item's end read as zeros and add nothing);
 - the branch's share is added to the float32 sums of the earlier launches (read, add, write the rows they wrote: no
   two programs write one key row); the ``LAST`` launch writes the final dK / dV in their dtype (``launch.backward``).
 
@@ -150,9 +150,9 @@ if gluon is not None:
         tile_bytes: gl.constexpr = 2 * BLOCK_Q * HEAD_DIM * dtype.primitive_bitwidth // 8
         kidx = gl.arange(0, BLOCK_N, layout=key_axis)
         # Keys and queries of one offset class: key row j_first + a is at or before query row q_cur + b iff
-        # a <= b + (q_cur + shift - j_first). Steps from query row ``full_from`` on see every key of the tile. No other
-        # mask is needed: rows past the item's last query read as zeros (Q, dO by TMA; lse, delta masked to 0), so
-        # they add nothing, and rows past its last key are never stored.
+        # a <= b + q_cur + shift. Steps from query row ``full_from`` on see every key of the tile. No other mask is
+        # needed: rows past the item's last query read as zeros (Q, dO by TMA; lse, delta masked to 0), so they add
+        # nothing, and rows past its last key are never stored.
         shift = (q_first - k_first) // r - j_first
         full_from = 0
         if IS_CAUSAL:

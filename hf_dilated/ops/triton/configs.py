@@ -34,7 +34,7 @@ def _hopper() -> bool:
 
 def wgmma() -> bool:
     """Whether the GPU has Hopper's warpgroup MMA (sm_90 only: Blackwell's tensor cores take other instructions),
-    which the Gluon kernels (``block_sparse_hopper.py``) are written for."""
+    which the Gluon kernels (``hopper.py``, ``backward_hopper.py``, ``block_sparse_hopper.py``) are written for."""
     return _capability_major() == 9
 
 

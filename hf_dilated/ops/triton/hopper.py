@@ -1,16 +1,20 @@
 """What the Gluon kernels for Hopper share: the import of Triton's Gluon API (experimental, so it may be missing or
-named otherwise), the ``HF_DILATED_GLUON`` switch, when a Gluon kernel may run at all, and the TMA row descriptor.
+named otherwise), the ``HF_DILATED_GLUON`` switch, when a Gluon kernel may run at all, the TMA row descriptor, and
+the dK/dV step.
 
 Gluon (``triton.experimental.gluon``) lets a kernel say where each operand lives, which ``wgmma`` runs
 asynchronously and when a buffer may be refilled: the arrangement of the dK/dV kernels in ``block_sparse_hopper.py``
 and ``backward_hopper.py`` that Triton's compiler does not choose. Their step (the products of one key tile with one
-query tile) and its buffers are here (:func:`dkdv_buffers`, :func:`dkdv_scores`, :func:`dkdv_products`); what a kernel walks and masks is its own. Gluon has no interpreter: the CPU tests compile
-those kernels for sm_90 (``benchmarks/kernel_resources.py``), the GPU tests run them against the float64 reference.
+query tile) and its buffers are here (:func:`dkdv_buffers`, :func:`dkdv_scores`, :func:`dkdv_products`); what a
+kernel walks and masks is its own. Gluon has no interpreter: the CPU tests compile those kernels for sm_90
+(``benchmarks/kernel_resources.py``), the GPU tests run them against the float64 reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from unittest import mock
 
 import triton
 
@@ -48,6 +52,14 @@ def enabled() -> bool:
     if value not in _SWITCH:
         raise ValueError(f"HF_DILATED_GLUON must be one of {sorted(_SWITCH)}, got {os.environ['HF_DILATED_GLUON']!r}")
     return _SWITCH[value]
+
+
+@contextlib.contextmanager
+def portable():
+    """Inside the block the portable kernels run where a Gluon one would (``HF_DILATED_GLUON=0``): what the tuners
+    time when they choose the portable dK/dV kernel's config."""
+    with mock.patch.dict(os.environ, {"HF_DILATED_GLUON": "0"}):
+        yield
 
 
 def runnable(tma_path: bool) -> bool:

@@ -18,7 +18,7 @@ from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kern
 from .configs import bwd_config, decode_config, descriptor_scratch, dot_mode, fwd_config, interpreting, use_tma
 from .decode import dilated_decode_kernel
 from .forward import dilated_fwd_branch_kernel
-from .schedule import RUN_K_LEN, RUN_Q_LEN, RunPlan, branch_items
+from .schedule import RunPlan, branch_items
 from .tiles import LOG2E_F as LOG2E
 
 LAUNCHES: Counter = Counter()
@@ -126,33 +126,29 @@ def _extras(pb: Problem, holes: bool, layout_valid, B: int, H: int, device):
     return qv, kv, streams, window, thr, inv_keep, flags
 
 
-def _covering_branch(pb: Problem, plan: RunPlan, cache_key, keys: bool) -> int | None:
-    """The branch (index in ``pb.kernel_branches()``) that writes every row, or ``None``: on a contiguous layout
-    (``cache_key`` is given only for those: no padding, one sequence per row) every selected row of every branch lies
-    in one of its segments, so an ``r = 1`` branch reaches every query. It is launched last and writes the final
-    output in its dtype, and the buffers the launches merge into need no fill (the launches read only rows that an
-    earlier one wrote, ``tiles.written_before``). With ``keys`` (the backward's dK / dV) every key must be reached
-    too: queries and keys the same rows, no global-token branch (it stops at position g)."""
-    if cache_key is None or plan.holes:
-        return None
-    if keys and (pb.global_tokens > 0 or plan.runs[:, RUN_Q_LEN].ne(plan.runs[:, RUN_K_LEN]).any()):
-        return None
-    for i, (_, r, cap) in enumerate(pb.kernel_branches()):
-        if r == 1 and cap is None:
-            return i
-    return None
+def _launch_order(pb: Problem, plan: RunPlan, cache_key, device, rows_reached: bool):
+    """The branch launches in order, ``[(branch index, r, BranchItems)]`` (branches without items left out), the
+    rates in that order as an int32 device table (``tiles.written_before`` reads the first ``j`` for launch ``j``;
+    built once per device and order), and the index of the branch launched last because it writes every row, or
+    ``None``.
 
-
-def _launch_order(items: list, last: int | None) -> tuple[list, torch.Tensor | None]:
-    """``items`` (``(branch index, r, BranchItems)``, branches without items left out) with the branch ``last`` moved
-    to the end, and the rates in that order as an int32 device table (``tiles.written_before`` reads the first ``j``
-    for launch ``j``), built once per device and order."""
+    On a contiguous layout (``cache_key`` is given only for those: no padding, one sequence per row) every selected
+    row of every branch lies in one of its segments, so an ``r = 1`` branch reaches every query: it is launched last
+    and writes the final output in its dtype, and the buffers the launches merge into need no fill (the launches read
+    only rows that an earlier one wrote). ``rows_reached``: whether that holds for every row the caller writes (the
+    backward's dK / dV also need every key reached: queries and keys the same rows, no global-token branch, which
+    stops at position g)."""
+    items = [(i, r, branch_items(plan.runs, w, r, pb.is_causal, device, cache_key, cap))
+             for i, (w, r, cap) in enumerate(pb.kernel_branches())]
+    items = [x for x in items if x[2].n_items]
+    last = None
+    if cache_key is not None and not plan.holes and rows_reached:
+        last = next((i for i, r, _ in items if r == 1 and pb.kernel_branches()[i][2] is None), None)
     order = [x for x in items if x[0] != last] + [x for x in items if x[0] == last]
     if not order:
-        return order, None
+        return order, None, last
     rates = [r for _, r, _ in order]
-    device = order[0][2].items.device
-    return order, _constant(f"rates{rates}", device, lambda: torch.tensor(rates, dtype=torch.int32).to(device))
+    return order, _constant(f"rates{rates}", device, lambda: torch.tensor(rates, dtype=torch.int32).to(device)), last
 
 
 def _buffer(shape, device, filled: bool, dtype=torch.float32, like: torch.Tensor | None = None):
@@ -175,25 +171,23 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     group = H // k.shape[1]
-    last = _covering_branch(pb, plan, cache_key, keys=False)
+    order, rates, last = _launch_order(pb, plan, cache_key, q.device, rows_reached=True)
     filled = last is None
-    o = _buffer((B, H, Nq, D), q.device, filled)
     lse = torch.full((B, H, Nq), float("-inf"), device=q.device) if filled else _buffer((B, H, Nq), q.device, False)
-    # The last launch writes the output in the query dtype (in place of the float32 one for float32 inputs).
-    out = o if filled or q.dtype == torch.float32 else _buffer((B, H, Nq, D), q.device, False, q.dtype)
+    # The last launch writes the output in the query dtype; a float32 merge buffer only where launches merge.
+    out = None if filled else _buffer((B, H, Nq, D), q.device, False, q.dtype)
+    merging = filled or len(order) > 1
+    o = _buffer((B, H, Nq, D), q.device, filled) if merging and (filled or q.dtype != torch.float32) else out
     qv, kv, streams, window, thr, inv_keep, flags = _extras(pb, plan.holes, layout_valid, B, H, q.device)
     cfg = fwd_config(head_dim_block(D), q.dtype)
     tma = use_tma((q, k, v), head_dim_block(D) != D, plan.holes)
     if tma:
         descriptor_scratch(q.device)
         LAUNCHES["forward_tma"] += 1
-    items = [(i, r, branch_items(plan.runs, w, r, pb.is_causal, q.device, cache_key, cap))
-             for i, (w, r, cap) in enumerate(pb.kernel_branches())]
-    order, rates = _launch_order([x for x in items if x[2].n_items], last)
     for j, (i, r, it) in enumerate(order):
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], H)
         dilated_fwd_branch_kernel[grid](
-            q, k, v, o, lse, out, rates, it.items, qv, kv, streams[i],
+            q, k, v, o, lse, o if out is None else out, rates, it.items, qv, kv, streams[i],
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
             Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles, j,
             HEAD_DIM=head_dim_block(D), D=D, MERGE=j > 0, LAST=i == last, UPCAST=dot_mode(q.dtype), TMA=tma,
@@ -215,15 +209,14 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
     delta = row_deltas(o, do, dlse)
     extras = _extras(pb, plan.holes, layout_valid, B, H, q.device)
     kv_cfg, q_cfg = bwd_config(head_dim_block(D), q.dtype)
-    last = _covering_branch(pb, plan, cache_key, keys=True)
+    order, rates, last = _launch_order(pb, plan, cache_key, q.device,
+                                       rows_reached=Nq == k.shape[2] and pb.global_tokens == 0)
     filled = last is None
-    items = [(i, r, branch_items(plan.runs, w, r, pb.is_causal, q.device, cache_key, cap))
-             for i, (w, r, cap) in enumerate(pb.kernel_branches())]
-    order, rates = _launch_order([x for x in items if x[2].n_items], last)
     args = (order, rates, last, pb, extras, kv_cfg, q_cfg)
-    if q.dtype == torch.float32:  # the sums are the gradients (the last launch writes them in place), laid out like
-        # q, k, v (the op's fake implementation says so: compiled graphs rely on it)
-        grads = tuple(_buffer(t.shape, q.device, filled, like=t) for t in (q, k, v))
+    if q.dtype == torch.float32 or (not filled and len(order) == 1):
+        # The sums are the gradients (the last launch writes them in place; one launch alone writes them and merges
+        # nothing), laid out like q, k, v (the op's fake implementation says so: compiled graphs rely on it).
+        grads = tuple(_buffer(t.shape, q.device, filled, q.dtype, like=t) for t in (q, k, v))
         _backward_heads(q, k, v, do, lse, delta, grads, grads, 0, *args)
         return grads
     # Half precision: sum the branches in float32 scratch (rounding once, not once per branch), a chunk of kv heads

@@ -5,17 +5,20 @@ the forward kernel, then the backward's dK/dV and dQ kernels. Each candidate run
 against the current config's (a candidate that fails to compile, needs more shared memory than the GPU has, or
 disagrees is skipped and reported), then it is timed; the fastest per kernel, when it beats the current config, is
 stored under this GPU's key (:mod:`.tuned`), where :mod:`.configs` finds it from then on. The candidate lists are the
-ones the H100 tables were chosen from (``benchmarks/tune_triton.py`` sweeps the same lists).
+ones the H100 tables were chosen from (``benchmarks/tune_triton.py`` sweeps the same lists). The dK/dV configs are
+the portable kernel's, timed with it also where the Gluon kernel would run (sm_90): it runs there for windows,
+dropout, holes and ``HF_DILATED_GLUON=0``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from . import configs, launch, tuned
+from . import configs, hopper, launch, tuned
 
 LONGNET = ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16))
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel, for head dims up to 128 ...
@@ -140,20 +143,22 @@ def _measure(d, dtype, seq_len, heads, kernels, device, timer, candidates_of, ti
     trials, wants = [], {}
     for kernel in kernels:
         run = fwd if kernel == "fwd" else bwd
-        want = wants[run] = wants.get(run) or run()  # the current config's result (one backward for dK/dV and dQ)
-        trials.append(Trial(kernel, d, dtype, None, ms=timer(run)))
-        tick()
-        for config in candidates_of(kernel, d):
-            trial = Trial(kernel, d, dtype, tuple(config))
-            try:
-                with configs.forced(kernel, config):
-                    err = max(_rel(a, b) for a, b in zip(run(), want))
-                    if err > tol:
-                        trial.error = f"disagrees with the current config (relative error {err:.1e})"
-                    else:
-                        trial.ms = timer(run)
-            except Exception as exc:  # noqa: BLE001 (does not compile, out of shared memory, ...)
-                trial.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-            trials.append(trial)
+        # The dK/dV configs are the portable kernel's: time that one where the Gluon kernel would run (sm_90).
+        with hopper.portable() if kernel == "dkdv" else contextlib.nullcontext():
+            want = wants[run] = wants.get(run) or run()  # the current config's result (one backward for dK/dV, dQ)
+            trials.append(Trial(kernel, d, dtype, None, ms=timer(run)))
             tick()
+            for config in candidates_of(kernel, d):
+                trial = Trial(kernel, d, dtype, tuple(config))
+                try:
+                    with configs.forced(kernel, config):
+                        err = max(_rel(a, b) for a, b in zip(run(), want))
+                        if err > tol:
+                            trial.error = f"disagrees with the current config (relative error {err:.1e})"
+                        else:
+                            trial.ms = timer(run)
+                except Exception as exc:  # noqa: BLE001 (does not compile, out of shared memory, ...)
+                    trial.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+                trials.append(trial)
+                tick()
     return trials
