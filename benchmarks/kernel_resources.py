@@ -133,6 +133,7 @@ def recorded_launches(arch: int, into: list, case: list):
 def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> None:
     """Run the launch paths once per feature that changes a kernel's specialisation (each sets ``case[0]``)."""
     import hf_dilated
+    from hf_dilated.config import DENSE_SEGMENT
     from hf_dilated.ops.block_sparse import block_sparse_attention
     from hf_dilated.ops.layout import cache_layout
     from hf_dilated.ops.triton.op import dilated_attention_triton
@@ -149,6 +150,9 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
         out.backward(torch.ones_like(out))
 
     fwd_bwd("longnet causal", lambda: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton"))
+    # A dense sliding-window layer (Gemma's local layers): one launch, which writes the output and gradients alone.
+    fwd_bwd("dense window layer", lambda: hf_dilated.dilated_attention(q, k, v, [DENSE_SEGMENT], [1], backend="triton",
+                                                                       window=n // 4))
     if not quick:
         mask = torch.ones(1, n, dtype=torch.long)
         mask[0, : n // 8] = 0
