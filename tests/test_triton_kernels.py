@@ -25,7 +25,7 @@ from hf_dilated.ops.dropout import keep_mask  # noqa: E402
 from hf_dilated.ops.triton import dilated_attention_triton, fallback_reason, is_available  # noqa: E402
 from hf_dilated.ops.triton import launch, op  # noqa: E402
 from hf_dilated.ops.triton.schedule import layout_runs  # noqa: E402
-from hf_dilated.ops.triton.tiles import item_tile  # noqa: E402
+from hf_dilated.ops.triton.tiles import item_tile, rounded  # noqa: E402
 from naive import naive_dilated_attention, rel_err  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -825,3 +825,22 @@ def test_unfilled_buffers_and_last_launch(rng, monkeypatch):
     q, k, v = make_qkv(rng, 1, 4, 2, 70, 90, 16, torch.bfloat16, "cpu")  # keys before the queries see no query
     check(q, k, v, branches, TOL[torch.bfloat16], use_naive=False)
     assert filled("forward") == {False} and filled("backward") == {True}
+
+
+@triton.jit
+def _round_kernel(X, Y, N: tl.constexpr, UPCAST: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, rounded(tl.load(X + i), Y.dtype.element_ty, UPCAST))
+
+
+@cpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_final_stores_round_to_nearest_even(dtype):
+    """The launches that write outputs and gradients in their dtype round as the GPU does (to nearest even), also
+    under the interpreter, which truncates float32 to bfloat16 on its own (a doubled rounding error)."""
+    from hf_dilated.ops.triton.configs import dot_mode
+
+    x = torch.randn(4096, dtype=torch.float64).float()
+    y = torch.empty(4096, dtype=dtype)
+    _round_kernel[(1,)](x, y, N=4096, UPCAST=dot_mode(dtype))
+    assert torch.equal(y, x.to(dtype))

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .tiles import (
     LOG2E, allowed, drop_keep, drop_rows, first_selected, item_tile, load_item, load_rows, mm, n_rows, query_range,
-    query_tile_keys, row_desc, tile_mask, tile_rows, written_before,
+    query_tile_keys, rounded, row_desc, tile_mask, tile_rows, written_before,
 )
 
 
@@ -193,9 +193,9 @@ def dilated_bwd_dkdv_kernel(
         dv += tl.load(dv_ptrs, mask=seen, other=0.0).to(tl.float32)
     if LAST:
         tl.store(DK_OUT + b * stride_xkb + kvh64 * stride_xkh + kc64 * stride_xkn + d[None, :],
-                 dk.to(DK_OUT.dtype.element_ty), mask=smask)
+                 rounded(dk, DK_OUT.dtype.element_ty, UPCAST), mask=smask)
         tl.store(DV_OUT + b * stride_xvb + kvh64 * stride_xvh + kc64 * stride_xvn + d[None, :],
-                 dv.to(DV_OUT.dtype.element_ty), mask=smask)
+                 rounded(dv, DV_OUT.dtype.element_ty, UPCAST), mask=smask)
     else:
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=smask)
         tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=smask)
@@ -272,7 +272,7 @@ def dilated_bwd_dq_kernel(
         dq += tl.load(dq_ptrs, mask=seen, other=0.0).to(tl.float32)
     if LAST:
         tl.store(DQ_OUT + b * stride_xqb + h64 * stride_xqh + qc64[:, None] * stride_xqn + d[None, :],
-                 dq.to(DQ_OUT.dtype.element_ty), mask=smask)
+                 rounded(dq, DQ_OUT.dtype.element_ty, UPCAST), mask=smask)
     else:
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=smask)
 

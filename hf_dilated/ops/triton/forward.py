@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .tiles import (
     allowed, drop_rows, finish, first_selected, item_tile, load_item, load_rows, mm, n_rows, query_tile_keys, row_desc,
-    softmax_step, tile_mask, tile_rows, written_before,
+    rounded, softmax_step, tile_mask, tile_rows, written_before,
 )
 
 
@@ -131,7 +131,7 @@ def dilated_fwd_branch_kernel(
         lse = lse_b
     if LAST:  # the final output, in its dtype (``OUT`` has ``O``'s strides)
         o_ptrs = OUT + b * stride_ob + h64 * stride_oh + qc.to(tl.int64)[:, None] * stride_on + d[None, :]
-        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=smask)
+        tl.store(o_ptrs, rounded(out, OUT.dtype.element_ty, UPCAST), mask=smask)
     else:
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=smask)
     tl.store(l_ptrs, lse, mask=in_range)

@@ -79,6 +79,18 @@ def n_rows(first, hi, r):
 
 
 @triton.jit
+def rounded(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """Float32 ``x`` in ``DTYPE``, rounded to nearest even as the GPU converts (``cvt.rn``). Triton's interpreter
+    (``UPCAST`` 1: bfloat16 under it) truncates float32 to bfloat16, which doubled the gradients' rounding error in
+    the CPU tests; there the rounding is done on the bits. The GPU's code is a plain conversion."""
+    if UPCAST == 1 and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
 def written_before(p, head, head_offset, PREV, n_prev, heads):
     """Whether a launch before this one wrote row ``p``: some earlier branch (rates ``PREV[:n_prev]``, int32) selects
     position ``p`` for one of the heads ``head .. head + heads - 1`` (``heads`` 1 for a query row; a kv head's query
