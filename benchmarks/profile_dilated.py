@@ -4,8 +4,10 @@ inside a CUDA profiler range, after a warm-up, for Nsight Compute:
     ncu --profile-from-start off --section SpeedOfLight --section Occupancy python benchmarks/profile_dilated.py
     ncu -k regex:dilated_bwd --launch-count 4 --section SpeedOfLight ... python benchmarks/profile_dilated.py
 
-(run from the repository root with ``PYTHONPATH=$PWD`` unless the package is installed). The readings are in
-``benchmarks/NOTES_triton.md``."""
+(run from the repository root with ``PYTHONPATH=$PWD`` unless the package is installed). The r = 1 branch's launches
+are the last of each pass (``launch._launch_order``): with 5 branches, ``-k regex:dilated_bwd --launch-skip 8
+--launch-count 2`` profiles its dK/dV and dq, ``-k regex:dilated_fwd --launch-skip 4 --launch-count 1`` its forward.
+The readings are in ``benchmarks/NOTES_triton.md``."""
 
 import torch
 
