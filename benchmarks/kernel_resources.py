@@ -36,7 +36,6 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from unittest import mock
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     # The interpreter replaces @triton.jit functions with Python ones that cannot be compiled: start again without.
@@ -136,6 +135,7 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
     from hf_dilated.config import DENSE_SEGMENT
     from hf_dilated.ops.block_sparse import block_sparse_attention
     from hf_dilated.ops.layout import cache_layout
+    from hf_dilated.ops.triton import hopper
     from hf_dilated.ops.triton.op import dilated_attention_triton
 
     H, Hk, D = (int(x) for x in shape.split("/"))
@@ -170,7 +170,7 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
         fwd_bwd(f"block-sparse {pattern}", lambda: block_sparse_attention(q, k, v, pattern, backend="triton"))
     # The portable dK/dV where the Gluon one would run (sm_90): what HF_DILATED_GLUON=0, other head dims and
     # other Tritons launch there.
-    with mock.patch.dict(os.environ, {"HF_DILATED_GLUON": "0"}):
+    with hopper.portable():
         fwd_bwd("longnet causal, portable dK/dV",
                 lambda: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton"))
         fwd_bwd("block-sparse adaptive, portable dK/dV",

@@ -138,12 +138,13 @@ def _launch_order(pb: Problem, plan: RunPlan, cache_key, device, rows_reached: b
     only rows that an earlier one wrote). ``rows_reached``: whether that holds for every row the caller writes (the
     backward's dK / dV also need every key reached: queries and keys the same rows, no global-token branch, which
     stops at position g)."""
+    branches = pb.kernel_branches()
     items = [(i, r, branch_items(plan.runs, w, r, pb.is_causal, device, cache_key, cap))
-             for i, (w, r, cap) in enumerate(pb.kernel_branches())]
+             for i, (w, r, cap) in enumerate(branches)]
     items = [x for x in items if x[2].n_items]
     last = None
     if cache_key is not None and not plan.holes and rows_reached:
-        last = next((i for i, r, _ in items if r == 1 and pb.kernel_branches()[i][2] is None), None)
+        last = next((i for i, r, _ in items if r == 1 and branches[i][2] is None), None)
     order = [x for x in items if x[0] != last] + [x for x in items if x[0] == last]
     if not order:
         return order, None, last
@@ -174,10 +175,11 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     order, rates, last = _launch_order(pb, plan, cache_key, q.device, rows_reached=True)
     filled = last is None
     lse = torch.full((B, H, Nq), float("-inf"), device=q.device) if filled else _buffer((B, H, Nq), q.device, False)
-    # The last launch writes the output in the query dtype; a float32 merge buffer only where launches merge.
-    out = None if filled else _buffer((B, H, Nq, D), q.device, False, q.dtype)
-    merging = filled or len(order) > 1
-    o = _buffer((B, H, Nq, D), q.device, filled) if merging and (filled or q.dtype != torch.float32) else out
+    if filled:  # the launches merge into float32 zeros, cast at the end
+        o = out = _buffer((B, H, Nq, D), q.device, True)
+    else:  # the last launch writes the output in the query dtype; a float32 buffer only where launches merge into it
+        out = _buffer((B, H, Nq, D), q.device, False, q.dtype)
+        o = _buffer((B, H, Nq, D), q.device, False) if len(order) > 1 and q.dtype != torch.float32 else out
     qv, kv, streams, window, thr, inv_keep, flags = _extras(pb, plan.holes, layout_valid, B, H, q.device)
     cfg = fwd_config(head_dim_block(D), q.dtype)
     tma = use_tma((q, k, v), head_dim_block(D) != D, plan.holes)
@@ -187,7 +189,7 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     for j, (i, r, it) in enumerate(order):
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], H)
         dilated_fwd_branch_kernel[grid](
-            q, k, v, o, lse, o if out is None else out, rates, it.items, qv, kv, streams[i],
+            q, k, v, o, lse, out, rates, it.items, qv, kv, streams[i],
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
             Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles, j,
             HEAD_DIM=head_dim_block(D), D=D, MERGE=j > 0, LAST=i == last, UPCAST=dot_mode(q.dtype), TMA=tma,
