@@ -746,8 +746,8 @@ def test_gluon_dkdv_coverage(monkeypatch):
 def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
     """On sm_90 the dilated dK/dV runs in Gluon where it applies, and the portable kernel with ``HF_DILATED_GLUON=0``;
     both against the float64 oracle: GQA with several offset classes, ragged segments, bidirectional, padding,
-    packed sequences, fewer queries than keys (queries and keys of a segment at different rows), global tokens and
-    the backward's head chunks."""
+    packed sequences, fewer queries than keys (queries and keys of a segment at different rows), global tokens, a
+    dense layer (one launch, which writes the gradients with no float32 buffer) and the backward's head chunks."""
     _gpu_skip()
     from hf_dilated.ops.triton import configs, hopper
 
@@ -757,9 +757,9 @@ def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
     monkeypatch.setenv("HF_DILATED_GLUON", gluon)
     bf16, fp16 = torch.bfloat16, torch.float16
 
-    def run(q, k, v, **kw):
+    def run(q, k, v, branches=LONGNET_SMALL, **kw):
         before = launch.LAUNCHES["dkdv_hopper"]
-        check(q, k, v, LONGNET_SMALL, TOL[q.dtype], use_naive=False, **kw)
+        check(q, k, v, branches, TOL[q.dtype], use_naive=False, **kw)
         assert (launch.LAUNCHES["dkdv_hopper"] > before) == (gluon == "1"), "not the dK/dV kernel asked for"
 
     run(*make_qkv(rng, 2, 16, 4, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
@@ -773,6 +773,7 @@ def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
     run(*make_qkv(rng, 1, 8, 4, sum(lengths), sum(lengths), 128, fp16, "cuda"), cu_seqlens_q=cu, cu_seqlens_k=cu)
     run(*make_qkv(rng, 1, 8, 2, 2000, 2000, 128, bf16, "cuda"), global_tokens=5, head_offset=1)  # keys below g
+    run(*make_qkv(rng, 1, 4, 4, 1500, 1500, 128, bf16, "cuda"), branches=[(DENSE_SEGMENT, 1)])  # one launch
     monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head at a time: heads from h0 > 0 in the kernels
     monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
     run(*make_qkv(rng, 1, 8, 4, 2100, 2100, 64, bf16, "cuda"), head_offset=2)
