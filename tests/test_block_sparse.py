@@ -122,6 +122,10 @@ def check(q, k, v, layout, block_mask, rng, backend, *, causal=True, attention_m
                 assert LAUNCHES["dkdv_hopper"] > before.get("dkdv_hopper", 0)  # Hopper: the Gluon dK/dV kernel ran
             elif q.is_cuda:
                 assert LAUNCHES["dkdv_hopper"] == before.get("dkdv_hopper", 0)  # the portable kernel ran
+            gluon_fwd = q.is_cuda and block_sparse_hopper.forward_applies(
+                q, layout.block_size, 0, True, attention_mask is None and position_ids is None)
+            # Hopper, contiguous layouts: the Gluon forward ran; elsewhere the portable one
+            assert (LAUNCHES["forward_hopper"] > before.get("forward_hopper", 0)) == gluon_fwd
 
 
 # ---- patterns against their definitions ------------------------------------------------------------------------------
@@ -206,7 +210,8 @@ def test_random_block_mask_gqa(rng, backend, causal):
 
 
 def test_gluon_dkdv_coverage_and_switch(monkeypatch):
-    """The Gluon dK/dV kernel (sm_90; compiled on the CPU by test_benchmark_tools, run by the GPU tests) covers
+    """The Gluon dK/dV and forward kernels (sm_90; compiled on the CPU by test_benchmark_tools, run by the GPU tests)
+    cover
     bf16 / fp16, head dim 64 / 128, layout blocks 64 / 128, queries = keys; ``HF_DILATED_GLUON=0`` (or ``off``)
     turns it off; never under the interpreter or off sm_90."""
     if not block_sparse_hopper.available():
@@ -222,6 +227,13 @@ def test_gluon_dkdv_coverage_and_switch(monkeypatch):
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     monkeypatch.setattr(configs, "_capability_major", lambda: 9)
     assert block_sparse_hopper.applies(q, 128, 0, True) and not block_sparse_hopper.applies(q, 128, 0, False)
+    # the forward in Gluon: the same, on contiguous layouts only (per-token masks keep the portable kernel)
+    assert block_sparse_hopper.forward_applies(q, 128, 0, True, True)
+    assert not block_sparse_hopper.forward_applies(q, 128, 0, True, False)
+    assert not block_sparse_hopper.forward_applies(q, 128, 3, False, True)
+    assert block_sparse_hopper.forward_config(128, 128)["BLOCK_N"] == 128  # 128-key steps: D 128 on 128-blocks
+    assert block_sparse_hopper.forward_config(64, 128)["BLOCK_N"] == block_sparse_hopper.forward_config(128, 64)[
+        "BLOCK_N"] == 64
     monkeypatch.setattr(configs, "_capability_major", lambda: 10)  # Blackwell: no wgmma
     assert not block_sparse_hopper.applies(q, 128, 0, True)
     monkeypatch.setattr(configs, "_capability_major", lambda: 9)

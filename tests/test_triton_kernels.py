@@ -715,37 +715,41 @@ def test_gpu_counted_positions_across_holes(rng):
 
 
 @cpu
-def test_gluon_dkdv_coverage(monkeypatch):
-    """The dilated dK/dV kernel in Gluon (``backward_hopper.py``; compiled on the CPU by test_benchmark_tools, run by
-    the GPU tests) covers bf16 / fp16 at head dim 64 / 128 on the descriptor path without window, dropout or holes;
-    never under the interpreter, off sm_90, or with ``HF_DILATED_GLUON=0``."""
-    from hf_dilated.ops.triton import backward_hopper, configs, hopper
+@pytest.mark.parametrize("which", ["forward_hopper", "backward_hopper"])
+def test_gluon_kernels_coverage(monkeypatch, which):
+    """The dilated forward and dK/dV kernels in Gluon (``forward_hopper.py``, ``backward_hopper.py``; compiled on the
+    CPU by test_benchmark_tools, run by the GPU tests) cover bf16 / fp16 at head dim 64 / 128 on the descriptor path
+    without window, dropout or holes; never under the interpreter, off sm_90, or with ``HF_DILATED_GLUON=0``."""
+    import importlib
 
+    from hf_dilated.ops.triton import configs, hopper
+
+    kernel = importlib.import_module(f"hf_dilated.ops.triton.{which}")
     if not hopper.available():
         pytest.skip("this Triton has no Gluon Hopper API (3.6 or newer)")
     q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
     plain = dict(IS_CAUSAL=True, WINDOW=False, HOLES=False, DROPOUT=False)
-    assert not backward_hopper.applies(q, plain, True)  # the interpreter: Gluon has none
+    assert not kernel.applies(q, plain, True)  # the interpreter: Gluon has none
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     monkeypatch.setattr(configs, "_capability_major", lambda: 9)
-    assert backward_hopper.applies(q, plain, True) and backward_hopper.applies(q[..., :64].half(), plain, True)
-    assert not backward_hopper.applies(q, plain, False)  # pointer loads (unaligned strides, padded head dim)
+    assert kernel.applies(q, plain, True) and kernel.applies(q[..., :64].half(), plain, True)
+    assert not kernel.applies(q, plain, False)  # pointer loads (unaligned strides, padded head dim)
     for flag in ("WINDOW", "HOLES", "DROPOUT"):
-        assert not backward_hopper.applies(q, dict(plain, **{flag: True}), True), flag
-    assert not backward_hopper.applies(q.float(), plain, True)
-    assert not backward_hopper.applies(q[..., :32], plain, True)
+        assert not kernel.applies(q, dict(plain, **{flag: True}), True), flag
+    assert not kernel.applies(q.float(), plain, True)
+    assert not kernel.applies(q[..., :32], plain, True)
     monkeypatch.setattr(configs, "_capability_major", lambda: 10)  # Blackwell: no wgmma
-    assert not backward_hopper.applies(q, plain, True)
+    assert not kernel.applies(q, plain, True)
     monkeypatch.setattr(configs, "_capability_major", lambda: 9)
     monkeypatch.setenv("HF_DILATED_GLUON", "off")
-    assert not backward_hopper.applies(q, plain, True)
+    assert not kernel.applies(q, plain, True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gluon", ["1", "0"])
 def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
-    """On sm_90 the dilated dK/dV runs in Gluon where it applies, and the portable kernel with ``HF_DILATED_GLUON=0``;
-    both against the float64 oracle: GQA with several offset classes, ragged segments, bidirectional, padding,
+    """On sm_90 the dilated forward and dK/dV run in Gluon where they apply, and the portable kernels with
+    ``HF_DILATED_GLUON=0``; both against the float64 oracle: GQA with several offset classes, ragged segments, bidirectional, padding,
     packed sequences, fewer queries than keys (queries and keys of a segment at different rows), global tokens, a
     dense layer (one launch, which writes the gradients with no float32 buffer) and the backward's head chunks."""
     _gpu_skip()
@@ -758,9 +762,10 @@ def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
     bf16, fp16 = torch.bfloat16, torch.float16
 
     def run(q, k, v, branches=LONGNET_SMALL, **kw):
-        before = launch.LAUNCHES["dkdv_hopper"]
+        before = dict(launch.LAUNCHES)
         check(q, k, v, branches, TOL[q.dtype], use_naive=False, **kw)
-        assert (launch.LAUNCHES["dkdv_hopper"] > before) == (gluon == "1"), "not the dK/dV kernel asked for"
+        ran = {kind: launch.LAUNCHES[kind] > before.get(kind, 0) for kind in ("dkdv_hopper", "forward_hopper")}
+        assert ran == {"dkdv_hopper": gluon == "1", "forward_hopper": gluon == "1"}, ran
 
     run(*make_qkv(rng, 2, 16, 4, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
     run(*make_qkv(rng, 1, 8, 8, 2500, 2500, 64, fp16, "cuda"), is_causal=False, head_offset=1)

@@ -18,7 +18,7 @@ class (the portable kernel's grid and contract):
 It covers the training path's common case: bf16 / fp16, head dim 64 / 128, the tensor-descriptor path (no holes), no
 sliding window and no dropout (``applies``); everything else runs the portable kernel, as does
 ``HF_DILATED_GLUON=0``. The products are the portable kernel's, summed in the same order (16-row k-steps in query
-order), so the gradients are expected bit-identical (``benchmarks/ab_gluon_backward.py`` checks it on the GPU).
+order), so the gradients are expected bit-identical (``benchmarks/ab_gluon.py`` checks it on the GPU).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    dkdv_buffers, dkdv_products, dkdv_scores, gl, gluon, mbarrier, row_desc, runnable, tma_load, warpgroup_mma_init,
-    warpgroup_mma_wait,
+    dkdv_buffers, dkdv_products, dkdv_scores, first_selected, gl, gluon, mbarrier, n_rows, row_desc, runnable, tma_load,
+    warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
 from .tiles import LOG2E, _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI, _IT_Q_LO
 
@@ -50,26 +50,6 @@ def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def _first_selected(lo, off, r):
-        """``tiles.first_selected`` in Gluon: the smallest position ``p >= lo`` with ``p % r == off``."""
-        return lo + ((off - lo) % r + r) % r
-
-    @gluon.jit
-    def _n_rows(first, hi, r):
-        """``tiles.n_rows`` in Gluon: how many dilated rows ``first, first + r, ...`` lie below ``hi``."""
-        return gl.maximum((hi - first + r - 1) // r, 0)
-
-    @gluon.jit
-    def _written_before(p, head, head_offset, PREV, n_prev, heads):
-        """``tiles.written_before`` in Gluon: whether a launch before this one wrote row ``p`` for one of the heads
-        ``head .. head + heads - 1`` (earlier branches' rates in ``PREV[:n_prev]``)."""
-        seen = p < -1
-        for i in range(n_prev):
-            ri = gl.load(PREV + i)
-            seen = seen | ((((p - head - head_offset) % ri) + ri) % ri < heads)
-        return seen
 
     @gluon.jit
     def dilated_bwd_dkdv_hopper_kernel(
@@ -116,13 +96,13 @@ if gluon is not None:
         k_lo = gl.load(t + _IT_K_LO)
         k_hi = gl.load(t + _IT_K_HI)
         off = (h0 + head_offset) % r
-        k_first = _first_selected(k_lo, off, r)
-        n_k = _n_rows(k_first, k_hi, r)
+        k_first = first_selected(k_lo, off, r)
+        n_k = n_rows(k_first, k_hi, r)
         j_first = tile * BLOCK_N  # this tile's first dilated key row
         kp_min = k_first + j_first * r
         kp_max = gl.minimum(kp_min + (BLOCK_N - 1) * r, k_hi - 1)
-        q_first = _first_selected(q_lo, off, r)
-        n_q = _n_rows(q_first, q_hi, r)
+        q_first = first_selected(q_lo, off, r)
+        n_q = n_rows(q_first, q_hi, r)
         lo = q_lo
         if IS_CAUSAL:
             lo = gl.maximum(lo, kp_min)
@@ -228,7 +208,7 @@ if gluon is not None:
         kin = kr < n_k
         seen = kin
         if MERGE:
-            seen = kin & _written_before(kp, kvh * group, head_offset, PREV, n_prev, group)
+            seen = kin & written_before(kp, kvh * group, head_offset, PREV, n_prev, group)
         _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh, DK_OUT + b * stride_xkb + kvh64 * stride_xkh,
                 kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE, LAST)
         _finish(dv, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh,

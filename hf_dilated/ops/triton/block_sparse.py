@@ -397,6 +397,18 @@ def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, i
     tile0 = q_offset // cfg["BLOCK_M"]
     grid = (cdiv(Nk, cfg["BLOCK_M"]) - tile0, H, B)
     meta = _meta(tokens, contiguous)
+    if block_sparse_hopper.forward_applies(q, block, q_offset, tma, contiguous):  # Gluon, sm_90
+        hcfg = block_sparse_hopper.forward_config(block, D)
+        block_sparse_hopper.bs_fwd_hopper_kernel[(cdiv(Nq, hcfg["BLOCK_M"]), H, B)](
+            q, k, v, o, lse, kv_count, kv_index,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+            *_layout_strides(kv_count, kv_index, B),
+            Nq, Nk, H // k.shape[1], H // kv_index.shape[1], scale * LOG2E_F,
+            HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, **hcfg,
+        )
+        LAUNCHES["forward"] += 1
+        LAUNCHES["forward_hopper"] += 1
+        return o, lse
     bs_fwd_kernel[grid](
         q, k, v, o, lse, kv_count, kv_index, *meta,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],

@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    available, dkdv_buffers, dkdv_products, dkdv_scores, gl, gluon, mbarrier, row_desc, runnable, tma_load,
-    warpgroup_mma_init, warpgroup_mma_wait,
+    available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_buffers, fwd_first, fwd_last, fwd_release, fwd_step, gl,
+    gluon, mbarrier, row_desc, runnable, tile_copy, tma_load, warpgroup_mma_init, warpgroup_mma_wait,
 )
 from .tiles import LOG2E
 
@@ -211,7 +211,124 @@ if gluon is not None:
         gl.store(DV + b * stride_dvb + kvh64 * stride_dvh + kr64 * stride_dvn + d[None, :],
                  dv.to(DV.dtype.element_ty), mask=kmask)
 
+    @gluon.jit
+    def _key_row(idx_row, s, n_kt, BLOCK: gl.constexpr, BLOCK_N: gl.constexpr):
+        """First key row of the query block's ``s``-th key tile (``BLOCK // BLOCK_N`` tiles per active block); 0
+        from ``n_kt`` on (the index row ends there)."""
+        active = gl.load(idx_row + s // (BLOCK // BLOCK_N), mask=s < n_kt, other=0)
+        return active * BLOCK + (s % (BLOCK // BLOCK_N)) * BLOCK_N
+
+    @gluon.jit
+    def bs_fwd_hopper_kernel(
+        Q, K, V, O, L, CNT, IDX,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_on,
+        stride_lb, stride_lh,
+        stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+        Nq, Nk, group, ratio, qk_scale,
+        HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """``bs_fwd_kernel``'s contract on a contiguous layout with queries and keys the same rows: one tile of
+        ``BLOCK_M`` queries of one head, one online softmax over its query block's active key blocks, in
+        ``hopper.fwd_step``'s pipeline; tiles that cross the diagonal or the last key are masked."""
+        dtype: gl.constexpr = Q.dtype.element_ty
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        row_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        NBYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
+        q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = fwd_buffers(dtype, q_smem_layout, kv_smem_layout, BLOCK_M,
+                                                                  BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES)
+        t = gl.program_id(0)
+        if IS_CAUSAL:  # last-first: the tiles with the most active key blocks start first (block_sparse._query_tile)
+            t = gl.num_programs(0) - 1 - t
+        h = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        q0 = t * BLOCK_M
+        blk = q0 // BLOCK
+        lh = h // ratio
+        kvh = (h // group).to(gl.int64)
+        h64 = h.to(gl.int64)
+        n_kt = gl.load(CNT + b * stride_cb + lh * stride_ch + blk) * (BLOCK // BLOCK_N)
+        idx_row = IDX + b * stride_ib + lh * stride_ih + blk * stride_iq
+        q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM, q_smem_layout)
+        k_desc = row_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM, kv_smem_layout)
+        v_desc = row_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM, kv_smem_layout)
+        mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8)
+        tma_load(q_desc, [q0, 0], q_bar, q_smem)
+        for i in gl.static_range(K_STAGES):
+            if i < n_kt:
+                tile_copy(k_desc, k_smem, k_bar, i, _key_row(idx_row, i, n_kt, BLOCK, BLOCK_N), K_STAGES, NBYTES)
+        for i in gl.static_range(V_STAGES):
+            if i < n_kt:
+                tile_copy(v_desc, v_smem, v_bar, i, _key_row(idx_row, i, n_kt, BLOCK, BLOCK_N), V_STAGES, NBYTES)
+
+        # A tile needs its mask where some key is past the last or (causal) after some query of the tile
+        # (block_sparse._edge); the mask compares columns: key k0 + c after query q0 + i iff k0 + c > q0 + i.
+        q_edge = q0 + BLOCK_M > Nk
+        qidx = gl.arange(0, BLOCK_M, layout=row_axis)
+        kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_axis)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_axis)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        out = acc
+        lse = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=o_rows)
+        mbarrier.wait(q_bar, 0)
+        if n_kt > 0:
+            k0 = _key_row(idx_row, 0, n_kt, BLOCK, BLOCK_N)
+            edge = q_edge | (k0 + BLOCK_N > Nk)
+            if IS_CAUSAL:
+                edge = edge | (k0 + BLOCK_N - 1 > q0)
+            k_next = _key_row(idx_row, K_STAGES, n_kt, BLOCK, BLOCK_N)
+            p, m_i, l_i = fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, k_next, s_zero, qk_scale, edge, k0, Nk, q0,
+                                    qidx, kidx, p_layout, K_STAGES, NBYTES, IS_CAUSAL)
+            for j in range(1, n_kt):
+                k0 = _key_row(idx_row, j, n_kt, BLOCK, BLOCK_N)
+                edge = q_edge | (k0 + BLOCK_N > Nk)
+                if IS_CAUSAL:
+                    edge = edge | (k0 + BLOCK_N - 1 > q0)
+                k_next = _key_row(idx_row, j + K_STAGES, n_kt, BLOCK, BLOCK_N)
+                v_next = _key_row(idx_row, j - 1 + V_STAGES, n_kt, BLOCK, BLOCK_N)
+                acc, p, m_i, l_i = fwd_step(
+                    j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, k_next, v_next, acc, p, m_i, l_i, s_zero, qk_scale, edge, k0, Nk, q0, qidx, kidx, o_rows, p_layout, K_STAGES,
+                    V_STAGES, NBYTES, True, IS_CAUSAL)
+            out, lse = fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows, V_STAGES)
+        fwd_release(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
+        qr = q0 + gl.arange(0, BLOCK_M, layout=o_rows)
+        qmask = qr < Nq
+        qr64 = qr.to(gl.int64)
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(O + b * stride_ob + h64 * stride_oh + qr64[:, None] * stride_on + d[None, :],
+                 out.to(O.dtype.element_ty), mask=qmask[:, None])
+        gl.store(L + b * stride_lb + h64 * stride_lh + qr64, lse, mask=qmask)
+
 
 def launch_config() -> dict:
     """64 queries x 64 keys per step on one warpgroup (a key tile lies within one layout block of 64 or 128)."""
     return dict(BLOCK_N=64, BLOCK_Q=BLOCK_Q, num_warps=4)
+
+
+# The forward's (key rows per step, K buffers, V buffers) by step width: ``forward_hopper.STEPS``'s measurements.
+FWD_STEPS = {64: (2, 2), 128: (1, 2)}
+
+
+def forward_applies(q: torch.Tensor, block: int, q_offset: int, tma: bool, contiguous: bool) -> bool:
+    """Whether the forward runs :func:`bs_fwd_hopper_kernel`: as :func:`applies`, on a contiguous layout (masks by
+    column; per-token positions, sequences and padding keep the portable kernel)."""
+    return applies(q, block, q_offset, tma) and contiguous
+
+
+def forward_config(block: int, head_dim: int) -> dict:
+    """64 query rows on one warpgroup; 128-key steps at head dim 128 on 128-blocks, else 64."""
+    n = min(block, 128 if head_dim == 128 else 64)
+    k_stages, v_stages = FWD_STEPS[n]
+    return dict(BLOCK_M=64, BLOCK_N=n, K_STAGES=k_stages, V_STAGES=v_stages, num_warps=4)

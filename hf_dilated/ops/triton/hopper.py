@@ -46,7 +46,7 @@ _SWITCH = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false"
 
 def enabled() -> bool:
     """``HF_DILATED_GLUON=0`` (or ``false`` / ``off`` / ``no``) in the environment keeps the portable kernels: for a
-    Triton whose Gluon misbehaves, or to compare the two (``benchmarks/ab_gluon_backward.py``). Unset or
+    Triton whose Gluon misbehaves, or to compare the two (``benchmarks/ab_gluon.py``). Unset or
     ``1`` / ``true`` / ``on`` / ``yes``: the Gluon kernels where they apply; any other value is refused."""
     value = os.environ.get("HF_DILATED_GLUON", "1").strip().lower()
     if value not in _SWITCH:
@@ -78,6 +78,140 @@ if gluon is not None:
         zeros (Gluon's ``tiles.row_desc``)."""
         return tma.make_tensor_descriptor(base, shape=[n, HEAD_DIM], strides=[row_stride, 1],
                                           block_shape=[BLOCK_ROWS, HEAD_DIM], layout=layout)
+
+    @gluon.jit
+    def first_selected(lo, off, r):
+        """``tiles.first_selected`` in Gluon: the smallest position ``p >= lo`` with ``p % r == off``."""
+        return lo + ((off - lo) % r + r) % r
+
+    @gluon.jit
+    def n_rows(first, hi, r):
+        """``tiles.n_rows`` in Gluon: how many dilated rows ``first, first + r, ...`` lie below ``hi``."""
+        return gl.maximum((hi - first + r - 1) // r, 0)
+
+    @gluon.jit
+    def written_before(p, head, head_offset, PREV, n_prev, heads):
+        """``tiles.written_before`` in Gluon: whether a launch before this one wrote row ``p`` for one of the heads
+        ``head .. head + heads - 1`` (earlier branches' rates in ``PREV[:n_prev]``)."""
+        seen = p < -1
+        for i in range(n_prev):
+            ri = gl.load(PREV + i)
+            seen = seen | ((((p - head - head_offset) % ri) + ri) % ri < heads)
+        return seen
+
+    # The forward's pipeline (``forward_hopper.py``, ``block_sparse_hopper.py``). Triton 3.6 runs the portable
+    # forward kernels with every ``wgmma`` waited for at once: its pipeliner keeps a product in flight only when the
+    # next use of the result is another product's accumulator, and the online softmax rescales the output between
+    # the products. So within a warpgroup the tensor cores wait for the softmax and the softmax for them. Here key
+    # tile ``j``'s scores are issued before tile ``j - 1``'s ``P V``, and tile ``j``'s softmax runs while that product
+    # is on the tensor cores (FA3's intra-warpgroup pipelining); the arithmetic is ``tiles.softmax_step``'s.
+
+    @gluon.jit
+    def fwd_buffers(dtype: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+        """A forward program's shared memory, ``(Q, K[K_STAGES], V[V_STAGES], Q's barrier, K's, V's)``, barriers
+        initialised."""
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bar = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bar = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(K_STAGES):
+            mbarrier.init(k_bar.index(i), count=1)
+        for i in gl.static_range(V_STAGES):
+            mbarrier.init(v_bar.index(i), count=1)
+        fence_async_shared()
+        return q_smem, k_smem, v_smem, q_bar, k_bar, v_bar
+
+    @gluon.jit
+    def fwd_release(q_bar, k_bar, v_bar, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(K_STAGES):
+            mbarrier.invalidate(k_bar.index(i))
+        for i in gl.static_range(V_STAGES):
+            mbarrier.invalidate(v_bar.index(i))
+
+    @gluon.jit
+    def tile_copy(desc, smem, bar, j, row, STAGES: gl.constexpr, NBYTES: gl.constexpr):
+        """Start the copy of key tile ``j`` (K or V: ``NBYTES`` from row ``row`` of ``desc``) into buffer
+        ``j % STAGES``."""
+        stage = j % STAGES
+        mbarrier.expect(bar.index(stage), NBYTES)
+        tma_load(desc, [row, 0], bar.index(stage), smem.index(stage))
+
+    @gluon.jit
+    def masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL: gl.constexpr):
+        """Scores with the pairs no query may see at ``-inf``: key rows ``key0 + c`` at or past ``n_k`` and, when
+        causal, keys after the query (key row ``key0 + c`` after query row ``i`` iff ``key0 + c > i + shift``)."""
+        kj = key0 + kidx
+        ok = (kj < n_k)[None, :]
+        if IS_CAUSAL:
+            ok = ok & (kj[None, :] <= (qidx + shift)[:, None])
+        return gl.where(ok, s, float("-inf"))
+
+    @gluon.jit
+    def fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, k_next, s_zero, qk_scale, mask, key0, n_k, shift, qidx, kidx,
+                  p_layout: gl.constexpr, K_STAGES: gl.constexpr, NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """Key tile 0 (its K in buffer 0): its scores alone, nothing to overlap yet; its K buffer refilled with tile
+        ``K_STAGES`` (row ``k_next``). ``(p, m_i, l_i)``."""
+        mbarrier.wait(k_bar.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if K_STAGES < n_kt:
+            tile_copy(k_desc, k_smem, k_bar, K_STAGES, k_next, K_STAGES, NBYTES)
+        if mask:
+            s = masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL)
+        m_i = gl.maximum(gl.max(s, 1) * qk_scale, -1.0e30)
+        p = gl.exp2(s * qk_scale - m_i[:, None])
+        return gl.convert_layout(p.to(q_smem.dtype), p_layout), m_i, gl.sum(p, 1)
+
+    @gluon.jit
+    def fwd_step(j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, k_next, v_next, acc, p, m_i, l_i,
+                 s_zero, qk_scale, mask, key0, n_k, shift, qidx, kidx, o_rows: gl.constexpr, p_layout: gl.constexpr,
+                 K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, NBYTES: gl.constexpr, MASKABLE: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr):
+        """Key tile ``j >= 1`` of ``n_kt``: its scores issued, then tile ``j - 1``'s ``P V`` (``p``: its
+        probabilities), the softmax of tile ``j`` while that product runs, then the rescale of the output. The scores
+        are masked where ``MASKABLE`` and ``mask`` (:func:`masked_scores`). Each buffer is refilled as soon as its
+        product has read it: K with tile ``j + K_STAGES`` (from row ``k_next``) once the scores are in, V with tile
+        ``j - 1 + V_STAGES`` (row ``v_next``) once ``P V`` is. ``(acc, p, m_i, l_i)``, ``p`` now tile ``j``'s."""
+        ks = j % K_STAGES
+        vs = (j - 1) % V_STAGES
+        mbarrier.wait(k_bar.index(ks), (j // K_STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_bar.index(vs), ((j - 1) // V_STAGES) & 1)
+        o = warpgroup_mma(p, v_smem.index(vs), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        if j + K_STAGES < n_kt:
+            tile_copy(k_desc, k_smem, k_bar, j + K_STAGES, k_next, K_STAGES, NBYTES)
+        if MASKABLE:
+            if mask:
+                s = masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        pj = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(pj, 1)
+        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+        if j - 1 + V_STAGES < n_kt:
+            tile_copy(v_desc, v_smem, v_bar, j - 1 + V_STAGES, v_next, V_STAGES, NBYTES)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        return acc, gl.convert_layout(pj.to(p.dtype), p_layout), m_new, l_i
+
+    @gluon.jit
+    def fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows: gl.constexpr, V_STAGES: gl.constexpr):
+        """The last tile's ``P V``, then ``tiles.finish``: ``(output, natural-log lse)`` of each row (0 and -inf for
+        a row that saw no key), in the output's layout."""
+        last = (n_kt - 1) % V_STAGES
+        mbarrier.wait(v_bar.index(last), ((n_kt - 1) // V_STAGES) & 1)
+        o = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+        l_o = gl.convert_layout(l_i, o_rows)
+        m_o = gl.convert_layout(m_i, o_rows)
+        has = l_o > 0
+        l_safe = gl.where(has, l_o, 1.0)
+        return acc / l_safe[:, None], gl.where(has, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 
     @gluon.jit
     def dkdv_buffers(dtype: gl.constexpr, kv_layout: gl.constexpr, q_layout: gl.constexpr, p_layout: gl.constexpr,
@@ -124,4 +258,5 @@ if gluon is not None:
         return dk, dv
 
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
-    row_desc = dkdv_buffers = dkdv_scores = dkdv_products = None
+    row_desc = dkdv_buffers = dkdv_scores = dkdv_products = first_selected = n_rows = written_before = None
+    fwd_buffers = fwd_release = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None

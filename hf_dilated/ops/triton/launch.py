@@ -13,7 +13,7 @@ import torch
 
 from ...config import DENSE_SEGMENT
 from ..dropout import keep_threshold, stream
-from . import backward_hopper
+from . import backward_hopper, forward_hopper
 from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kernel
 from .configs import bwd_config, decode_config, descriptor_scratch, dot_mode, fwd_config, interpreting, use_tma
 from .decode import dilated_decode_kernel
@@ -186,7 +186,19 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     if tma:
         descriptor_scratch(q.device)
         LAUNCHES["forward_tma"] += 1
+    gluon = forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
     for j, (i, r, it) in enumerate(order):
+        if gluon:
+            gcfg = forward_hopper.launch_config(D)
+            grid, n_tiles = items_grid(it.n_items, it.max_q_rows, gcfg["BLOCK_M"], H)
+            forward_hopper.dilated_fwd_hopper_kernel[grid](
+                q, k, v, o, lse, out, rates, it.items,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+                pb.head_offset, group, r, pb.scale * LOG2E, n_tiles, j,
+                HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=j > 0, LAST=i == last, **gcfg,
+            )
+            LAUNCHES["forward_hopper"] += 1
+            continue
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], H)
         dilated_fwd_branch_kernel[grid](
             q, k, v, o, lse, out, rates, it.items, qv, kv, streams[i],

@@ -143,8 +143,8 @@ def _measure(d, dtype, seq_len, heads, kernels, device, timer, candidates_of, ti
     trials, wants = [], {}
     for kernel in kernels:
         run = fwd if kernel == "fwd" else bwd
-        # The dK/dV configs are the portable kernel's: time that one where the Gluon kernel would run (sm_90).
-        with hopper.portable() if kernel == "dkdv" else contextlib.nullcontext():
+        # The forward and dK/dV configs are the portable kernels': time those where the Gluon ones would run (sm_90).
+        with hopper.portable() if kernel in ("fwd", "dkdv") else contextlib.nullcontext():
             want = wants[run] = wants.get(run) or run()  # the current config's result (one backward for dK/dV, dQ)
             trials.append(Trial(kernel, d, dtype, None, ms=timer(run)))
             tick()

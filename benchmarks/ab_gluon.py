@@ -1,0 +1,174 @@
+"""A/B of a Gluon kernel on one Hopper GPU against the portable Triton one, in one process, interleaved over rounds
+(``HF_DILATED_GLUON=0`` selects the portable kernels; everything else is the same code).
+
+- ``--op dilated``: ``launch.forward`` / ``launch.backward`` (``ops/triton/forward_hopper.py``,
+  ``backward_hopper.py``), LongNet branches w = 2048..32768, r = 1..16 (the attention benchmark's), causal.
+- ``--op block_sparse``: ``block_sparse.forward`` / ``backward`` (``ops/triton/block_sparse_hopper.py``) on
+  ``scripts/bench_block_sparse.py``'s layout (a 2K local window, the sink block, LongNet-style dilated blocks).
+- ``--pass forward`` or ``backward`` (the backward's Gluon kernel is the dK/dV one).
+
+bf16; cases cover the benchmarks' H 16 / D 128 shape, GQA 32 / 8 and SmolLM2's 9 / 3 heads at D 64.
+
+    python benchmarks/ab_gluon.py --op dilated --pass forward --out benchmarks/results
+
+Each case first compares the two kernels' results: the backward's gradients must be bit-identical (the Gluon dK/dV
+sums the same products in the same order); the forward's outputs agree to the last bf16 bit (the Gluon forward's
+128-key steps move the running maximum less often; with 64-key steps they are bit-identical) and are checked at
+SPEC's 1e-2. Then it times the pass with ``triton.testing.do_bench`` (median) for each kernel in every round. Writes
+``ab_gluon_<pass>-<op>-<GPU>-<date>.json``; exits 1 if results differ."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from hf_dilated.environment import run_environment  # noqa: E402
+from hf_dilated.ops.layout import resolve_layout  # noqa: E402
+
+CASES = ((16384, 16, 16, 128), (65536, 16, 16, 128), (262144, 16, 16, 128), (65536, 32, 8, 128), (65536, 9, 3, 64))
+LONGNET = ((2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16))
+
+
+def block_sparse_backward(q, k, v, do, block: int):
+    """``(backward, launch counter)`` of the block-sparse op on the benchmark's layout."""
+    import bench_block_sparse as bench
+
+    from hf_dilated.ops.triton import block_sparse
+
+    N, H, D = q.shape[2], q.shape[1], q.shape[3]
+    lay = bench.fixed_layout(N, block, q.device, num_heads=H)
+    q_ptr, q_flat = lay.transposed
+    t = resolve_layout(1, N, N, q.device)
+    tokens = (t.q_pos, t.q_seq, t.q_valid, t.k_pos, t.k_seq, t.k_valid)
+    out, lse = block_sparse.forward(q, k, v, lay.kv_count, lay.kv_index, tokens, block, True, True, D ** -0.5)
+    return (lambda: block_sparse.backward(do, q, k, v, out, lse, lay.kv_count, lay.kv_index, q_ptr, q_flat, tokens,
+                                          block, True, True, D ** -0.5)), block_sparse.LAUNCHES
+
+
+def dilated_backward(q, k, v, do, block: int):
+    """``(backward, launch counter)`` of the dilated kernels (LongNet branches, causal, contiguous)."""
+    from hf_dilated.ops.triton import launch
+    from hf_dilated.ops.triton.schedule import layout_runs
+
+    N, D = q.shape[2], q.shape[3]
+    layout = resolve_layout(1, N, N, q.device)
+    plan, key = layout_runs(layout), ("ab", N)
+    pb = launch.Problem(LONGNET, True, D ** -0.5, 0)
+    valid = (layout.q_valid, layout.k_valid)
+    out, lse = launch.forward(q, k, v, pb, plan, valid, key)
+    return (lambda: launch.backward(do, q, k, v, out, lse, pb, plan, valid, key)), launch.LAUNCHES
+
+
+def block_sparse_forward(q, k, v, do, block: int):
+    """``(forward, launch counter)`` of the block-sparse op on the benchmark's layout."""
+    import bench_block_sparse as bench
+
+    from hf_dilated.ops.triton import block_sparse
+
+    N, H, D = q.shape[2], q.shape[1], q.shape[3]
+    lay = bench.fixed_layout(N, block, q.device, num_heads=H)
+    t = resolve_layout(1, N, N, q.device)
+    tokens = (t.q_pos, t.q_seq, t.q_valid, t.k_pos, t.k_seq, t.k_valid)
+    return (lambda: block_sparse.forward(q, k, v, lay.kv_count, lay.kv_index, tokens, block, True, True,
+                                         D ** -0.5)), block_sparse.LAUNCHES
+
+
+def dilated_forward(q, k, v, do, block: int):
+    """``(forward, launch counter)`` of the dilated kernels (LongNet branches, causal, contiguous)."""
+    from hf_dilated.ops.triton import launch
+    from hf_dilated.ops.triton.schedule import layout_runs
+
+    N, D = q.shape[2], q.shape[3]
+    layout = resolve_layout(1, N, N, q.device)
+    plan, key = layout_runs(layout), ("ab", N)
+    pb = launch.Problem(LONGNET, True, D ** -0.5, 0)
+    return (lambda: launch.forward(q, k, v, pb, plan, (layout.q_valid, layout.k_valid), key)), launch.LAUNCHES
+
+
+OPS = {("dilated", "backward"): dilated_backward, ("block_sparse", "backward"): block_sparse_backward,
+       ("dilated", "forward"): dilated_forward, ("block_sparse", "forward"): block_sparse_forward}
+# The launch counter that shows the Gluon kernel ran.
+GLUON_RAN = {"forward": "forward_hopper", "backward": "dkdv_hopper"}
+
+
+def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, rounds: int) -> dict:
+    from triton.testing import do_bench
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(N)
+    q, do = (torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, Hk, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    run, launches = OPS[op, which](q, k, v, do, block)
+    counter = GLUON_RAN[which]
+    kernels = {"portable": "0", "gluon": "1"}
+    grads, ran = {}, {}
+    with mock.patch.dict(os.environ):  # the switch is set per call below and restored on the way out
+        for name, flag in kernels.items():
+            os.environ["HF_DILATED_GLUON"] = flag
+            before = launches[counter]
+            grads[name] = run()
+            ran[name] = launches[counter] > before
+        if not ran["gluon"] or ran["portable"]:
+            raise RuntimeError(f"the kernels did not run as asked: {ran} (needs an sm_90 GPU and Gluon)")
+        names = "qkv" if which == "backward" else ("out", "lse")
+        pairs = list(zip(names, grads["portable"], grads["gluon"]))
+        row = dict(op=op, which=which, N=N, H=H, Hk=Hk, D=D, block=block if op == "block_sparse" else None,
+                   identical={n: bool(torch.equal(a, b)) for n, a, b in pairs},
+                   max_abs_diff={n: float((a.float() - b.float()).abs().max()) for n, a, b in pairs},
+                   rel_err={n: float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+                            for n, a, b in pairs},
+                   ms={name: [] for name in kernels})
+        for _ in range(rounds):
+            for name, flag in kernels.items():
+                os.environ["HF_DILATED_GLUON"] = flag
+                row["ms"][name].append(round(do_bench(run, warmup=25, rep=150, return_mode="median"), 4))
+    med = {name: sorted(v)[len(v) // 2] for name, v in row["ms"].items()}
+    row["speedup_median"] = round(med["portable"] / med["gluon"], 3)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--op", choices=("dilated", "block_sparse"), default="dilated")
+    ap.add_argument("--pass", dest="which", choices=("forward", "backward"), default="backward")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=128, help="block-sparse layout block")
+    ap.add_argument("--seqlens", type=int, nargs="*", help="only the cases of these lengths")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name()
+    rows = []
+    for N, H, Hk, D in CASES:
+        if args.seqlens and N not in args.seqlens:
+            continue
+        rows.append(run_case(args.op, args.which, N, H, Hk, D, args.block_size, args.rounds))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    name = f"ab_gluon_{args.which}-{args.op}-{gpu.replace(' ', '_')}-{datetime.date.today()}.json"
+    path = os.path.join(args.out, name)
+    meta = run_environment(dtype=torch.bfloat16)
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, command=" ".join(sys.argv), rows=rows), f, indent=1)
+    print("wrote", path)
+    if args.which == "backward":  # the same products in the same order: a difference is a bug, not rounding
+        differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows if not all(r["identical"].values())]
+    else:  # the forward may differ in the last bf16 bit, not more
+        differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows if max(r["rel_err"].values()) > 1e-2]
+    if differ:
+        print(f"results differ between the kernels for (N, H, Hk, D) = {differ}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
