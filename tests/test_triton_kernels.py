@@ -749,9 +749,10 @@ def test_gluon_kernels_coverage(monkeypatch, which):
 @pytest.mark.parametrize("gluon", ["1", "0"])
 def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
     """On sm_90 the dilated forward and dK/dV run in Gluon where they apply, and the portable kernels with
-    ``HF_DILATED_GLUON=0``; both against the float64 oracle: GQA with several offset classes, ragged segments, bidirectional, padding,
-    packed sequences, fewer queries than keys (queries and keys of a segment at different rows), global tokens, a
-    dense layer (one launch, which writes the gradients with no float32 buffer) and the backward's head chunks."""
+    ``HF_DILATED_GLUON=0``; both against the float64 oracle: GQA with several offset classes, ragged segments,
+    bidirectional, padding, packed sequences, fewer queries than keys (queries and keys of a segment at different
+    rows), global tokens, a dense layer (one launch, which writes the gradients with no float32 buffer) and the
+    backward's head chunks."""
     _gpu_skip()
     from hf_dilated.ops.triton import configs, hopper
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    dkdv_buffers, dkdv_products, dkdv_scores, first_selected, gl, gluon, mbarrier, n_rows, row_desc, runnable, tma_load,
-    warpgroup_mma_init, warpgroup_mma_wait, written_before,
+    dkdv_buffers, dkdv_products, dkdv_scores, first_selected, gl, gluon, load_item, mbarrier, n_rows, row_desc,
+    runnable, tma_load, warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
-from .tiles import LOG2E, _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI, _IT_Q_LO
+from .tiles import LOG2E
 
 BLOCK_N = 64  # dilated key rows per program (one warpgroup)
 BLOCK_Q = 64  # dilated query rows per step: n64 instructions for the transposed products
@@ -87,14 +87,7 @@ if gluon is not None:
         hc = gl.program_id(1)
         kvh = hc // n_classes
         h0 = kvh * group + hc % n_classes
-        t = T + item * _ITEM_COLUMNS
-        b = gl.load(t + _IT_B).to(gl.int64)
-        qbase = gl.load(t + _IT_Q_BASE)
-        kbase = gl.load(t + _IT_K_BASE)
-        q_lo = gl.load(t + _IT_Q_LO)
-        q_hi = gl.load(t + _IT_Q_HI)
-        k_lo = gl.load(t + _IT_K_LO)
-        k_hi = gl.load(t + _IT_K_HI)
+        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
         off = (h0 + head_offset) % r
         k_first = first_selected(k_lo, off, r)
         n_k = n_rows(k_first, k_hi, r)

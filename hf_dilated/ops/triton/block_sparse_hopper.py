@@ -299,8 +299,9 @@ if gluon is not None:
                 k_next = _key_row(idx_row, j + K_STAGES, n_kt, BLOCK, BLOCK_N)
                 v_next = _key_row(idx_row, j - 1 + V_STAGES, n_kt, BLOCK, BLOCK_N)
                 acc, p, m_i, l_i = fwd_step(
-                    j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, k_next, v_next, acc, p, m_i, l_i, s_zero, qk_scale, edge, k0, Nk, q0, qidx, kidx, o_rows, p_layout, K_STAGES,
-                    V_STAGES, NBYTES, True, IS_CAUSAL)
+                    j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, k_next, v_next, acc, p, m_i, l_i,
+                    s_zero, qk_scale, edge, k0, Nk, q0, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, True,
+                    IS_CAUSAL)
             out, lse = fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows, V_STAGES)
         fwd_release(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
         qr = q0 + gl.arange(0, BLOCK_M, layout=o_rows)

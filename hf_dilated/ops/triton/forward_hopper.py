@@ -24,10 +24,9 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    first_selected, fwd_buffers, fwd_first, fwd_last, fwd_release, fwd_step, gl, gluon, mbarrier, n_rows, row_desc,
-    runnable, tile_copy, tma_load, written_before,
+    first_selected, fwd_buffers, fwd_first, fwd_last, fwd_release, fwd_step, gl, gluon, load_item, mbarrier, n_rows,
+    row_desc, runnable, tile_copy, tma_load, written_before,
 )
-from .tiles import _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI, _IT_Q_LO
 
 BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
 # (key rows per step, K buffers, V buffers) by head dim, measured on the H100 (benchmarks/NOTES_triton.md, round 2
@@ -92,14 +91,7 @@ if gluon is not None:
         if IS_CAUSAL:  # an item's tiles last-first: the heaviest start first (tiles.item_tile)
             tile = n_tiles - 1 - tile
         h = gl.program_id(1)
-        t = T + item * _ITEM_COLUMNS
-        b = gl.load(t + _IT_B).to(gl.int64)
-        qbase = gl.load(t + _IT_Q_BASE)
-        kbase = gl.load(t + _IT_K_BASE)
-        q_lo = gl.load(t + _IT_Q_LO)
-        q_hi = gl.load(t + _IT_Q_HI)
-        k_lo = gl.load(t + _IT_K_LO)
-        k_hi = gl.load(t + _IT_K_HI)
+        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
         off = (h + head_offset) % r
         q_first = first_selected(q_lo, off, r)
         row0 = tile * BLOCK_M

@@ -19,6 +19,7 @@ from unittest import mock
 import triton
 
 from . import configs
+from .tiles import _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI, _IT_Q_LO
 
 try:  # Gluon is experimental; a Triton without it (or with another API) keeps the portable kernels
     from triton.experimental import gluon
@@ -78,6 +79,14 @@ if gluon is not None:
         zeros (Gluon's ``tiles.row_desc``)."""
         return tma.make_tensor_descriptor(base, shape=[n, HEAD_DIM], strides=[row_stride, 1],
                                           block_shape=[BLOCK_ROWS, HEAD_DIM], layout=layout)
+
+    @gluon.jit
+    def load_item(T, item):
+        """``tiles.load_item`` in Gluon: ``(b, q_base, k_base, q_lo, q_hi, k_lo, k_hi)`` of work item ``item``
+        (``schedule.py``), ``b`` as int64."""
+        t = T + item * _ITEM_COLUMNS
+        return (gl.load(t + _IT_B).to(gl.int64), gl.load(t + _IT_Q_BASE), gl.load(t + _IT_K_BASE),
+                gl.load(t + _IT_Q_LO), gl.load(t + _IT_Q_HI), gl.load(t + _IT_K_LO), gl.load(t + _IT_K_HI))
 
     @gluon.jit
     def first_selected(lo, off, r):
@@ -258,5 +267,5 @@ if gluon is not None:
         return dk, dv
 
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
-    row_desc = dkdv_buffers = dkdv_scores = dkdv_products = first_selected = n_rows = written_before = None
+    row_desc = dkdv_buffers = dkdv_scores = dkdv_products = first_selected = n_rows = written_before = load_item = None
     fwd_buffers = fwd_release = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
