@@ -230,7 +230,8 @@ def test_gluon_dkdv_coverage_and_switch(monkeypatch):
     # the forward in Gluon: the same, on contiguous layouts only (per-token masks keep the portable kernel)
     assert block_sparse_hopper.forward_applies(q, 128, 0, True, True)
     assert not block_sparse_hopper.forward_applies(q, 128, 0, True, False)
-    assert not block_sparse_hopper.forward_applies(q, 128, 3, False, True)
+    assert not block_sparse_hopper.forward_applies(q, 128, 3, True, True)  # decoding
+    assert not block_sparse_hopper.forward_applies(q, 128, 0, False, True)  # pointer loads
     assert block_sparse_hopper.forward_config(128, 128)["BLOCK_N"] == 128  # 128-key steps: D 128 on 128-blocks
     assert block_sparse_hopper.forward_config(64, 128)["BLOCK_N"] == block_sparse_hopper.forward_config(128, 64)[
         "BLOCK_N"] == 64

@@ -393,10 +393,6 @@ def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, i
         return o, lse
     q_offset = Nk - Nq
     tma = _tma((q, k, v), q_offset)
-    cfg = _fwd_config(block, D, q.dtype, Nq, tma)
-    tile0 = q_offset // cfg["BLOCK_M"]
-    grid = (cdiv(Nk, cfg["BLOCK_M"]) - tile0, H, B)
-    meta = _meta(tokens, contiguous)
     if block_sparse_hopper.forward_applies(q, block, q_offset, tma, contiguous):  # Gluon, sm_90
         hcfg = block_sparse_hopper.forward_config(block, D)
         block_sparse_hopper.bs_fwd_hopper_kernel[(cdiv(Nq, hcfg["BLOCK_M"]), H, B)](
@@ -409,6 +405,10 @@ def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, i
         LAUNCHES["forward"] += 1
         LAUNCHES["forward_hopper"] += 1
         return o, lse
+    cfg = _fwd_config(block, D, q.dtype, Nq, tma)
+    tile0 = q_offset // cfg["BLOCK_M"]
+    grid = (cdiv(Nk, cfg["BLOCK_M"]) - tile0, H, B)
+    meta = _meta(tokens, contiguous)
     bs_fwd_kernel[grid](
         q, k, v, o, lse, kv_count, kv_index, *meta,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
