@@ -187,9 +187,9 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
         descriptor_scratch(q.device)
         LAUNCHES["forward_tma"] += 1
     gluon = forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
+    gcfg = forward_hopper.launch_config(D) if gluon else None
     for j, (i, r, it) in enumerate(order):
         if gluon:
-            gcfg = forward_hopper.launch_config(D)
             grid, n_tiles = items_grid(it.n_items, it.max_q_rows, gcfg["BLOCK_M"], H)
             forward_hopper.dilated_fwd_hopper_kernel[grid](
                 q, k, v, o, lse, out, rates, it.items,
