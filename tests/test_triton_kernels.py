@@ -747,11 +747,11 @@ def test_gluon_kernels_coverage(monkeypatch, which):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gluon", ["1", "0"])
-def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
-    """On sm_90 the dilated forward and dK/dV run in Gluon where they apply, and the portable kernels with
-    ``HF_DILATED_GLUON=0``; both against the float64 oracle: GQA with several offset classes, ragged segments,
-    bidirectional, padding, packed sequences, fewer queries than keys (queries and keys of a segment at different
-    rows), global tokens, a dense layer (one launch, which writes the gradients with no float32 buffer) and the
+def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon):
+    """On sm_90 the dilated forward, dK/dV and (head dim 128) dQ run in Gluon where they apply, and the portable
+    kernels with ``HF_DILATED_GLUON=0``; both against the float64 oracle: GQA with several offset classes, ragged
+    segments, bidirectional, padding, packed sequences, fewer queries than keys (queries and keys of a segment at
+    different rows), global tokens, a dense layer (one launch, which writes the gradients with no float32 buffer) and the
     backward's head chunks."""
     _gpu_skip()
     from hf_dilated.ops.triton import configs, hopper
@@ -765,8 +765,10 @@ def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
     def run(q, k, v, branches=LONGNET_SMALL, **kw):
         before = dict(launch.LAUNCHES)
         check(q, k, v, branches, TOL[q.dtype], use_naive=False, **kw)
-        ran = {kind: launch.LAUNCHES[kind] > before.get(kind, 0) for kind in ("dkdv_hopper", "forward_hopper")}
-        assert ran == {"dkdv_hopper": gluon == "1", "forward_hopper": gluon == "1"}, ran
+        kinds = ("dkdv_hopper", "dq_hopper", "forward_hopper")
+        ran = {kind: launch.LAUNCHES[kind] > before.get(kind, 0) for kind in kinds}
+        on = gluon == "1"
+        assert ran == {"dkdv_hopper": on, "dq_hopper": on and q.shape[-1] == 128, "forward_hopper": on}, ran
 
     run(*make_qkv(rng, 2, 16, 4, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
     run(*make_qkv(rng, 1, 8, 8, 2500, 2500, 64, fp16, "cuda"), is_causal=False, head_offset=1)

@@ -1,5 +1,5 @@
-"""Dilated dK/dV on Hopper, written in Gluon: the arrangement of ``block_sparse_hopper.py`` (K / V resident in shared
-memory, 64-query steps, asynchronous ``wgmma``s) over a branch's dilated rows.
+"""Dilated dK/dV and dQ on Hopper, written in Gluon. dK/dV: the arrangement of ``block_sparse_hopper.py`` (K / V
+resident in shared memory, 64-query steps, asynchronous ``wgmma``s) over a branch's dilated rows.
 
 The portable kernel (``backward.dilated_bwd_dkdv_kernel``) holds K and V of a 64-key tile in registers (255
 registers with spills at D = 128) and runs 32-query tiles, so its transposed products are m64 n32 tensor-core
@@ -19,6 +19,15 @@ It covers the training path's common case: bf16 / fp16, head dim 64 / 128, the t
 sliding window and no dropout (``applies``); everything else runs the portable kernel, as does
 ``HF_DILATED_GLUON=0``. The products are the portable kernel's, summed in the same order (16-row k-steps in query
 order), so the gradients are expected bit-identical (``benchmarks/ab_gluon.py`` checks it on the GPU).
+
+dQ (``dilated_bwd_dq_hopper_kernel``, head dim 128 only: ``DQ_STEPS``): one warpgroup owns 64 dilated query rows of an
+item and head, Q and dO resident in shared memory, K / V tiles streamed by TMA (3 K and 2 V buffers). Per key tile the
+scores and ``dP`` are issued, then the previous tile's ``dQ += dS K`` (``hopper.dq_step``): the exponentials and
+``dS`` run while products are on the tensor cores, where the portable kernel waits for ``S`` and ``dP`` as soon as it
+issues them. Same products, same order: bit-identical gradients (H100, 16K-256K); with it the backward runs 1.07 /
+1.04 / 1.02x faster than with the portable dQ at 16K / 64K / 256K and D = 128 (means of 2 interleaved rounds), 0.98x
+at D = 64, where the portable one stays
+(``benchmarks/results/ab_gluon_dq-dilated-*.jsonl``).
 """
 
 from __future__ import annotations
@@ -26,13 +35,17 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    dkdv_buffers, dkdv_products, dkdv_scores, first_selected, gl, gluon, load_item, mbarrier, n_rows, row_desc,
-    runnable, tma_load, warpgroup_mma_init, warpgroup_mma_wait, written_before,
+    dkdv_buffers, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, first_selected, fence_async_shared, gl,
+    gluon, load_item, mbarrier, n_rows, query_tile_keys, row_desc, runnable, tile_copy, tma_load, warpgroup_mma_init,
+    warpgroup_mma_wait, written_before,
 )
 from .tiles import LOG2E
 
 BLOCK_N = 64  # dilated key rows per program (one warpgroup)
 BLOCK_Q = 64  # dilated query rows per step: n64 instructions for the transposed products
+# dQ: (query rows per program, key rows per step, K buffers, V buffers, warps) by head dim. Only D = 128: at D = 64
+# the Gluon dQ measured 0.98x of the portable one (H100, 64K, benchmarks/results/ab_gluon_dq-*), which runs there.
+DQ_STEPS = {128: (64, 64, 3, 2, 4)}
 
 
 def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
@@ -208,6 +221,133 @@ if gluon is not None:
                 kc64, d, kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
 
     @gluon.jit
+    def dilated_bwd_dq_hopper_kernel(
+        Q, K, V, DO, L, Delta, DQ, DQ_OUT, PREV, T,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_db, stride_dh, stride_dn,
+        stride_lb, stride_lh,
+        stride_dqb, stride_dqh, stride_dqn,
+        stride_xqb, stride_xqh, stride_xqn,
+        head_offset, group, r, scale, qk_scale, n_tiles, n_prev,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+        V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """dQ of one tile of ``BLOCK_M`` dilated query rows of one segment item and head (Q, dO, lse and delta
+        resident), over the key tiles it sees (``hopper.dq_step``), added to the rows earlier launches wrote
+        (``MERGE``), stored to ``DQ`` or, ``LAST``, to ``DQ_OUT``: the portable dq kernel's grid and contract."""
+        dtype: gl.constexpr = Q.dtype.element_ty
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        row_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
+        g_rows: gl.constexpr = gl.SliceLayout(1, g_layout)
+        NBYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bar = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bar = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(K_STAGES):
+            mbarrier.init(k_bar.index(i), count=1)
+        for i in gl.static_range(V_STAGES):
+            mbarrier.init(v_bar.index(i), count=1)
+        fence_async_shared()
+
+        pid = gl.program_id(0)
+        item = pid // n_tiles
+        tile = pid % n_tiles
+        if IS_CAUSAL:  # an item's tiles last-first: the heaviest start first (tiles.item_tile)
+            tile = n_tiles - 1 - tile
+        h = gl.program_id(1)
+        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
+        off = (h + head_offset) % r
+        q_first = first_selected(q_lo, off, r)
+        row0 = tile * BLOCK_M
+        p_min = q_first + row0 * r
+        if p_min < q_hi:
+            k_first, n_k, n_full = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, IS_CAUSAL)
+            n_plain = n_full // BLOCK_N  # key tiles that need no mask
+            n_kt = (n_k + BLOCK_N - 1) // BLOCK_N
+            shift = (p_min - k_first) // r  # exact: both positions are in the offset class
+
+            kvh = (h // group).to(gl.int64)
+            h64 = h.to(gl.int64)
+            q0 = (qbase + q_first).to(gl.int64)
+            n_q = n_rows(q_first, q_hi, r)
+            q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh + q0 * stride_qn, n_q, r * stride_qn, BLOCK_M,
+                              HEAD_DIM, q_smem_layout)
+            do_desc = row_desc(DO + b * stride_db + h64 * stride_dh + q0 * stride_dn, n_q, r * stride_dn, BLOCK_M,
+                               HEAD_DIM, q_smem_layout)
+            k0 = (kbase + k_first).to(gl.int64)
+            n_desc = gl.maximum(n_k, 1)  # no copy is issued without keys
+            k_desc = row_desc(K + b * stride_kb + kvh * stride_kh + k0 * stride_kn, n_desc, r * stride_kn, BLOCK_N,
+                              HEAD_DIM, kv_smem_layout)
+            v_desc = row_desc(V + b * stride_vb + kvh * stride_vh + k0 * stride_vn, n_desc, r * stride_vn, BLOCK_N,
+                              HEAD_DIM, kv_smem_layout)
+            mbarrier.expect(q_bar, 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8)
+            tma_load(q_desc, [row0, 0], q_bar, q_smem)
+            tma_load(do_desc, [row0, 0], q_bar, do_smem)
+            for i in gl.static_range(K_STAGES):
+                if i < n_kt:
+                    tile_copy(k_desc, k_smem, k_bar, i, i * BLOCK_N, K_STAGES, NBYTES)
+            for i in gl.static_range(V_STAGES):
+                if i < n_kt:
+                    tile_copy(v_desc, v_smem, v_bar, i, i * BLOCK_N, V_STAGES, NBYTES)
+
+            # lse (base 2; a row that saw no key reads 0) and delta of the tile's rows (rows past the item's last
+            # query read as zeros, as their Q and dO do: they add nothing and are never stored).
+            qidx = gl.arange(0, BLOCK_M, layout=row_axis)
+            qrow = row0 + qidx
+            qmask = qrow < n_q
+            l_rows = b * stride_lb + h64 * stride_lh + q0 + qrow.to(gl.int64) * r
+            lse = gl.load(L + l_rows, mask=qmask, other=0.0)
+            lse = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+            delta = gl.load(Delta + l_rows, mask=qmask, other=0.0)
+            kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+            dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=g_layout)
+            mbarrier.wait(q_bar, 0)
+            if n_kt > 0:
+                ds = dq_first(n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, v_desc, s_zero, lse, delta,
+                              qk_scale, n_plain == 0, n_k, shift, qidx, kidx, ds_layout, BLOCK_N, V_STAGES, NBYTES,
+                              IS_CAUSAL)
+                for j in range(1, n_plain):
+                    dq, ds = dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds,
+                                     s_zero, lse, delta, qk_scale, False, n_k, shift, qidx, kidx, ds_layout, BLOCK_N,
+                                     K_STAGES, V_STAGES, NBYTES, False, IS_CAUSAL)
+                for j in range(gl.maximum(n_plain, 1), n_kt):
+                    dq, ds = dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds,
+                                     s_zero, lse, delta, qk_scale, True, n_k, shift, qidx, kidx, ds_layout, BLOCK_N,
+                                     K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL)
+                dq = dq_last(n_kt, k_smem, dq, ds, K_STAGES)
+
+            # The portable kernel's epilogue: scale, add the rows earlier launches wrote, store.
+            qp = p_min + gl.arange(0, BLOCK_M, layout=g_rows) * r
+            in_range = qp < q_hi
+            qc64 = (qbase + qp).to(gl.int64)[:, None]
+            d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
+            seen = in_range
+            if MERGE:
+                seen = in_range & written_before(qp, h, head_offset, PREV, n_prev, 1)
+            _finish(dq * scale, DQ + b * stride_dqb + h64 * stride_dqh, DQ_OUT + b * stride_xqb + h64 * stride_xqh,
+                    qc64, d, in_range, seen, stride_dqn, stride_xqn, MERGE, LAST)
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(K_STAGES):
+            mbarrier.invalidate(k_bar.index(i))
+        for i in gl.static_range(V_STAGES):
+            mbarrier.invalidate(v_bar.index(i))
+
+    @gluon.jit
     def _finish(acc, SUMS, OUT, rows64, d, rmask, seen, stride_sn, stride_on, MERGE: gl.constexpr,
                 LAST: gl.constexpr):
         """One gradient tile's epilogue: add the rows an earlier launch wrote to ``SUMS`` (``MERGE``), store to
@@ -221,5 +361,13 @@ if gluon is not None:
 
 
 def launch_config() -> dict:
-    """64 dilated keys x 64 dilated queries per step on one warpgroup."""
+    """dK/dV: 64 dilated keys x 64 dilated queries per step on one warpgroup."""
     return dict(BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q, num_warps=4)
+
+
+def dq_launch_config(head_dim: int) -> dict | None:
+    """dQ: ``DQ_STEPS`` of this head dim, or ``None`` where the portable dq kernel runs (no entry)."""
+    if head_dim not in DQ_STEPS:
+        return None
+    m, n, k_stages, v_stages, warps = DQ_STEPS[head_dim]
+    return dict(BLOCK_M=m, BLOCK_N=n, K_STAGES=k_stages, V_STAGES=v_stages, num_warps=warps)

@@ -25,7 +25,7 @@ import torch
 
 from .hopper import (
     first_selected, fwd_buffers, fwd_first, fwd_last, fwd_release, fwd_step, gl, gluon, load_item, mbarrier, n_rows,
-    row_desc, runnable, tile_copy, tma_load, written_before,
+    query_tile_keys, row_desc, runnable, tile_copy, tma_load, written_before,
 )
 
 BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
@@ -97,17 +97,8 @@ if gluon is not None:
         row0 = tile * BLOCK_M
         p_min = q_first + row0 * r
         if p_min < q_hi:
-            # The tile's keys (tiles.query_tile_keys without window or holes): n_k selected rows from k_first, the
-            # first n_full of them seen by every query of the tile.
-            p_max = gl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
-            k_end = k_hi
-            if IS_CAUSAL:
-                k_end = gl.minimum(k_end, p_max + 1)
-            k_first = first_selected(k_lo, off, r)
-            n_k = n_rows(k_first, k_end, r)
-            n_full = n_k
-            if IS_CAUSAL:
-                n_full = gl.minimum(gl.where(p_min >= k_first, (p_min - k_first) // r + 1, 0), n_k)
+            # The tile's keys: n_k selected rows from k_first, the first n_full of them seen by every query.
+            k_first, n_k, n_full = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, IS_CAUSAL)
             n_plain = n_full // BLOCK_N  # key tiles that need no mask
             n_kt = (n_k + BLOCK_N - 1) // BLOCK_N
             shift = (p_min - k_first) // r  # exact: both positions are in the offset class

@@ -1,6 +1,6 @@
 """What the Gluon kernels for Hopper share: the import of Triton's Gluon API (experimental, so it may be missing or
 named otherwise), the ``HF_DILATED_GLUON`` switch, when a Gluon kernel may run at all, the TMA row descriptor, and
-the dK/dV step.
+the forward, dK/dV and dQ steps.
 
 Gluon (``triton.experimental.gluon``) lets a kernel say where each operand lives, which ``wgmma`` runs
 asynchronously and when a buffer may be refilled: the arrangement of the dK/dV kernels in ``block_sparse_hopper.py``
@@ -97,6 +97,22 @@ if gluon is not None:
     def n_rows(first, hi, r):
         """``tiles.n_rows`` in Gluon: how many dilated rows ``first, first + r, ...`` lie below ``hi``."""
         return gl.maximum((hi - first + r - 1) // r, 0)
+
+    @gluon.jit
+    def query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """``tiles.query_tile_keys`` in Gluon without window or holes: ``(k_first, n_k, n_full)``, the tile's first
+        selected key position, how many selected key rows it may see, and how many of those every query of the tile
+        sees (not rounded to a tile)."""
+        p_max = gl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
+        k_end = k_hi
+        if IS_CAUSAL:
+            k_end = gl.minimum(k_end, p_max + 1)
+        k_first = first_selected(k_lo, off, r)
+        n_k = n_rows(k_first, k_end, r)
+        n_full = n_k
+        if IS_CAUSAL:
+            n_full = gl.minimum(gl.where(p_min >= k_first, (p_min - k_first) // r + 1, 0), n_k)
+        return k_first, n_k, n_full
 
     @gluon.jit
     def written_before(p, head, head_offset, PREV, n_prev, heads):
@@ -222,6 +238,71 @@ if gluon is not None:
         l_safe = gl.where(has, l_o, 1.0)
         return acc / l_safe[:, None], gl.where(has, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 
+    # The dQ pipeline (``backward_hopper.dilated_bwd_dq_hopper_kernel``): per key tile, ``S = Q K^T`` and
+    # ``dP = dO V^T`` are issued, then the previous tile's ``dQ += dS K``; the exponentials of this tile run while
+    # ``dP`` and that product are on the tensor cores, ``dS`` while the product is. The portable dq kernel waits for
+    # ``S`` and ``dP`` as soon as they are issued (Triton 3.6 keeps only the chained ``dQ`` product in flight). ``dS``
+    # stays in registers as the A operand, held by the wait's ``deps`` until its product is done.
+
+    @gluon.jit
+    def dq_first(n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, v_desc, s_zero, lse, delta, qk_scale, mask,
+                 n_k, shift, qidx, kidx, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr, V_STAGES: gl.constexpr,
+                 NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """Key tile 0: its scores and ``dP``, nothing to overlap yet; its V buffer refilled with tile ``V_STAGES``.
+        Its ``dS`` (K stays in its buffer for the product)."""
+        mbarrier.wait(k_bar.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_bar.index(0), 0)
+        dp = warpgroup_mma(do_smem, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        if mask:
+            s = masked_scores(s, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
+        p = gl.exp2(s * qk_scale - lse[:, None])
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        if V_STAGES < n_kt:
+            tile_copy(v_desc, v_smem, v_bar, V_STAGES, V_STAGES * BLOCK_N, V_STAGES, NBYTES)
+        ds = p * (dp - delta[:, None])
+        return gl.convert_layout(ds.to(q_smem.dtype), ds_layout)
+
+    @gluon.jit
+    def dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds, s_zero, lse, delta,
+                qk_scale, mask, n_k, shift, qidx, kidx, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, NBYTES: gl.constexpr, MASKABLE: gl.constexpr,
+                IS_CAUSAL: gl.constexpr):
+        """Key tile ``j >= 1`` of ``n_kt``: ``S`` and ``dP`` issued, then tile ``j - 1``'s ``dQ += dS K`` (``ds``:
+        its ``dS``); this tile's ``P`` while ``dP`` and that product run, its ``dS`` while the product does. V's
+        buffer is refilled with tile ``j + V_STAGES`` once ``dP`` is in, tile ``j - 1``'s K buffer with tile
+        ``j - 1 + K_STAGES`` once its product is done. Scores masked where ``MASKABLE`` and ``mask``. ``(dq, ds)``,
+        ``ds`` now tile ``j``'s."""
+        ks = j % K_STAGES
+        vs = j % V_STAGES
+        pk = (j - 1) % K_STAGES
+        mbarrier.wait(k_bar.index(ks), (j // K_STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_bar.index(vs), (j // V_STAGES) & 1)
+        dp = warpgroup_mma(do_smem, v_smem.index(vs).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds, k_smem.index(pk), dq, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
+        if MASKABLE:
+            if mask:
+                s = masked_scores(s, j * BLOCK_N, n_k, shift, qidx, kidx, IS_CAUSAL)
+        p = gl.exp2(s * qk_scale - lse[:, None])
+        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
+        if j + V_STAGES < n_kt:
+            tile_copy(v_desc, v_smem, v_bar, j + V_STAGES, (j + V_STAGES) * BLOCK_N, V_STAGES, NBYTES)
+        ds_j = (p * (dp - delta[:, None])).to(q_smem.dtype)
+        dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds))
+        if j - 1 + K_STAGES < n_kt:
+            tile_copy(k_desc, k_smem, k_bar, j - 1 + K_STAGES, (j - 1 + K_STAGES) * BLOCK_N, K_STAGES, NBYTES)
+        return dq, gl.convert_layout(ds_j, ds_layout)
+
+    @gluon.jit
+    def dq_last(n_kt, k_smem, dq, ds, K_STAGES: gl.constexpr):
+        """The last tile's ``dQ += dS K``, waited for."""
+        dq = warpgroup_mma(ds, k_smem.index((n_kt - 1) % K_STAGES), dq, is_async=True)
+        dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds))
+        return dq
+
     @gluon.jit
     def dkdv_buffers(dtype: gl.constexpr, kv_layout: gl.constexpr, q_layout: gl.constexpr, p_layout: gl.constexpr,
                      BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -267,5 +348,7 @@ if gluon is not None:
         return dk, dv
 
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
-    row_desc = dkdv_buffers = dkdv_scores = dkdv_products = first_selected = n_rows = written_before = load_item = None
+    query_tile_keys = row_desc = dkdv_buffers = dkdv_scores = dkdv_products = first_selected = n_rows = None
+    written_before = load_item = None
     fwd_buffers = fwd_release = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
+    dq_first = dq_step = dq_last = None

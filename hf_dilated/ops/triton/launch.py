@@ -275,6 +275,7 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
         descriptor_scratch(q.device)
         LAUNCHES["backward_tma"] += 1
     gluon = backward_hopper.applies(q, flags, tma)  # the dK/dV kernel in Gluon (sm_90)
+    dq_cfg = backward_hopper.dq_launch_config(hd) if gluon else None  # and the dQ one, at D = 128
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
     for j, (i, r, it) in enumerate(order):
         s = streams[i, :, h0:] if flags["DROPOUT"] else streams[i]
@@ -298,13 +299,22 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
                 inv_keep, n_tiles, j,
                 HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge, **kv_cfg,
             )
-        grid, n_tiles = items_grid(it.n_items, it.max_q_rows, q_cfg["BLOCK_M"], H)
-        dilated_bwd_dq_kernel[grid](
-            q, k, v, do, lse, delta, dq, xq, rates, it.items, qv, kv, s,
-            *strides, *dq.stride()[:3], *xq.stride()[:3],
-            Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr, inv_keep, n_tiles,
-            j, HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge, **q_cfg,
-        )
+        if dq_cfg:
+            grid, n_tiles = items_grid(it.n_items, it.max_q_rows, dq_cfg["BLOCK_M"], H)
+            backward_hopper.dilated_bwd_dq_hopper_kernel[grid](
+                q, k, v, do, lse, delta, dq, xq, rates, it.items, *strides, *dq.stride()[:3], *xq.stride()[:3],
+                pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, n_tiles, j,
+                HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dq_cfg,
+            )
+            LAUNCHES["dq_hopper"] += 1
+        else:
+            grid, n_tiles = items_grid(it.n_items, it.max_q_rows, q_cfg["BLOCK_M"], H)
+            dilated_bwd_dq_kernel[grid](
+                q, k, v, do, lse, delta, dq, xq, rates, it.items, qv, kv, s,
+                *strides, *dq.stride()[:3], *xq.stride()[:3],
+                Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr, inv_keep,
+                n_tiles, j, HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge, **q_cfg,
+            )
 
 
 def decode(q, k, v, pb: Problem, q_pos, q_valid, k_valid, kdesc):

@@ -5,14 +5,13 @@ the forward kernel, then the backward's dK/dV and dQ kernels. Each candidate run
 against the current config's (a candidate that fails to compile, needs more shared memory than the GPU has, or
 disagrees is skipped and reported), then it is timed; the fastest per kernel, when it beats the current config, is
 stored under this GPU's key (:mod:`.tuned`), where :mod:`.configs` finds it from then on. The candidate lists are the
-ones the H100 tables were chosen from (``benchmarks/tune_triton.py`` sweeps the same lists). The dK/dV configs are
-the portable kernel's, timed with it also where the Gluon kernel would run (sm_90): it runs there for windows,
-dropout, holes and ``HF_DILATED_GLUON=0``.
+ones the H100 tables were chosen from (``benchmarks/tune_triton.py`` sweeps the same lists). The configs are the
+portable kernels', timed with them also where the Gluon kernels would run (sm_90): they run there for windows,
+dropout, holes, float32, other head dims and ``HF_DILATED_GLUON=0``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -143,8 +142,8 @@ def _measure(d, dtype, seq_len, heads, kernels, device, timer, candidates_of, ti
     trials, wants = [], {}
     for kernel in kernels:
         run = fwd if kernel == "fwd" else bwd
-        # The forward and dK/dV configs are the portable kernels': time those where the Gluon ones would run (sm_90).
-        with hopper.portable() if kernel in ("fwd", "dkdv") else contextlib.nullcontext():
+        # Every config is the portable kernels': time those where the Gluon ones would run (sm_90).
+        with hopper.portable():
             want = wants[run] = wants.get(run) or run()  # the current config's result (one backward for dK/dV, dQ)
             trials.append(Trial(kernel, d, dtype, None, ms=timer(run)))
             tick()
