@@ -5,14 +5,15 @@
   ``backward_hopper.py``), LongNet branches w = 2048..32768, r = 1..16 (the attention benchmark's), causal.
 - ``--op block_sparse``: ``block_sparse.forward`` / ``backward`` (``ops/triton/block_sparse_hopper.py``) on
   ``scripts/bench_block_sparse.py``'s layout (a 2K local window, the sink block, LongNet-style dilated blocks).
-- ``--pass forward`` or ``backward`` (the backward's Gluon kernel is the dK/dV one).
+- ``--pass forward`` or ``backward`` (the backward's Gluon kernels: dK/dV, and for the dilated op at head dim 128
+  dQ too).
 
 bf16; cases cover the benchmarks' H 16 / D 128 shape, GQA 32 / 8 and SmolLM2's 9 / 3 heads at D 64.
 
     python benchmarks/ab_gluon.py --op dilated --pass forward --out benchmarks/results
 
 Each case first compares the two kernels' results: the backward's gradients must be bit-identical (the Gluon dK/dV
-sums the same products in the same order); the forward's outputs agree to the last bf16 bit (the Gluon forward's
+and dQ sum the same products in the same order); the forward's outputs agree to the last bf16 bit (the Gluon forward's
 128-key steps move the running maximum less often; with 64-key steps they are bit-identical) and are checked at
 SPEC's 1e-2. Then it times the pass with ``triton.testing.do_bench`` (median) for each kernel in every round. Writes
 ``ab_gluon_<pass>-<op>-<GPU>-<date>.json``; exits 1 if results differ."""

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    LOG2E, allowed, drop_keep, drop_rows, first_selected, item_tile, load_item, load_rows, mm, n_rows, query_range,
-    query_tile_keys, rounded, row_desc, tile_mask, tile_rows, written_before,
+    LOG2E, allowed, drop_keep, drop_rows, first_selected, item_query_tile, item_tile, load_item, load_rows, mm, n_rows,
+    query_range, query_tile_keys, rounded, row_desc, tile_mask, tile_rows, written_before,
 )
 
 
@@ -216,13 +216,8 @@ def dilated_bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
     MERGE: tl.constexpr, LAST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    item, tile = item_tile(n_tiles, IS_CAUSAL)
-    h = tl.program_id(1)
-    b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
-    off = (h + head_offset) % r
-    q_first = first_selected(q_lo, off, r)
-    row0 = tile * BLOCK_M
-    p_min = q_first + row0 * r
+    b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(T, n_tiles, head_offset, r,
+                                                                                           BLOCK_M, IS_CAUSAL)
     if p_min >= q_hi:
         return
     qp, in_range, qc, qmask = tile_rows(q_first, tile, r, q_hi, qbase, QV, b * Nq, BLOCK_M, HOLES)

@@ -35,9 +35,9 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    dkdv_buffers, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, first_selected, fence_async_shared, gl,
-    gluon, load_item, mbarrier, n_rows, query_tile_keys, row_desc, runnable, tile_copy, tma_load, warpgroup_mma_init,
-    warpgroup_mma_wait, written_before,
+    dkdv_buffers, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, fence_async_shared, first_selected, gl,
+    gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows, query_tile_keys, release_barriers,
+    row_desc, runnable, tma_load, warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
 from .tiles import LOG2E
 
@@ -263,23 +263,11 @@ if gluon is not None:
             mbarrier.init(v_bar.index(i), count=1)
         fence_async_shared()
 
-        pid = gl.program_id(0)
-        item = pid // n_tiles
-        tile = pid % n_tiles
-        if IS_CAUSAL:  # an item's tiles last-first: the heaviest start first (tiles.item_tile)
-            tile = n_tiles - 1 - tile
-        h = gl.program_id(1)
-        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
-        off = (h + head_offset) % r
-        q_first = first_selected(q_lo, off, r)
-        row0 = tile * BLOCK_M
-        p_min = q_first + row0 * r
+        b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
+            T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)
         if p_min < q_hi:
-            k_first, n_k, n_full = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, IS_CAUSAL)
-            n_plain = n_full // BLOCK_N  # key tiles that need no mask
-            n_kt = (n_k + BLOCK_N - 1) // BLOCK_N
-            shift = (p_min - k_first) // r  # exact: both positions are in the offset class
-
+            k_first, n_k, n_plain, n_kt, shift = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, BLOCK_N,
+                                                                 IS_CAUSAL)
             kvh = (h // group).to(gl.int64)
             h64 = h.to(gl.int64)
             q0 = (qbase + q_first).to(gl.int64)
@@ -288,21 +276,12 @@ if gluon is not None:
                               HEAD_DIM, q_smem_layout)
             do_desc = row_desc(DO + b * stride_db + h64 * stride_dh + q0 * stride_dn, n_q, r * stride_dn, BLOCK_M,
                                HEAD_DIM, q_smem_layout)
-            k0 = (kbase + k_first).to(gl.int64)
-            n_desc = gl.maximum(n_k, 1)  # no copy is issued without keys
-            k_desc = row_desc(K + b * stride_kb + kvh * stride_kh + k0 * stride_kn, n_desc, r * stride_kn, BLOCK_N,
-                              HEAD_DIM, kv_smem_layout)
-            v_desc = row_desc(V + b * stride_vb + kvh * stride_vh + k0 * stride_vn, n_desc, r * stride_vn, BLOCK_N,
-                              HEAD_DIM, kv_smem_layout)
+            k_desc, v_desc = kv_descs(K, V, b, kvh, kbase, k_first, n_k, stride_kb, stride_kh, stride_kn, stride_vb,
+                                      stride_vh, stride_vn, r, BLOCK_N, HEAD_DIM, kv_smem_layout)
             mbarrier.expect(q_bar, 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8)
             tma_load(q_desc, [row0, 0], q_bar, q_smem)
             tma_load(do_desc, [row0, 0], q_bar, do_smem)
-            for i in gl.static_range(K_STAGES):
-                if i < n_kt:
-                    tile_copy(k_desc, k_smem, k_bar, i, i * BLOCK_N, K_STAGES, NBYTES)
-            for i in gl.static_range(V_STAGES):
-                if i < n_kt:
-                    tile_copy(v_desc, v_smem, v_bar, i, i * BLOCK_N, V_STAGES, NBYTES)
+            kv_prefetch(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, n_kt, BLOCK_N, K_STAGES, V_STAGES, NBYTES)
 
             # lse (base 2; a row that saw no key reads 0) and delta of the tile's rows (rows past the item's last
             # query read as zeros, as their Q and dO do: they add nothing and are never stored).
@@ -341,11 +320,7 @@ if gluon is not None:
                 seen = in_range & written_before(qp, h, head_offset, PREV, n_prev, 1)
             _finish(dq * scale, DQ + b * stride_dqb + h64 * stride_dqh, DQ_OUT + b * stride_xqb + h64 * stride_xqh,
                     qc64, d, in_range, seen, stride_dqn, stride_xqn, MERGE, LAST)
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(K_STAGES):
-            mbarrier.invalidate(k_bar.index(i))
-        for i in gl.static_range(V_STAGES):
-            mbarrier.invalidate(v_bar.index(i))
+        release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
     @gluon.jit
     def _finish(acc, SUMS, OUT, rows64, d, rmask, seen, stride_sn, stride_on, MERGE: gl.constexpr,

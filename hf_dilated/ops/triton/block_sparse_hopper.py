@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_buffers, fwd_first, fwd_last, fwd_release, fwd_step, gl,
-    gluon, mbarrier, row_desc, runnable, tile_copy, tma_load, warpgroup_mma_init, warpgroup_mma_wait,
+    available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_buffers, fwd_first, fwd_last, fwd_step, gl, gluon,
+    mbarrier, release_barriers, row_desc, runnable, tile_copy, tma_load, warpgroup_mma_init, warpgroup_mma_wait,
 )
 from .tiles import LOG2E
 
@@ -303,7 +303,7 @@ if gluon is not None:
                     s_zero, qk_scale, edge, k0, Nk, q0, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, True,
                     IS_CAUSAL)
             out, lse = fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows, V_STAGES)
-        fwd_release(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
+        release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
         qr = q0 + gl.arange(0, BLOCK_M, layout=o_rows)
         qmask = qr < Nq
         qr64 = qr.to(gl.int64)

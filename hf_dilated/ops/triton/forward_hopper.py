@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    first_selected, fwd_buffers, fwd_first, fwd_last, fwd_release, fwd_step, gl, gluon, load_item, mbarrier, n_rows,
-    query_tile_keys, row_desc, runnable, tile_copy, tma_load, written_before,
+    fwd_buffers, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile, kv_descs, kv_prefetch, mbarrier, n_rows,
+    query_tile_keys, release_barriers, row_desc, runnable, tma_load, written_before,
 )
 
 BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
@@ -85,42 +85,20 @@ if gluon is not None:
         q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = fwd_buffers(dtype, q_smem_layout, kv_smem_layout, BLOCK_M,
                                                                   BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES)
 
-        pid = gl.program_id(0)
-        item = pid // n_tiles
-        tile = pid % n_tiles
-        if IS_CAUSAL:  # an item's tiles last-first: the heaviest start first (tiles.item_tile)
-            tile = n_tiles - 1 - tile
-        h = gl.program_id(1)
-        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
-        off = (h + head_offset) % r
-        q_first = first_selected(q_lo, off, r)
-        row0 = tile * BLOCK_M
-        p_min = q_first + row0 * r
+        b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
+            T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)
         if p_min < q_hi:
-            # The tile's keys: n_k selected rows from k_first, the first n_full of them seen by every query.
-            k_first, n_k, n_full = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, IS_CAUSAL)
-            n_plain = n_full // BLOCK_N  # key tiles that need no mask
-            n_kt = (n_k + BLOCK_N - 1) // BLOCK_N
-            shift = (p_min - k_first) // r  # exact: both positions are in the offset class
-
+            k_first, n_k, n_plain, n_kt, shift = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, BLOCK_N,
+                                                                 IS_CAUSAL)
             kvh = (h // group).to(gl.int64)
             h64 = h.to(gl.int64)
             q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh + (qbase + q_first).to(gl.int64) * stride_qn,
                               n_rows(q_first, q_hi, r), r * stride_qn, BLOCK_M, HEAD_DIM, q_smem_layout)
-            k0 = (kbase + k_first).to(gl.int64)
-            n_desc = gl.maximum(n_k, 1)  # no copy is issued without keys
-            k_desc = row_desc(K + b * stride_kb + kvh * stride_kh + k0 * stride_kn, n_desc, r * stride_kn, BLOCK_N,
-                              HEAD_DIM, kv_smem_layout)
-            v_desc = row_desc(V + b * stride_vb + kvh * stride_vh + k0 * stride_vn, n_desc, r * stride_vn, BLOCK_N,
-                              HEAD_DIM, kv_smem_layout)
+            k_desc, v_desc = kv_descs(K, V, b, kvh, kbase, k_first, n_k, stride_kb, stride_kh, stride_kn, stride_vb,
+                                      stride_vh, stride_vn, r, BLOCK_N, HEAD_DIM, kv_smem_layout)
             mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8)
             tma_load(q_desc, [row0, 0], q_bar, q_smem)
-            for i in gl.static_range(K_STAGES):
-                if i < n_kt:
-                    tile_copy(k_desc, k_smem, k_bar, i, i * BLOCK_N, K_STAGES, NBYTES)
-            for i in gl.static_range(V_STAGES):
-                if i < n_kt:
-                    tile_copy(v_desc, v_smem, v_bar, i, i * BLOCK_N, V_STAGES, NBYTES)
+            kv_prefetch(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, n_kt, BLOCK_N, K_STAGES, V_STAGES, NBYTES)
 
             qidx = gl.arange(0, BLOCK_M, layout=row_axis)
             kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -176,4 +154,4 @@ if gluon is not None:
             else:
                 gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_range[:, None])
             gl.store(l_ptrs, lse, mask=in_range)
-        fwd_release(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
+        release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)

@@ -99,10 +99,29 @@ if gluon is not None:
         return gl.maximum((hi - first + r - 1) // r, 0)
 
     @gluon.jit
-    def query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """``tiles.query_tile_keys`` in Gluon without window or holes: ``(k_first, n_k, n_full)``, the tile's first
-        selected key position, how many selected key rows it may see, and how many of those every query of the tile
-        sees (not rounded to a tile)."""
+    def item_query_tile(T, n_tiles, head_offset, r, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """``tiles.item_query_tile`` in Gluon: ``(b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0,
+        p_min)`` of a query-tile program (an item's tiles last-first when causal: ``tiles.item_tile``)."""
+        pid = gl.program_id(0)
+        item = pid // n_tiles
+        tile = pid % n_tiles
+        if IS_CAUSAL:
+            tile = n_tiles - 1 - tile
+        h = gl.program_id(1)
+        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
+        off = (h + head_offset) % r
+        q_first = first_selected(q_lo, off, r)
+        row0 = tile * BLOCK_M
+        p_min = q_first + row0 * r
+        return b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min
+
+    @gluon.jit
+    def query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        IS_CAUSAL: gl.constexpr):
+        """``tiles.query_tile_keys`` in Gluon without window or holes: ``(k_first, n_k, n_plain, n_kt, shift)``, the
+        tile's first selected key position, how many selected key rows it may see, how many ``BLOCK_N`` key tiles
+        every query of the tile sees whole (no mask), how many key tiles there are, and the tile's first query in
+        dilated rows after ``k_first`` (exact: both positions are in the offset class)."""
         p_max = gl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
         k_end = k_hi
         if IS_CAUSAL:
@@ -112,7 +131,34 @@ if gluon is not None:
         n_full = n_k
         if IS_CAUSAL:
             n_full = gl.minimum(gl.where(p_min >= k_first, (p_min - k_first) // r + 1, 0), n_k)
-        return k_first, n_k, n_full
+        n_plain = n_full // BLOCK_N
+        n_kt = (n_k + BLOCK_N - 1) // BLOCK_N
+        shift = (p_min - k_first) // r
+        return k_first, n_k, n_plain, n_kt, shift
+
+    @gluon.jit
+    def kv_descs(K, V, b, kvh, kbase, k_first, n_k, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                 r, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+        """TMA descriptors over a query tile's ``n_k`` selected K and V rows from ``k_first`` (row stride ``r``
+        rows): ``(k_desc, v_desc)``."""
+        k0 = (kbase + k_first).to(gl.int64)
+        n_desc = gl.maximum(n_k, 1)  # no copy is issued without keys
+        k_desc = row_desc(K + b * stride_kb + kvh * stride_kh + k0 * stride_kn, n_desc, r * stride_kn, BLOCK_N,
+                          HEAD_DIM, layout)
+        v_desc = row_desc(V + b * stride_vb + kvh * stride_vh + k0 * stride_vn, n_desc, r * stride_vn, BLOCK_N,
+                          HEAD_DIM, layout)
+        return k_desc, v_desc
+
+    @gluon.jit
+    def kv_prefetch(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, n_kt, BLOCK_N: gl.constexpr,
+                    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, NBYTES: gl.constexpr):
+        """The copies of the first ``K_STAGES`` K and ``V_STAGES`` V tiles (of ``n_kt``) issued."""
+        for i in gl.static_range(K_STAGES):
+            if i < n_kt:
+                tile_copy(k_desc, k_smem, k_bar, i, i * BLOCK_N, K_STAGES, NBYTES)
+        for i in gl.static_range(V_STAGES):
+            if i < n_kt:
+                tile_copy(v_desc, v_smem, v_bar, i, i * BLOCK_N, V_STAGES, NBYTES)
 
     @gluon.jit
     def written_before(p, head, head_offset, PREV, n_prev, heads):
@@ -151,7 +197,8 @@ if gluon is not None:
         return q_smem, k_smem, v_smem, q_bar, k_bar, v_bar
 
     @gluon.jit
-    def fwd_release(q_bar, k_bar, v_bar, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    def release_barriers(q_bar, k_bar, v_bar, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+        """The barriers of a query-tile program (forward, dQ) invalidated at its end."""
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(K_STAGES):
             mbarrier.invalidate(k_bar.index(i))
@@ -349,6 +396,6 @@ if gluon is not None:
 
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
     query_tile_keys = row_desc = dkdv_buffers = dkdv_scores = dkdv_products = first_selected = n_rows = None
-    written_before = load_item = None
-    fwd_buffers = fwd_release = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
+    written_before = load_item = item_query_tile = kv_descs = kv_prefetch = None
+    fwd_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
     dq_first = dq_step = dq_last = None

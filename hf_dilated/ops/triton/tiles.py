@@ -49,6 +49,22 @@ def item_tile(n_tiles, HEAVIEST_LAST: tl.constexpr):
 
 
 @triton.jit
+def item_query_tile(T, n_tiles, head_offset, r, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """A query-tile program's work (the forward and dQ kernels; grid: items x tiles on axis 0, heads on axis 1):
+    ``(b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min)``: its item (:func:`load_item`), head
+    and offset class, the item's first selected query position, the tile, its first dilated row and that row's
+    position; the tile has rows where ``p_min < q_hi``."""
+    item, tile = item_tile(n_tiles, IS_CAUSAL)
+    h = tl.program_id(1)
+    b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
+    off = (h + head_offset) % r
+    q_first = first_selected(q_lo, off, r)
+    row0 = tile * BLOCK_M
+    p_min = q_first + row0 * r
+    return b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min
+
+
+@triton.jit
 def mm(a, b, UPCAST: tl.constexpr):
     """``tl.dot`` by mode: 0 plain (bf16 / fp16), 1 float32 operands (works around the interpreter's wrong bfloat16
     dots, CPU tests only), 2 float32 inputs as ``tf32x3``: three tf32 tensor-core products, float32's accuracy
