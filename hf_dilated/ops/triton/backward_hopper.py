@@ -35,9 +35,9 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    dkdv_buffers, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, fence_async_shared, first_selected, gl,
-    gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows, query_tile_keys, release_barriers,
-    row_desc, runnable, tma_load, warpgroup_mma_init, warpgroup_mma_wait, written_before,
+    dkdv_buffers, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, first_selected, gl, gluon, item_query_tile,
+    kv_descs, kv_prefetch, load_item, mbarrier, n_rows, query_tile_buffers, query_tile_keys, release_barriers, row_desc,
+    runnable, tma_load, warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
 from .tiles import LOG2E
 
@@ -249,19 +249,9 @@ if gluon is not None:
         row_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
         g_rows: gl.constexpr = gl.SliceLayout(1, g_layout)
         NBYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_layout)
-        do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_layout)
-        k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_bar = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-        v_bar = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(K_STAGES):
-            mbarrier.init(k_bar.index(i), count=1)
-        for i in gl.static_range(V_STAGES):
-            mbarrier.init(v_bar.index(i), count=1)
-        fence_async_shared()
+        q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = query_tile_buffers(
+            dtype, q_smem_layout, kv_smem_layout, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES)
+        do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_layout)  # dO's tile, Q's barrier
 
         b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
             T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)

@@ -31,8 +31,9 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_buffers, fwd_first, fwd_last, fwd_step, gl, gluon,
-    mbarrier, release_barriers, row_desc, runnable, tile_copy, tma_load, warpgroup_mma_init, warpgroup_mma_wait,
+    available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_first, fwd_last, fwd_step, gl, gluon, mbarrier,
+    query_tile_buffers, release_barriers, row_desc, runnable, tile_copy, tma_load, warpgroup_mma_init,
+    warpgroup_mma_wait,
 )
 from .tiles import LOG2E
 
@@ -245,8 +246,8 @@ if gluon is not None:
         row_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         NBYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-        q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = fwd_buffers(dtype, q_smem_layout, kv_smem_layout, BLOCK_M,
-                                                                  BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES)
+        q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = query_tile_buffers(
+            dtype, q_smem_layout, kv_smem_layout, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES)
         t = gl.program_id(0)
         if IS_CAUSAL:  # last-first: the tiles with the most active key blocks start first (block_sparse._query_tile)
             t = gl.num_programs(0) - 1 - t

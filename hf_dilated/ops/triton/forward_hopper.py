@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    fwd_buffers, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile, kv_descs, kv_prefetch, mbarrier, n_rows,
-    query_tile_keys, release_barriers, row_desc, runnable, tma_load, written_before,
+    fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile, kv_descs, kv_prefetch, mbarrier, n_rows,
+    query_tile_buffers, query_tile_keys, release_barriers, row_desc, runnable, tma_load, written_before,
 )
 
 BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
@@ -82,8 +82,8 @@ if gluon is not None:
         row_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         NBYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-        q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = fwd_buffers(dtype, q_smem_layout, kv_smem_layout, BLOCK_M,
-                                                                  BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES)
+        q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = query_tile_buffers(
+            dtype, q_smem_layout, kv_smem_layout, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES)
 
         b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
             T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)

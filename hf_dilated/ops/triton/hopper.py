@@ -178,10 +178,11 @@ if gluon is not None:
     # is on the tensor cores (FA3's intra-warpgroup pipelining); the arithmetic is ``tiles.softmax_step``'s.
 
     @gluon.jit
-    def fwd_buffers(dtype: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
-        """A forward program's shared memory, ``(Q, K[K_STAGES], V[V_STAGES], Q's barrier, K's, V's)``, barriers
-        initialised."""
+    def query_tile_buffers(dtype: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+        """A query-tile program's shared memory (forward, dQ), ``(Q, K[K_STAGES], V[V_STAGES], Q's barrier, K's,
+        V's)``, barriers initialised."""
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -397,5 +398,5 @@ if gluon is not None:
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
     query_tile_keys = row_desc = dkdv_buffers = dkdv_scores = dkdv_products = first_selected = n_rows = None
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = None
-    fwd_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
+    query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
     dq_first = dq_step = dq_last = None
