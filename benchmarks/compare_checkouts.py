@@ -1,18 +1,22 @@
-"""Time the dilated op of one checkout and print checksums, so that two checkouts (before and after a kernel change)
-can be compared in one device call, bit for bit and in milliseconds.
+"""Time the attention op of one checkout and print checksums, so that two checkouts (before and after a kernel
+change) can be compared in one device call, bit for bit and in milliseconds.
 
-    git archive HEAD~1 hf_dilated | tar -x -C /tmp/base     # the checkout to compare against
+    git archive HEAD~1 hf_dilated scripts | tar -x -C /tmp/base     # the checkout to compare against
     python benchmarks/compare_checkouts.py /tmp/base base 16384 65536 262144
     python benchmarks/compare_checkouts.py . new 16384 65536 262144
+    python benchmarks/compare_checkouts.py . new 65536 --op block_sparse --heads 32 --kv-heads 8
 
-One JSON line per (head dim, N): forward and forward+backward medians (``triton.testing.do_bench``) of the LongNet
-branches (w = 2048..32768, r = 1..16; B = 1, H = 16, bf16, causal) on seeded inputs, and per tensor (out, dq, dk, dv) a
-float64 sum and the sum of its int16 bit patterns: equal checksums on both sides mean identical results."""
+One JSON line per (head dim, N): forward and forward+backward medians (``triton.testing.do_bench``) on seeded inputs
+(B = 1, bf16, causal), and per tensor (out, dq, dk, dv) a float64 sum and the sum of its int16 bit patterns: equal
+checksums on both sides mean identical results. ``--op dilated``: the LongNet branches (w = 2048..32768,
+r = 1..16); ``--op block_sparse``: ``scripts/bench_block_sparse.py``'s layout (128-blocks), from the checkout's own
+``scripts``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 BRANCHES = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
@@ -31,20 +35,31 @@ def main() -> None:
     ap.add_argument("seqlens", type=int, nargs="+")
     ap.add_argument("--dims", type=int, nargs="+", default=[128])
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); --heads by default")
+    ap.add_argument("--op", choices=("dilated", "block_sparse"), default="dilated")
     args = ap.parse_args()
     sys.path.insert(0, args.root)
+    sys.path.insert(0, os.path.join(args.root, "scripts"))
     import torch
     from triton.testing import do_bench
 
     import hf_dilated
 
-    ws, rs = [w for w, _ in BRANCHES], [r for _, r in BRANCHES]
-    attend = lambda q, k, v: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton")  # noqa: E731
+    kv_heads = args.kv_heads or args.heads
     for D in args.dims:
         for N in args.seqlens:
+            if args.op == "dilated":
+                ws, rs = [w for w, _ in BRANCHES], [r for _, r in BRANCHES]
+                attend = lambda q, k, v: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton")  # noqa: E731
+            else:
+                import bench_block_sparse
+
+                layout = bench_block_sparse.fixed_layout(N, 128, "cuda", num_heads=args.heads)
+                attend = lambda q, k, v: hf_dilated.block_sparse_attention(  # noqa: E731
+                    q, k, v, layout, is_causal=True, backend="triton")
             g = torch.Generator(device="cuda").manual_seed(1234 + N + D)
-            q, k, v, do = (torch.randn(1, args.heads, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                           for _ in range(4))
+            q, k, v, do = (torch.randn(1, h, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                           for h in (args.heads, kv_heads, kv_heads, args.heads))
             with torch.no_grad():
                 out = attend(q, k, v)
                 fwd = do_bench(lambda: attend(q, k, v), warmup=50, rep=400, return_mode="median")
@@ -55,9 +70,9 @@ def main() -> None:
 
             grads = fwd_bwd()
             both = do_bench(fwd_bwd, warmup=50, rep=600, return_mode="median")
-            print(json.dumps(dict(label=args.label, N=N, D=D, fwd_ms=round(fwd, 3), fwdbwd_ms=round(both, 3),
-                                  bwd_ms=round(both - fwd, 3), cks=[checksums(out)] + [checksums(x) for x in grads])),
-                  flush=True)
+            print(json.dumps(dict(label=args.label, op=args.op, N=N, D=D, heads=args.heads, kv_heads=kv_heads,
+                                  fwd_ms=round(fwd, 3), fwdbwd_ms=round(both, 3), bwd_ms=round(both - fwd, 3),
+                                  cks=[checksums(out)] + [checksums(x) for x in grads])), flush=True)
             del q, k, v, do, qq, kk, vv, out, grads
             torch.cuda.empty_cache()
 

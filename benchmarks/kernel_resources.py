@@ -133,7 +133,7 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
     """Run the launch paths once per feature that changes a kernel's specialisation (each sets ``case[0]``)."""
     import hf_dilated
     from hf_dilated.config import DENSE_SEGMENT
-    from hf_dilated.ops.block_sparse import block_sparse_attention
+    from hf_dilated.ops.block_sparse import BlockSparseConfig, block_sparse_attention
     from hf_dilated.ops.layout import cache_layout
     from hf_dilated.ops.triton import hopper
     from hf_dilated.ops.triton.op import dilated_attention_triton
@@ -168,6 +168,9 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
                                  strict=True)
     for pattern in ("local", "adaptive") if not quick else ("adaptive",):
         fwd_bwd(f"block-sparse {pattern}", lambda: block_sparse_attention(q, k, v, pattern, backend="triton"))
+    if not quick:  # the benchmarks' 128-token blocks (the patterns above use 64)
+        fwd_bwd("block-sparse local, 128-blocks", lambda: block_sparse_attention(
+            q, k, v, BlockSparseConfig(pattern="local", block_size=128), backend="triton"))
     # The portable dK/dV where the Gluon one would run (sm_90): what HF_DILATED_GLUON=0, other head dims and
     # other Tritons launch there.
     with hopper.portable():
