@@ -122,12 +122,10 @@ def check(q, k, v, layout, block_mask, rng, backend, *, causal=True, attention_m
                 assert LAUNCHES["dkdv_hopper"] > before.get("dkdv_hopper", 0)  # Hopper: the Gluon dK/dV kernel ran
             elif q.is_cuda:
                 assert LAUNCHES["dkdv_hopper"] == before.get("dkdv_hopper", 0)  # the portable kernel ran
-            contiguous = attention_mask is None and position_ids is None
-            gluon_fwd = q.is_cuda and block_sparse_hopper.forward_applies(q, layout.block_size, 0, True, contiguous)
-            gluon_dq = q.is_cuda and block_sparse_hopper.dq_applies(q, layout.block_size, 0, True, contiguous)
-            # Hopper, contiguous layouts: the Gluon forward and dQ ran; elsewhere the portable ones
+            gluon_fwd = q.is_cuda and block_sparse_hopper.forward_applies(
+                q, layout.block_size, 0, True, attention_mask is None and position_ids is None)
+            # Hopper, contiguous layouts: the Gluon forward ran; elsewhere the portable one
             assert (LAUNCHES["forward_hopper"] > before.get("forward_hopper", 0)) == gluon_fwd
-            assert (LAUNCHES["dq_hopper"] > before.get("dq_hopper", 0)) == gluon_dq
 
 
 # ---- patterns against their definitions ------------------------------------------------------------------------------
@@ -212,8 +210,9 @@ def test_random_block_mask_gqa(rng, backend, causal):
 
 
 def test_gluon_dkdv_coverage_and_switch(monkeypatch):
-    """The Gluon dK/dV, forward and dQ kernels (sm_90; compiled on the CPU by test_benchmark_tools, run by the GPU
-    tests) cover bf16 / fp16, head dim 64 / 128, layout blocks 64 / 128, queries = keys; ``HF_DILATED_GLUON=0`` (or ``off``)
+    """The Gluon dK/dV and forward kernels (sm_90; compiled on the CPU by test_benchmark_tools, run by the GPU tests)
+    cover
+    bf16 / fp16, head dim 64 / 128, layout blocks 64 / 128, queries = keys; ``HF_DILATED_GLUON=0`` (or ``off``)
     turns it off; never under the interpreter or off sm_90."""
     if not block_sparse_hopper.available():
         pytest.skip("this Triton has no Gluon Hopper API (3.6 or newer)")
@@ -236,12 +235,6 @@ def test_gluon_dkdv_coverage_and_switch(monkeypatch):
     assert block_sparse_hopper.forward_config(128, 128)["BLOCK_N"] == 128  # 128-key steps: D 128 on 128-blocks
     assert block_sparse_hopper.forward_config(64, 128)["BLOCK_N"] == block_sparse_hopper.forward_config(128, 64)[
         "BLOCK_N"] == 64
-    # the dQ in Gluon: where the forward's runs, at the head dims of DQ_STEPS
-    for d in (64, 128):
-        qd = q[..., :d]
-        assert block_sparse_hopper.dq_applies(qd, 128, 0, True, True) == (d in block_sparse_hopper.DQ_STEPS)
-        assert not block_sparse_hopper.dq_applies(qd, 128, 0, True, False)
-        assert not block_sparse_hopper.dq_applies(qd, 128, 3, True, True)
     monkeypatch.setattr(configs, "_capability_major", lambda: 10)  # Blackwell: no wgmma
     assert not block_sparse_hopper.applies(q, 128, 0, True)
     monkeypatch.setattr(configs, "_capability_major", lambda: 9)
@@ -619,10 +612,9 @@ def test_gpu_kernels_realistic(rng, b, dtype):
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("gluon", ["1", "0"])
-def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon):
-    """On sm_90 the Gluon kernels (forward, dQ, dK/dV) are there and run (``check`` asserts it), and with
-    ``HF_DILATED_GLUON=0`` the portable ones do, both against float64: non-causal, D 64, a last 64-row step wholly
-    past the queries."""
+def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
+    """On sm_90 the Gluon dK/dV kernel is there and runs (``check`` asserts it), and with ``HF_DILATED_GLUON=0`` the
+    portable one does, both against float64: non-causal, D 64, a last 64-row step wholly past the queries."""
     from hf_dilated.ops.triton.configs import wgmma
 
     if not wgmma():

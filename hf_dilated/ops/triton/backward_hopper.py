@@ -288,18 +288,16 @@ if gluon is not None:
             mbarrier.wait(q_bar, 0)
             if n_kt > 0:
                 ds = dq_first(n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, v_desc, s_zero, lse, delta,
-                              qk_scale, n_plain == 0, 0, n_k, shift, qidx, kidx, V_STAGES * BLOCK_N, ds_layout,
-                              V_STAGES, NBYTES, IS_CAUSAL, False)
+                              qk_scale, n_plain == 0, n_k, shift, qidx, kidx, ds_layout, BLOCK_N, V_STAGES, NBYTES,
+                              IS_CAUSAL)
                 for j in range(1, n_plain):
                     dq, ds = dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds,
-                                     s_zero, lse, delta, qk_scale, False, j * BLOCK_N, n_k, shift, qidx, kidx,
-                                     (j - 1 + K_STAGES) * BLOCK_N, (j + V_STAGES) * BLOCK_N, ds_layout, K_STAGES,
-                                     V_STAGES, NBYTES, False, IS_CAUSAL, False)
+                                     s_zero, lse, delta, qk_scale, False, n_k, shift, qidx, kidx, ds_layout, BLOCK_N,
+                                     K_STAGES, V_STAGES, NBYTES, False, IS_CAUSAL)
                 for j in range(gl.maximum(n_plain, 1), n_kt):
                     dq, ds = dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds,
-                                     s_zero, lse, delta, qk_scale, True, j * BLOCK_N, n_k, shift, qidx, kidx,
-                                     (j - 1 + K_STAGES) * BLOCK_N, (j + V_STAGES) * BLOCK_N, ds_layout, K_STAGES,
-                                     V_STAGES, NBYTES, True, IS_CAUSAL, False)
+                                     s_zero, lse, delta, qk_scale, True, n_k, shift, qidx, kidx, ds_layout, BLOCK_N,
+                                     K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL)
                 dq = dq_last(n_kt, k_smem, dq, ds, K_STAGES)
 
             # The portable kernel's epilogue: scale, add the rows earlier launches wrote, store.

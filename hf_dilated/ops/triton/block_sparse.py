@@ -439,21 +439,13 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
     group, ratio = H // Hk, H // kv_index.shape[1]
     common = dict(HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, CONTIG=contiguous)
     portable = dict(common, UPCAST=dot_mode(q.dtype), TMA=tma)
-    dq_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
-                  *dq.stride()[:3], *_layout_strides(kv_count, kv_index, B))
-    if block_sparse_hopper.dq_applies(q, block, q_offset, tma, contiguous):  # Gluon, sm_90
-        hcfg = block_sparse_hopper.dq_config(D, block)
-        block_sparse_hopper.bs_bwd_dq_hopper_kernel[(cdiv(Nq, hcfg["BLOCK_M"]), H, B)](
-            q, k, v, do, lse, delta, dq, kv_count, kv_index, *dq_strides,
-            Nq, Nk, group, ratio, scale, scale * LOG2E_F, HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, **hcfg,
-        )
-        LAUNCHES["dq_hopper"] += 1
-    else:
-        tile0 = q_offset // q_cfg["BLOCK_M"]
-        bs_bwd_dq_kernel[(cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)](
-            q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta, *dq_strides,
-            Nq, Nk, q_offset, tile0, group, ratio, scale, scale * LOG2E_F, **portable, **q_cfg,
-        )
+    tile0 = q_offset // q_cfg["BLOCK_M"]
+    bs_bwd_dq_kernel[(cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)](
+        q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *dq.stride()[:3],
+        *_layout_strides(kv_count, kv_index, B),
+        Nq, Nk, q_offset, tile0, group, ratio, scale, scale * LOG2E_F, **portable, **q_cfg,
+    )
     dkdv_args = (q, k, v, do, lse, delta, dk, dv, q_ptr, q_flat, *meta,
                  *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
                  *dk.stride()[:3], *dv.stride()[:3], *_layout_strides(q_ptr, q_flat, B), Nq, Nk)

@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    available, dkdv_buffers, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, fwd_first, fwd_last, fwd_step, gl,
-    gluon, mbarrier, query_tile_buffers, release_barriers, row_desc, runnable, tile_copy, tma_load,
-    warpgroup_mma_init, warpgroup_mma_wait,
+    available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_first, fwd_last, fwd_step, gl, gluon, mbarrier,
+    query_tile_buffers, release_barriers, row_desc, runnable, tile_copy, tma_load, warpgroup_mma_init,
+    warpgroup_mma_wait,
 )
 from .tiles import LOG2E
 
@@ -220,28 +220,6 @@ if gluon is not None:
         return active * BLOCK + (s % (BLOCK // BLOCK_N)) * BLOCK_N
 
     @gluon.jit
-    def _kv_prefetch(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, idx_row, n_kt, BLOCK: gl.constexpr,
-                     BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, NBYTES: gl.constexpr):
-        """Start the copies of the first ``K_STAGES`` K tiles and ``V_STAGES`` V tiles of the query block's active
-        key blocks (``hopper.kv_prefetch`` over a layout row)."""
-        for i in gl.static_range(K_STAGES):
-            if i < n_kt:
-                tile_copy(k_desc, k_smem, k_bar, i, _key_row(idx_row, i, n_kt, BLOCK, BLOCK_N), K_STAGES, NBYTES)
-        for i in gl.static_range(V_STAGES):
-            if i < n_kt:
-                tile_copy(v_desc, v_smem, v_bar, i, _key_row(idx_row, i, n_kt, BLOCK, BLOCK_N), V_STAGES, NBYTES)
-
-    @gluon.jit
-    def _tile_edge(k0, q0, q_edge, Nk, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """Whether the key tile from row ``k0`` needs the mask for the query tile from row ``q0``
-        (``block_sparse._edge``): some key past the last, the query tile past the last key (``q_edge``) or, causal,
-        some key after some query (key ``k0 + c`` after query ``q0 + i`` iff ``k0 + c > q0 + i``)."""
-        edge = q_edge | (k0 + BLOCK_N > Nk)
-        if IS_CAUSAL:
-            edge = edge | (k0 + BLOCK_N - 1 > q0)
-        return edge
-
-    @gluon.jit
     def bs_fwd_hopper_kernel(
         Q, K, V, O, L, CNT, IDX,
         stride_qb, stride_qh, stride_qn,
@@ -287,9 +265,15 @@ if gluon is not None:
         v_desc = row_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM, kv_smem_layout)
         mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8)
         tma_load(q_desc, [q0, 0], q_bar, q_smem)
-        _kv_prefetch(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, idx_row, n_kt, BLOCK, BLOCK_N, K_STAGES, V_STAGES,
-                     NBYTES)
+        for i in gl.static_range(K_STAGES):
+            if i < n_kt:
+                tile_copy(k_desc, k_smem, k_bar, i, _key_row(idx_row, i, n_kt, BLOCK, BLOCK_N), K_STAGES, NBYTES)
+        for i in gl.static_range(V_STAGES):
+            if i < n_kt:
+                tile_copy(v_desc, v_smem, v_bar, i, _key_row(idx_row, i, n_kt, BLOCK, BLOCK_N), V_STAGES, NBYTES)
 
+        # A tile needs its mask where some key is past the last or (causal) after some query of the tile
+        # (block_sparse._edge); the mask compares columns: key k0 + c after query q0 + i iff k0 + c > q0 + i.
         q_edge = q0 + BLOCK_M > Nk
         qidx = gl.arange(0, BLOCK_M, layout=row_axis)
         kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -302,13 +286,17 @@ if gluon is not None:
         mbarrier.wait(q_bar, 0)
         if n_kt > 0:
             k0 = _key_row(idx_row, 0, n_kt, BLOCK, BLOCK_N)
-            edge = _tile_edge(k0, q0, q_edge, Nk, BLOCK_N, IS_CAUSAL)
+            edge = q_edge | (k0 + BLOCK_N > Nk)
+            if IS_CAUSAL:
+                edge = edge | (k0 + BLOCK_N - 1 > q0)
             k_next = _key_row(idx_row, K_STAGES, n_kt, BLOCK, BLOCK_N)
             p, m_i, l_i = fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, k_next, s_zero, qk_scale, edge, k0, Nk, q0,
                                     qidx, kidx, p_layout, K_STAGES, NBYTES, IS_CAUSAL)
             for j in range(1, n_kt):
                 k0 = _key_row(idx_row, j, n_kt, BLOCK, BLOCK_N)
-                edge = _tile_edge(k0, q0, q_edge, Nk, BLOCK_N, IS_CAUSAL)
+                edge = q_edge | (k0 + BLOCK_N > Nk)
+                if IS_CAUSAL:
+                    edge = edge | (k0 + BLOCK_N - 1 > q0)
                 k_next = _key_row(idx_row, j + K_STAGES, n_kt, BLOCK, BLOCK_N)
                 v_next = _key_row(idx_row, j - 1 + V_STAGES, n_kt, BLOCK, BLOCK_N)
                 acc, p, m_i, l_i = fwd_step(
@@ -324,90 +312,6 @@ if gluon is not None:
         gl.store(O + b * stride_ob + h64 * stride_oh + qr64[:, None] * stride_on + d[None, :],
                  out.to(O.dtype.element_ty), mask=qmask[:, None])
         gl.store(L + b * stride_lb + h64 * stride_lh + qr64, lse, mask=qmask)
-
-    @gluon.jit
-    def bs_bwd_dq_hopper_kernel(
-        Q, K, V, DO, L, Delta, DQ, CNT, IDX,
-        stride_qb, stride_qh, stride_qn,
-        stride_kb, stride_kh, stride_kn,
-        stride_vb, stride_vh, stride_vn,
-        stride_db, stride_dh, stride_dn,
-        stride_lb, stride_lh,
-        stride_dqb, stride_dqh, stride_dqn,
-        stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
-        Nq, Nk, group, ratio, scale, qk_scale,
-        HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr,
-    ):
-        """``bs_bwd_dq_kernel``'s contract on a contiguous layout with queries and keys the same rows: dQ of one tile
-        of ``BLOCK_M`` queries of one head (Q, dO, lse and delta resident) over its query block's active key blocks,
-        in ``hopper.dq_step``'s pipeline (the next tile's ``S`` and ``dP`` issued before this tile's ``dS K``)."""
-        dtype: gl.constexpr = Q.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
-        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
-        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-        kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        row_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
-        g_rows: gl.constexpr = gl.SliceLayout(1, g_layout)
-        NBYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-        q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = query_tile_buffers(
-            dtype, q_smem_layout, kv_smem_layout, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES)
-        do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_layout)  # dO's tile, Q's barrier
-        t = gl.program_id(0)
-        h = gl.program_id(1)
-        b = gl.program_id(2).to(gl.int64)
-        q0 = t * BLOCK_M
-        blk = q0 // BLOCK
-        lh = h // ratio
-        kvh = (h // group).to(gl.int64)
-        h64 = h.to(gl.int64)
-        n_kt = gl.load(CNT + b * stride_cb + lh * stride_ch + blk) * (BLOCK // BLOCK_N)
-        idx_row = IDX + b * stride_ib + lh * stride_ih + blk * stride_iq
-        q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM, q_smem_layout)
-        do_desc = row_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, BLOCK_M, HEAD_DIM, q_smem_layout)
-        k_desc = row_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM, kv_smem_layout)
-        v_desc = row_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM, kv_smem_layout)
-        mbarrier.expect(q_bar, 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8)
-        tma_load(q_desc, [q0, 0], q_bar, q_smem)
-        tma_load(do_desc, [q0, 0], q_bar, do_smem)
-        _kv_prefetch(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, idx_row, n_kt, BLOCK, BLOCK_N, K_STAGES, V_STAGES,
-                     NBYTES)
-
-        # lse (base 2; a row that saw no key reads 0) and delta; rows past the last query read zeros, as their Q and
-        # dO do: they add nothing and are never stored.
-        qidx = gl.arange(0, BLOCK_M, layout=row_axis)
-        qmask = q0 + qidx < Nq
-        l_rows = b * stride_lb + h64 * stride_lh + q0 + qidx.to(gl.int64)
-        lse = gl.load(L + l_rows, mask=qmask, other=0.0)
-        lse = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-        delta = gl.load(Delta + l_rows, mask=qmask, other=0.0)
-        q_edge = q0 + BLOCK_M > Nk
-        kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=g_layout)
-        mbarrier.wait(q_bar, 0)
-        if n_kt > 0:
-            k0 = _key_row(idx_row, 0, n_kt, BLOCK, BLOCK_N)
-            ds = dq_first(n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, v_desc, s_zero, lse, delta, qk_scale,
-                          _tile_edge(k0, q0, q_edge, Nk, BLOCK_N, IS_CAUSAL), k0, Nk, q0, qidx, kidx,
-                          _key_row(idx_row, V_STAGES, n_kt, BLOCK, BLOCK_N), ds_layout, V_STAGES, NBYTES, IS_CAUSAL,
-                          num_warps > 4)
-            for j in range(1, n_kt):
-                k0 = _key_row(idx_row, j, n_kt, BLOCK, BLOCK_N)
-                dq, ds = dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds,
-                                 s_zero, lse, delta, qk_scale, _tile_edge(k0, q0, q_edge, Nk, BLOCK_N, IS_CAUSAL), k0,
-                                 Nk, q0, qidx, kidx, _key_row(idx_row, j - 1 + K_STAGES, n_kt, BLOCK, BLOCK_N),
-                                 _key_row(idx_row, j + V_STAGES, n_kt, BLOCK, BLOCK_N), ds_layout, K_STAGES,
-                                 V_STAGES, NBYTES, True, IS_CAUSAL, num_warps > 4)
-            dq = dq_last(n_kt, k_smem, dq, ds, K_STAGES)
-        release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
-        qr = q0 + gl.arange(0, BLOCK_M, layout=g_rows)
-        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
-        gl.store(DQ + b * stride_dqb + h64 * stride_dqh + qr.to(gl.int64)[:, None] * stride_dqn + d[None, :],
-                 (dq * scale).to(DQ.dtype.element_ty), mask=(qr < Nq)[:, None])
 
 
 def launch_config() -> dict:
@@ -430,21 +334,3 @@ def forward_config(block: int, head_dim: int) -> dict:
     n = min(block, 128 if head_dim == 128 else 64)
     k_stages, v_stages = FWD_STEPS[n]
     return dict(BLOCK_M=64, BLOCK_N=n, K_STAGES=k_stages, V_STAGES=v_stages, num_warps=4)
-
-
-# The dQ's (query rows, key rows per step, K buffers, V buffers, warps) by head dim; query rows at most the layout's
-# block (a query tile lies in one block), on one warpgroup per 64 rows.
-DQ_STEPS = {64: (128, 64, 3, 2, 8), 128: (128, 64, 3, 2, 8)}
-
-
-def dq_applies(q: torch.Tensor, block: int, q_offset: int, tma: bool, contiguous: bool) -> bool:
-    """Whether the backward's dQ runs :func:`bs_bwd_dq_hopper_kernel`: as :func:`forward_applies` (it masks by
-    column too), at a head dim in ``DQ_STEPS``."""
-    return forward_applies(q, block, q_offset, tma, contiguous) and q.shape[-1] in DQ_STEPS
-
-
-def dq_config(head_dim: int, block: int) -> dict:
-    """``DQ_STEPS`` of this head dim as launch arguments, for a layout of ``block``-token blocks."""
-    m, n, k_stages, v_stages, warps = DQ_STEPS[head_dim]
-    m = min(m, block)
-    return dict(BLOCK_M=m, BLOCK_N=n, K_STAGES=k_stages, V_STAGES=v_stages, num_warps=min(warps, 4 * m // 64))

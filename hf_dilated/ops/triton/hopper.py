@@ -294,38 +294,34 @@ if gluon is not None:
 
     @gluon.jit
     def dq_first(n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, v_desc, s_zero, lse, delta, qk_scale, mask,
-                 key0, n_k, shift, qidx, kidx, v_next, ds_layout: gl.constexpr, V_STAGES: gl.constexpr,
-                 NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr, SYNC: gl.constexpr):
-        """Key tile 0 (first key row ``key0``): its scores and ``dP``, nothing to overlap yet; its V buffer refilled
-        with tile ``V_STAGES`` (row ``v_next``). Its ``dS`` (K stays in its buffer for the product). ``SYNC``: the
-        program's warpgroups share the buffers, so all of them wait at a barrier before one is refilled."""
+                 n_k, shift, qidx, kidx, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr, V_STAGES: gl.constexpr,
+                 NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """Key tile 0: its scores and ``dP``, nothing to overlap yet; its V buffer refilled with tile ``V_STAGES``.
+        Its ``dS`` (K stays in its buffer for the product)."""
         mbarrier.wait(k_bar.index(0), 0)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_bar.index(0), 0)
         dp = warpgroup_mma(do_smem, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         if mask:
-            s = masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL)
+            s = masked_scores(s, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
         p = gl.exp2(s * qk_scale - lse[:, None])
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
-        if SYNC:
-            gl.thread_barrier()
         if V_STAGES < n_kt:
-            tile_copy(v_desc, v_smem, v_bar, V_STAGES, v_next, V_STAGES, NBYTES)
+            tile_copy(v_desc, v_smem, v_bar, V_STAGES, V_STAGES * BLOCK_N, V_STAGES, NBYTES)
         ds = p * (dp - delta[:, None])
         return gl.convert_layout(ds.to(q_smem.dtype), ds_layout)
 
     @gluon.jit
     def dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds, s_zero, lse, delta,
-                qk_scale, mask, key0, n_k, shift, qidx, kidx, k_next, v_next, ds_layout: gl.constexpr,
+                qk_scale, mask, n_k, shift, qidx, kidx, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                 K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, NBYTES: gl.constexpr, MASKABLE: gl.constexpr,
-                IS_CAUSAL: gl.constexpr, SYNC: gl.constexpr):
-        """Key tile ``j >= 1`` of ``n_kt`` (first key row ``key0``): ``S`` and ``dP`` issued, then tile ``j - 1``'s
-        ``dQ += dS K`` (``ds``: its ``dS``); this tile's ``P`` while ``dP`` and that product run, its ``dS`` while
-        the product does. V's buffer is refilled with tile ``j + V_STAGES`` (row ``v_next``) once ``dP`` is in, tile
-        ``j - 1``'s K buffer with tile ``j - 1 + K_STAGES`` (row ``k_next``) once its product is done. Scores masked
-        where ``MASKABLE`` and ``mask``. ``(dq, ds)``, ``ds`` now tile ``j``'s. ``SYNC`` (:func:`dq_first`): both
-        buffers are refilled after one barrier, once the product is done."""
+                IS_CAUSAL: gl.constexpr):
+        """Key tile ``j >= 1`` of ``n_kt``: ``S`` and ``dP`` issued, then tile ``j - 1``'s ``dQ += dS K`` (``ds``:
+        its ``dS``); this tile's ``P`` while ``dP`` and that product run, its ``dS`` while the product does. V's
+        buffer is refilled with tile ``j + V_STAGES`` once ``dP`` is in, tile ``j - 1``'s K buffer with tile
+        ``j - 1 + K_STAGES`` once its product is done. Scores masked where ``MASKABLE`` and ``mask``. ``(dq, ds)``,
+        ``ds`` now tile ``j``'s."""
         ks = j % K_STAGES
         vs = j % V_STAGES
         pk = (j - 1) % K_STAGES
@@ -337,20 +333,15 @@ if gluon is not None:
         s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
         if MASKABLE:
             if mask:
-                s = masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL)
+                s = masked_scores(s, j * BLOCK_N, n_k, shift, qidx, kidx, IS_CAUSAL)
         p = gl.exp2(s * qk_scale - lse[:, None])
         dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
-        if not SYNC:
-            if j + V_STAGES < n_kt:
-                tile_copy(v_desc, v_smem, v_bar, j + V_STAGES, v_next, V_STAGES, NBYTES)
+        if j + V_STAGES < n_kt:
+            tile_copy(v_desc, v_smem, v_bar, j + V_STAGES, (j + V_STAGES) * BLOCK_N, V_STAGES, NBYTES)
         ds_j = (p * (dp - delta[:, None])).to(q_smem.dtype)
         dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds))
-        if SYNC:
-            gl.thread_barrier()
-            if j + V_STAGES < n_kt:
-                tile_copy(v_desc, v_smem, v_bar, j + V_STAGES, v_next, V_STAGES, NBYTES)
         if j - 1 + K_STAGES < n_kt:
-            tile_copy(k_desc, k_smem, k_bar, j - 1 + K_STAGES, k_next, K_STAGES, NBYTES)
+            tile_copy(k_desc, k_smem, k_bar, j - 1 + K_STAGES, (j - 1 + K_STAGES) * BLOCK_N, K_STAGES, NBYTES)
         return dq, gl.convert_layout(ds_j, ds_layout)
 
     @gluon.jit
