@@ -105,6 +105,18 @@ def _query_tile(tile0, IS_CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _key_tile(kv_heads, batch):
+    """``(key tile, kv head, batch row)`` of a dK/dV program on a 1-D grid with the key tile slowest: every head's
+    first key tiles start in the first wave. They are the longest programs (causal: the most queries; the sink block:
+    every query); with the key tile fastest (a grid of key tiles x heads), a late head's sink tile started near the
+    end and ran on alone."""
+    pid = tl.program_id(0)
+    rows = kv_heads * batch
+    rest = pid % rows
+    return pid // rows, rest % kv_heads, (rest // kv_heads).to(tl.int64)
+
+
+@triton.jit
 def bs_fwd_kernel(
     Q, K, V, O, L, CNT, IDX, QPOS, QSEQ, QOK, KPOS, KSEQ, KOK,
     stride_qb, stride_qh, stride_qn,
@@ -250,13 +262,11 @@ def bs_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_cb, stride_ch, stride_ib, stride_ih,
-    Nq, Nk, q_offset, group, ratio, scale, qk_scale,
+    Nq, Nk, kv_heads, batch, q_offset, group, ratio, scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, CONTIG: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    kt = tl.program_id(0)
-    kvh = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    kt, kvh, b = _key_tile(kv_heads, batch)
     k_first = kt * BLOCK_N
     kc = k_first + tl.arange(0, BLOCK_N)
     kmask = kc < Nk
@@ -448,15 +458,15 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
     )
     dkdv_args = (q, k, v, do, lse, delta, dk, dv, q_ptr, q_flat, *meta,
                  *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
-                 *dk.stride()[:3], *dv.stride()[:3], *_layout_strides(q_ptr, q_flat, B), Nq, Nk)
+                 *dk.stride()[:3], *dv.stride()[:3], *_layout_strides(q_ptr, q_flat, B), Nq, Nk, Hk, B)
     if block_sparse_hopper.applies(q, block, q_offset, tma):  # Gluon, sm_90
         hopper = block_sparse_hopper.launch_config()
-        block_sparse_hopper.bs_bwd_dkdv_hopper_kernel[(cdiv(Nk, hopper["BLOCK_N"]), Hk, B)](
+        block_sparse_hopper.bs_bwd_dkdv_hopper_kernel[(cdiv(Nk, hopper["BLOCK_N"]) * Hk * B,)](
             *dkdv_args, group, ratio, scale, scale * LOG2E_F, **common, **hopper,
         )
         LAUNCHES["dkdv_hopper"] += 1
     else:
-        bs_bwd_dkdv_kernel[(cdiv(Nk, kv_cfg["BLOCK_N"]), Hk, B)](
+        bs_bwd_dkdv_kernel[(cdiv(Nk, kv_cfg["BLOCK_N"]) * Hk * B,)](
             *dkdv_args, q_offset, group, ratio, scale, scale * LOG2E_F, **portable, **kv_cfg,
         )
     LAUNCHES["backward"] += 1

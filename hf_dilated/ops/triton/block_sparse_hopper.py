@@ -94,7 +94,7 @@ if gluon is not None:
         stride_dkb, stride_dkh, stride_dkn,
         stride_dvb, stride_dvh, stride_dvn,
         stride_cb, stride_ch, stride_ib, stride_ih,
-        Nq, Nk, group, ratio, scale, qk_scale,
+        Nq, Nk, kv_heads, batch, group, ratio, scale, qk_scale,
         HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
         IS_CAUSAL: gl.constexpr, CONTIG: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -113,9 +113,12 @@ if gluon is not None:
         query_axis: gl.constexpr = gl.SliceLayout(0, s_layout)
         STEPS_PER_BLOCK: gl.constexpr = BLOCK // BLOCK_Q
 
-        kt = gl.program_id(0)
-        kvh = gl.program_id(1)
-        b = gl.program_id(2).to(gl.int64)
+        # One program per (key tile, kv head, batch row) on a 1-D grid, key tile slowest (block_sparse._key_tile).
+        pid = gl.program_id(0)
+        rows = kv_heads * batch
+        kt = pid // rows
+        kvh = (pid % rows) % kv_heads
+        b = ((pid % rows) // kv_heads).to(gl.int64)
         kvh64 = kvh.to(gl.int64)
         k_first = kt * BLOCK_N
         j = k_first // BLOCK
