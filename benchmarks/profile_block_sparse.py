@@ -5,7 +5,8 @@ CUDA profiler range, after a warm-up, for Nsight Compute:
     ncu --profile-from-start off -k regex:"bs_|triton_tem" --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats python benchmarks/profile_block_sparse.py
 
-(run from the repository root with ``PYTHONPATH=$PWD`` unless the package is installed). Our kernels are ``bs_fwd``,
+(run from the repository root with ``PYTHONPATH=$PWD`` unless the package is installed). With ``--table``, no Nsight:
+GPU time per kernel from ``torch.profiler`` (``kernel_times.py``), ours and FlexAttention's. Our kernels are ``bs_fwd``,
 ``bs_bwd_dq`` and ``bs_bwd_dkdv``; FlexAttention's are Inductor templates (``triton_tem_*``), its backward one launch
 with the dQ and the dK/dV programs side by side. The readings are in ``benchmarks/NOTES_triton.md``."""
 
@@ -31,6 +32,13 @@ for _ in range(2):  # warm-up (compile) outside the profiled range
     bench.ours(q, k, v, lay, tokens, do)
     bench.flex(q, k, v, mask, do)
 torch.cuda.synchronize()
+if "--table" in sys.argv:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kernel_times import kernel_times, print_times
+
+    print_times(f"ours, forward+backward, N={N}", kernel_times(lambda: bench.ours(q, k, v, lay, tokens, do)))
+    print_times(f"FlexAttention, forward+backward, N={N}", kernel_times(lambda: bench.flex(q, k, v, mask, do)))
+    sys.exit(0)
 torch.cuda.cudart().cudaProfilerStart()
 bench.ours(q, k, v, lay, tokens, do)
 bench.flex(q, k, v, mask, do)
