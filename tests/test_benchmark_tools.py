@@ -1,6 +1,7 @@
 """The CPU-side benchmark tools run as documented: ``benchmarks/host_overhead.py`` (the launch path's host time with
 no-op kernels) measures the Triton launchers, not another path; ``benchmarks/kernel_resources.py`` compiles every
-kernel the launch paths use for Hopper and Ampere (what the interpreter never does) and reports their resources."""
+kernel the launch paths use for Hopper and Ampere (what the interpreter never does) and reports their resources;
+``benchmarks/kernel_times.py`` (the profile scripts' ``--table``) attributes a call's time to its kernels."""
 
 from __future__ import annotations
 
@@ -13,6 +14,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_kernel_times_attributes_time_to_the_kernels_that_ran(capsys):
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from kernel_times import kernel_times, print_times
+
+    a = torch.randn(256, 256)
+    times = kernel_times(lambda: torch.mm(a, a).softmax(-1), iters=3, device="cpu")
+    assert {"aten::mm", "aten::_softmax"} <= set(times)  # the operators that ran, each with a positive time
+    assert all(ms > 0 for ms in times.values()) and list(times.values()) == sorted(times.values(), reverse=True)
+    assert "aten::conv2d" not in times
+    print_times("mm + softmax", times, rows=2)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("mm + softmax: ") and len(out) == 3
+    with pytest.raises(ValueError, match="iters must be"):
+        kernel_times(lambda: None, iters=0)
+    with pytest.raises(ValueError, match="device must be"):
+        kernel_times(lambda: None, device="tpu")
 
 
 def test_host_overhead_times_the_triton_launchers():
