@@ -38,6 +38,10 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); --heads by default")
     ap.add_argument("--op", choices=("dilated", "block_sparse"), default="dilated")
     args = ap.parse_args()
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    if args.heads < 1 or kv_heads < 1 or args.heads % kv_heads:
+        ap.error(f"--heads and --kv-heads must be positive with --heads a multiple of --kv-heads, got {args.heads} "
+                 f"and {kv_heads}")
     sys.path.insert(0, args.root)
     sys.path.insert(0, os.path.join(args.root, "scripts"))
     import torch
@@ -45,18 +49,20 @@ def main() -> None:
 
     import hf_dilated
 
-    kv_heads = args.kv_heads or args.heads
+    ws, rs = [w for w, _ in BRANCHES], [r for _, r in BRANCHES]
+    if args.op == "block_sparse":
+        import bench_block_sparse
+
+    def attention(N: int):
+        """The op timed at length ``N``: the LongNet branches, or block-sparse on the benchmark's layout for N."""
+        if args.op == "dilated":
+            return lambda q, k, v: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton")
+        layout = bench_block_sparse.fixed_layout(N, 128, "cuda", num_heads=args.heads)
+        return lambda q, k, v: hf_dilated.block_sparse_attention(q, k, v, layout, is_causal=True, backend="triton")
+
     for D in args.dims:
         for N in args.seqlens:
-            if args.op == "dilated":
-                ws, rs = [w for w, _ in BRANCHES], [r for _, r in BRANCHES]
-                attend = lambda q, k, v: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton")  # noqa: E731
-            else:
-                import bench_block_sparse
-
-                layout = bench_block_sparse.fixed_layout(N, 128, "cuda", num_heads=args.heads)
-                attend = lambda q, k, v: hf_dilated.block_sparse_attention(  # noqa: E731
-                    q, k, v, layout, is_causal=True, backend="triton")
+            attend = attention(N)
             g = torch.Generator(device="cuda").manual_seed(1234 + N + D)
             q, k, v, do = (torch.randn(1, h, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
                            for h in (args.heads, kv_heads, kv_heads, args.heads))
