@@ -630,6 +630,37 @@ def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
 
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_backward_on_two_streams(rng, monkeypatch):
+    """The dQ kernel runs on a second stream beside the dK / dV kernel (``launch.forked``): bit for bit the gradients
+    of one stream, and the second stream did run."""
+    from hf_dilated.ops.triton import launch
+    from hf_dilated.ops.triton.block_sparse import LAUNCHES
+
+    B, H, Hk, N, D, b = 1, 8, 2, 4096 + 77, 128, 128
+    n = math.ceil(N / b)
+    lay = union(local_blocks(n, b, 3), global_blocks(n, b, 1), random_blocks(n, b, 2, seed=7)).to("cuda")
+    q, k, v = (t.detach().cuda().requires_grad_() for t in qkv(rng, B, H, Hk, N, N, D, torch.bfloat16))
+    do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", torch.bfloat16)
+
+    def grads(concurrent: bool):
+        monkeypatch.setattr(launch, "CONCURRENT_BACKWARD", concurrent)
+        before = LAUNCHES["backward"]
+        out = block_sparse_attention(q, k, v, lay, backend="triton")
+        got = torch.autograd.grad(out, (q, k, v), do)
+        assert LAUNCHES["backward"] == before + 1, "the backward kernels did not run"
+        return got
+
+    launch._SIDE_STREAMS.clear()
+    one = grads(False)
+    assert not launch._SIDE_STREAMS, "one stream was asked for, a second one was made"
+    two = grads(True)
+    assert launch._SIDE_STREAMS, "the backward did not fork a second stream"
+    for name, a, b_ in zip("qkv", one, two):
+        assert torch.equal(a, b_), f"d{name} differs between one stream and two"
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_decode_and_padding(rng):
     B, H, Hk, N, D, b = 2, 8, 2, 1500, 64, 64
     n = math.ceil(N / b)

@@ -787,6 +787,42 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon):
     run(*make_qkv(rng, 1, 8, 4, 2100, 2100, 64, bf16, "cuda"), head_offset=2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("caller_stream", [False, True])
+def test_gpu_backward_on_two_streams(rng, monkeypatch, caller_stream):
+    """The backward's dQ launches run on a second stream beside the dK / dV ones (``launch.forked``): the gradients
+    are bit for bit those of one stream (the same kernels), also when the caller works on a stream of its own and
+    over several head chunks (float32 scratch freed between chunks), and the second stream did run."""
+    _gpu_skip()
+    q, k, v = make_qkv(rng, 1, 8, 4, 3000, 3000, 128, torch.bfloat16, "cuda")
+    do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", torch.bfloat16)
+    ws, rs = [w for w, _ in LONGNET_SMALL], [r for _, r in LONGNET_SMALL]
+
+    def grads(concurrent: bool):
+        monkeypatch.setattr(launch, "CONCURRENT_BACKWARD", concurrent)
+        stream = torch.cuda.Stream() if caller_stream else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton")
+            got = torch.autograd.grad(out, (q, k, v), do)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        return got
+
+    for chunks in (False, True):
+        if chunks:  # one kv head at a time
+            monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)
+            monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
+        launch._SIDE_STREAMS.clear()
+        one = grads(False)
+        assert not launch._SIDE_STREAMS, "one stream was asked for, a second one was made"
+        with kernels_run("backward"):
+            two = grads(True)
+        assert launch._SIDE_STREAMS, "the backward did not fork a second stream"
+        for name, a, b in zip("qkv", one, two):
+            assert torch.equal(a, b), f"d{name} differs between one stream and two (head chunks: {chunks})"
+
+
 @cpu
 def test_unfilled_buffers_and_last_launch(rng, monkeypatch):
     """On a contiguous layout with an ``r = 1`` branch the launches merge into unfilled buffers (NaN under the

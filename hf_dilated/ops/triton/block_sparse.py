@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import block_sparse_hopper
 from .configs import _hopper, descriptor_scratch, dot_mode, interpreting, use_tma
-from .launch import cdiv, row_deltas, rowmajor
+from .launch import cdiv, forked, row_deltas, rowmajor
 from .tiles import LOG2E, LOG2E_F, finish, mm, row_desc, softmax_step
 
 # Kernel launches by name; tests read it to assert that the kernels (not a fallback) ran.
@@ -450,25 +450,27 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
     common = dict(HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, CONTIG=contiguous)
     portable = dict(common, UPCAST=dot_mode(q.dtype), TMA=tma)
     tile0 = q_offset // q_cfg["BLOCK_M"]
-    bs_bwd_dq_kernel[(cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)](
-        q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *dq.stride()[:3],
-        *_layout_strides(kv_count, kv_index, B),
-        Nq, Nk, q_offset, tile0, group, ratio, scale, scale * LOG2E_F, **portable, **q_cfg,
-    )
     dkdv_args = (q, k, v, do, lse, delta, dk, dv, q_ptr, q_flat, *meta,
                  *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
                  *dk.stride()[:3], *dv.stride()[:3], *_layout_strides(q_ptr, q_flat, B), Nq, Nk, Hk, B)
-    if block_sparse_hopper.applies(q, block, q_offset, tma):  # Gluon, sm_90
-        hopper = block_sparse_hopper.launch_config()
-        block_sparse_hopper.bs_bwd_dkdv_hopper_kernel[(cdiv(Nk, hopper["BLOCK_N"]) * Hk * B,)](
-            *dkdv_args, group, ratio, scale, scale * LOG2E_F, **common, **hopper,
-        )
-        LAUNCHES["dkdv_hopper"] += 1
-    else:
-        bs_bwd_dkdv_kernel[(cdiv(Nk, kv_cfg["BLOCK_N"]) * Hk * B,)](
-            *dkdv_args, q_offset, group, ratio, scale, scale * LOG2E_F, **portable, **kv_cfg,
-        )
+    with forked(q.device) as beside:  # dK / dV on the current stream, dQ beside it (no order between them)
+        if block_sparse_hopper.applies(q, block, q_offset, tma):  # Gluon, sm_90
+            hopper = block_sparse_hopper.launch_config()
+            block_sparse_hopper.bs_bwd_dkdv_hopper_kernel[(cdiv(Nk, hopper["BLOCK_N"]) * Hk * B,)](
+                *dkdv_args, group, ratio, scale, scale * LOG2E_F, **common, **hopper,
+            )
+            LAUNCHES["dkdv_hopper"] += 1
+        else:
+            bs_bwd_dkdv_kernel[(cdiv(Nk, kv_cfg["BLOCK_N"]) * Hk * B,)](
+                *dkdv_args, q_offset, group, ratio, scale, scale * LOG2E_F, **portable, **kv_cfg,
+            )
+        with beside():
+            bs_bwd_dq_kernel[(cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)](
+                q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
+                *dq.stride()[:3], *_layout_strides(kv_count, kv_index, B),
+                Nq, Nk, q_offset, tile0, group, ratio, scale, scale * LOG2E_F, **portable, **q_cfg,
+            )
     LAUNCHES["backward"] += 1
     return dq, dk, dv
 

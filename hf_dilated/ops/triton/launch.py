@@ -6,6 +6,7 @@ launcher, so tests can assert that the kernels (not a fallback) ran.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -152,6 +153,38 @@ def _launch_order(pb: Problem, plan: RunPlan, cache_key, device, rows_reached: b
     return order, _constant(f"rates{rates}", device, lambda: torch.tensor(rates, dtype=torch.int32).to(device)), last
 
 
+# The backward's dQ launches run on a second stream beside the dK/dV launches (``forked``); False runs both on
+# the current stream (tests compare the two: the same kernels, so the same bits).
+CONCURRENT_BACKWARD = True
+_SIDE_STREAMS: dict = {}
+
+
+@contextlib.contextmanager
+def forked(device: torch.device):
+    """A fork of the current stream of ``device``: the body runs on the current stream, and launches inside
+    ``with beside():`` (``forked(...) as beside``) on a second stream that starts where the current one stood at the
+    fork and that the current stream waits for on exit.
+
+    The backward's dQ launches and its dK/dV launches read the same tensors and write different ones, so they need
+    no order between them; on one stream each launch's last, partly empty wave of programs leaves SMs idle, on two
+    the other kind's programs fill them (the branch launches of one kind stay ordered: they merge into the same
+    sums). Every tensor the second stream touches is allocated on the current stream and kept alive until the join,
+    so the caching allocator cannot hand its memory out early. On the CPU, under the interpreter, or with
+    ``CONCURRENT_BACKWARD`` False, everything stays on the current stream."""
+    if not CONCURRENT_BACKWARD or device.type != "cuda" or interpreting():
+        yield contextlib.nullcontext
+        return
+    main = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    try:
+        yield lambda: torch.cuda.stream(side)
+    finally:
+        main.wait_stream(side)
+
+
 def _buffer(shape, device, filled: bool, dtype=torch.float32, like: torch.Tensor | None = None):
     """A buffer the launches write (contiguous, or laid out ``like`` a tensor of that shape and dtype): zeros
     (``filled``: rows no launch reaches must read as 0), or uninitialized memory (a fill of 10% of the forward's time at
@@ -261,22 +294,33 @@ SCRATCH_MIN_BYTES = 2**30
 def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem, extras, kv_cfg, q_cfg):
     """All branches of the backward for the heads ``h0..`` of these (possibly head-sliced) tensors, in launch
     ``order``, summed into the float32 ``sums`` (dq, dk, dv); the ``last`` branch's launches write ``outs`` in their
-    dtype. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0."""
-    H, Hk, Nq, D = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
-    Nk = k.shape[2]
-    H_all = extras[2].shape[2]
-    group = H // Hk
-    qv, kv, streams, window, thr, inv_keep, flags = extras
+    dtype. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0.
+    The dQ launches run beside the dK / dV ones (``forked``)."""
+    flags = extras[-1]
     dq, dk, dv = sums
     xq, xk, xv = outs
-    hd = head_dim_block(D)
-    tma = use_tma((q, k, v, do), hd != D, flags["HOLES"])
+    hd = head_dim_block(q.shape[3])
+    tma = use_tma((q, k, v, do), hd != q.shape[3], flags["HOLES"])
     if tma:
         descriptor_scratch(q.device)
         LAUNCHES["backward_tma"] += 1
     gluon = backward_hopper.applies(q, flags, tma)  # the dK/dV kernel in Gluon (sm_90)
     dq_cfg = backward_hopper.dq_launch_config(hd) if gluon else None  # and the dQ one, at D = 128
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
+    with forked(q.device) as beside:
+        _dkdv_launches(q, k, v, do, lse, delta, dk, dv, xk, xv, h0, order, rates, last, pb, extras, kv_cfg, gluon,
+                       tma, strides)
+        with beside():  # dQ on a second stream
+            _dq_launches(q, k, v, do, lse, delta, dq, xq, h0, order, rates, last, pb, extras, q_cfg, dq_cfg, tma,
+                         strides)
+
+
+def _dkdv_launches(q, k, v, do, lse, delta, dk, dv, xk, xv, h0, order, rates, last, pb, extras, kv_cfg, gluon, tma,
+                   strides):
+    """The dK / dV launches of every branch, in ``order``."""
+    H, Hk, Nq, Nk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    group, hd, D, H_all = H // Hk, head_dim_block(q.shape[3]), q.shape[3], extras[2].shape[2]
+    qv, kv, streams, window, thr, inv_keep, flags = extras
     for j, (i, r, it) in enumerate(order):
         s = streams[i, :, h0:] if flags["DROPOUT"] else streams[i]
         n_classes = min(group, r)
@@ -299,6 +343,16 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
                 inv_keep, n_tiles, j,
                 HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge, **kv_cfg,
             )
+
+
+def _dq_launches(q, k, v, do, lse, delta, dq, xq, h0, order, rates, last, pb, extras, q_cfg, dq_cfg, tma, strides):
+    """The dQ launches of every branch, in ``order``."""
+    H, Hk, Nq, Nk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    group, hd, D, H_all = H // Hk, head_dim_block(q.shape[3]), q.shape[3], extras[2].shape[2]
+    qv, kv, streams, window, thr, inv_keep, flags = extras
+    for j, (i, r, it) in enumerate(order):
+        s = streams[i, :, h0:] if flags["DROPOUT"] else streams[i]
+        merge = dict(MERGE=j > 0, LAST=i == last)
         if dq_cfg:
             grid, n_tiles = items_grid(it.n_items, it.max_q_rows, dq_cfg["BLOCK_M"], H)
             backward_hopper.dilated_bwd_dq_hopper_kernel[grid](
