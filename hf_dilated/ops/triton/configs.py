@@ -150,24 +150,3 @@ def descriptor_scratch(device: torch.device):
     import triton
 
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
-
-
-@contextlib.contextmanager
-def descriptors_kept(device: torch.device):
-    """:func:`descriptor_scratch` for launches that overlap: inside the block every scratch buffer stays allocated
-    until the block ends (then the plain allocator is back). A buffer freed after one launch would go to the next
-    launch on the same stream (the caching allocator orders reuse by stream), and with programmatic dependent launch
-    (``launch.PDL``) the next launch writes its descriptors while the one before still reads its own there."""
-    import triton
-
-    kept = []
-
-    def allocate(size, alignment, stream):
-        kept.append(torch.empty(size, dtype=torch.int8, device=device))
-        return kept[-1]
-
-    triton.set_allocator(allocate)
-    try:
-        yield
-    finally:
-        descriptor_scratch(device)

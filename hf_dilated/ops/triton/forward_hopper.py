@@ -24,9 +24,8 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile, kv_descs, kv_prefetch, launch_dependents, mbarrier,
-    n_rows, query_tile_buffers, query_tile_keys, release_barriers, row_desc, runnable, tma_load, wait_prior_grids,
-    written_before,
+    fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile, kv_descs, kv_prefetch, mbarrier, n_rows,
+    query_tile_buffers, query_tile_keys, release_barriers, row_desc, runnable, tma_load, written_before,
 )
 
 BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
@@ -83,7 +82,6 @@ if gluon is not None:
         row_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         NBYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-        launch_dependents()
         q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = query_tile_buffers(
             dtype, q_smem_layout, kv_smem_layout, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES)
 
@@ -135,7 +133,6 @@ if gluon is not None:
             o_ptrs = O + b * stride_ob + h64 * stride_oh + qc64[:, None] * stride_on + d[None, :]
             l_ptrs = L + b * stride_lb + h64 * stride_lh + qc64
             if MERGE:  # rows an earlier launch wrote (the others read as no output, lse -inf)
-                wait_prior_grids()
                 seen = in_range & written_before(qp, h, head_offset, PREV, n_prev, 1)
                 old_lse = gl.load(l_ptrs, mask=seen, other=float("-inf"))
                 old_o = gl.load(o_ptrs, mask=seen[:, None], other=0.0).to(gl.float32)

@@ -170,25 +170,6 @@ if gluon is not None:
             seen = seen | ((((p - head - head_offset) % ri) + ri) % ri < heads)
         return seen
 
-    # Programmatic dependent launch (sm_90), for the forward's branch launches: a launch merges into rows the launch
-    # before it wrote, but only in its epilogue. Each program lets the next launch on the stream start at once
-    # (``launch_dependents``), so while the last programs of this launch run, the next launch's programs take the
-    # SMs they leave and run their main loop; they wait for this launch to finish (and its writes to be visible)
-    # only before they read or write the merged rows (``wait_prior_grids``). ``launch.forward`` passes
-    # ``launch_pdl=True`` to every launch after the first of the chain, and keeps every launch's descriptor scratch
-    # (``configs.descriptors_kept``); without ``launch_pdl`` both instructions are no-ops.
-
-    @gluon.jit
-    def launch_dependents():
-        """``griddepcontrol.launch_dependents``: the next launch on the stream may start."""
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
-    def wait_prior_grids():
-        """``griddepcontrol.wait``: the launch before this one has finished and its writes are visible."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
     # The forward's pipeline (``forward_hopper.py``, ``block_sparse_hopper.py``). Triton 3.6 runs the portable
     # forward kernels with every ``wgmma`` waited for at once: its pipeliner keeps a product in flight only when the
     # next use of the result is another product's accumulator, and the online softmax rescales the output between

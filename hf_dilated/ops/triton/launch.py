@@ -16,9 +16,7 @@ from ...config import DENSE_SEGMENT
 from ..dropout import keep_threshold, stream
 from . import backward_hopper, forward_hopper
 from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kernel
-from .configs import (
-    bwd_config, decode_config, descriptor_scratch, descriptors_kept, dot_mode, fwd_config, interpreting, use_tma,
-)
+from .configs import bwd_config, decode_config, descriptor_scratch, dot_mode, fwd_config, interpreting, use_tma
 from .decode import dilated_decode_kernel
 from .forward import dilated_fwd_branch_kernel
 from .schedule import RunPlan, branch_items
@@ -155,12 +153,6 @@ def _launch_order(pb: Problem, plan: RunPlan, cache_key, device, rows_reached: b
     return order, _constant(f"rates{rates}", device, lambda: torch.tensor(rates, dtype=torch.int32).to(device)), last
 
 
-# Each Gluon forward branch launch after the first starts while the one before it finishes (programmatic dependent
-# launch, ``hopper.launch_dependents``); False launches each after the one before it (tests compare the two: the
-# same bits). Measured on the H100 (benchmarks/NOTES_triton.md, session 17): forward 1.02-1.06x at 16K / 64K and with
-# GQA 32 / 8, equal at 256K; in the backward (both chains) it gained nothing beside the second stream, so it is
-# not used there.
-PDL = True
 # The backward's dQ launches run on a second stream beside the dK/dV launches (``forked``); False runs both on
 # the current stream (tests compare the two: the same kernels, so the same bits).
 CONCURRENT_BACKWARD = True
@@ -229,20 +221,17 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
         LAUNCHES["forward_tma"] += 1
     gluon = forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
     gcfg = forward_hopper.launch_config(D) if gluon else None
-    if gluon:
-        with descriptors_kept(q.device):  # the launches overlap (PDL): each keeps its own descriptor scratch
-            for j, (i, r, it) in enumerate(order):
-                grid, n_tiles = items_grid(it.n_items, it.max_q_rows, gcfg["BLOCK_M"], H)
-                forward_hopper.dilated_fwd_hopper_kernel[grid](
-                    q, k, v, o, lse, out, rates, it.items,
-                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
-                    pb.head_offset, group, r, pb.scale * LOG2E, n_tiles, j,
-                    HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=j > 0, LAST=i == last, launch_pdl=PDL and j > 0,
-                    **gcfg,
-                )
-                LAUNCHES["forward_hopper"] += 1
-        return (o.to(q.dtype) if filled else out), lse
     for j, (i, r, it) in enumerate(order):
+        if gluon:
+            grid, n_tiles = items_grid(it.n_items, it.max_q_rows, gcfg["BLOCK_M"], H)
+            forward_hopper.dilated_fwd_hopper_kernel[grid](
+                q, k, v, o, lse, out, rates, it.items,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+                pb.head_offset, group, r, pb.scale * LOG2E, n_tiles, j,
+                HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=j > 0, LAST=i == last, **gcfg,
+            )
+            LAUNCHES["forward_hopper"] += 1
+            continue
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], H)
         dilated_fwd_branch_kernel[grid](
             q, k, v, o, lse, out, rates, it.items, qv, kv, streams[i],
@@ -343,8 +332,7 @@ def _dkdv_launches(q, k, v, do, lse, delta, dk, dv, xk, xv, h0, order, rates, la
             grid, n_tiles = items_grid(it.n_items, it.max_k_rows, cfg["BLOCK_N"], Hk * n_classes)
             backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
                 *kv_tensors, *kv_strides, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E,
-                n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes), IS_CAUSAL=flags["IS_CAUSAL"], **merge,
-                **cfg,
+                n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes), IS_CAUSAL=flags["IS_CAUSAL"], **merge, **cfg,
             )
             LAUNCHES["dkdv_hopper"] += 1
         else:
