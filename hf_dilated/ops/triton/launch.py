@@ -296,79 +296,64 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
     ``order``, summed into the float32 ``sums`` (dq, dk, dv); the ``last`` branch's launches write ``outs`` in their
     dtype. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0.
     The dQ launches run beside the dK / dV ones (``forked``)."""
-    flags = extras[-1]
+    H, Hk, Nq, D = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    Nk = k.shape[2]
+    H_all = extras[2].shape[2]
+    group = H // Hk
+    qv, kv, streams, window, thr, inv_keep, flags = extras
     dq, dk, dv = sums
     xq, xk, xv = outs
-    hd = head_dim_block(q.shape[3])
-    tma = use_tma((q, k, v, do), hd != q.shape[3], flags["HOLES"])
+    hd = head_dim_block(D)
+    tma = use_tma((q, k, v, do), hd != D, flags["HOLES"])
     if tma:
         descriptor_scratch(q.device)
         LAUNCHES["backward_tma"] += 1
     gluon = backward_hopper.applies(q, flags, tma)  # the dK/dV kernel in Gluon (sm_90)
     dq_cfg = backward_hopper.dq_launch_config(hd) if gluon else None  # and the dQ one, at D = 128
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
+    launches = [(j, i, r, it, streams[i, :, h0:] if flags["DROPOUT"] else streams[i], dict(MERGE=j > 0, LAST=i == last))
+                for j, (i, r, it) in enumerate(order)]
     with forked(q.device) as beside:
-        _dkdv_launches(q, k, v, do, lse, delta, dk, dv, xk, xv, h0, order, rates, last, pb, extras, kv_cfg, gluon,
-                       tma, strides)
+        for j, i, r, it, s, merge in launches:  # dK / dV on the current stream
+            n_classes = min(group, r)
+            kv_tensors = (q, k, v, do, lse, delta, dk, dv, xk, xv, rates, it.items)
+            kv_strides = (*strides, *dk.stride()[:3], *dv.stride()[:3], *xk.stride()[:3], *xv.stride()[:3])
+            if gluon:
+                cfg = backward_hopper.launch_config()
+                grid, n_tiles = items_grid(it.n_items, it.max_k_rows, cfg["BLOCK_N"], Hk * n_classes)
+                backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
+                    *kv_tensors, *kv_strides, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E,
+                    n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes), IS_CAUSAL=flags["IS_CAUSAL"], **merge,
+                    **cfg,
+                )
+                LAUNCHES["dkdv_hopper"] += 1
+            else:
+                grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
+                dilated_bwd_dkdv_kernel[grid](
+                    *kv_tensors, qv, kv, s, *kv_strides,
+                    Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
+                    inv_keep, n_tiles, j,
+                    HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge, **kv_cfg,
+                )
         with beside():  # dQ on a second stream
-            _dq_launches(q, k, v, do, lse, delta, dq, xq, h0, order, rates, last, pb, extras, q_cfg, dq_cfg, tma,
-                         strides)
-
-
-def _dkdv_launches(q, k, v, do, lse, delta, dk, dv, xk, xv, h0, order, rates, last, pb, extras, kv_cfg, gluon, tma,
-                   strides):
-    """The dK / dV launches of every branch, in ``order``."""
-    H, Hk, Nq, Nk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
-    group, hd, D, H_all = H // Hk, head_dim_block(q.shape[3]), q.shape[3], extras[2].shape[2]
-    qv, kv, streams, window, thr, inv_keep, flags = extras
-    for j, (i, r, it) in enumerate(order):
-        s = streams[i, :, h0:] if flags["DROPOUT"] else streams[i]
-        n_classes = min(group, r)
-        merge = dict(MERGE=j > 0, LAST=i == last)
-        kv_tensors = (q, k, v, do, lse, delta, dk, dv, xk, xv, rates, it.items)
-        kv_strides = (*strides, *dk.stride()[:3], *dv.stride()[:3], *xk.stride()[:3], *xv.stride()[:3])
-        if gluon:
-            cfg = backward_hopper.launch_config()
-            grid, n_tiles = items_grid(it.n_items, it.max_k_rows, cfg["BLOCK_N"], Hk * n_classes)
-            backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
-                *kv_tensors, *kv_strides, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E,
-                n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes), IS_CAUSAL=flags["IS_CAUSAL"], **merge, **cfg,
-            )
-            LAUNCHES["dkdv_hopper"] += 1
-        else:
-            grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
-            dilated_bwd_dkdv_kernel[grid](
-                *kv_tensors, qv, kv, s, *kv_strides,
-                Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
-                inv_keep, n_tiles, j,
-                HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge, **kv_cfg,
-            )
-
-
-def _dq_launches(q, k, v, do, lse, delta, dq, xq, h0, order, rates, last, pb, extras, q_cfg, dq_cfg, tma, strides):
-    """The dQ launches of every branch, in ``order``."""
-    H, Hk, Nq, Nk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
-    group, hd, D, H_all = H // Hk, head_dim_block(q.shape[3]), q.shape[3], extras[2].shape[2]
-    qv, kv, streams, window, thr, inv_keep, flags = extras
-    for j, (i, r, it) in enumerate(order):
-        s = streams[i, :, h0:] if flags["DROPOUT"] else streams[i]
-        merge = dict(MERGE=j > 0, LAST=i == last)
-        if dq_cfg:
-            grid, n_tiles = items_grid(it.n_items, it.max_q_rows, dq_cfg["BLOCK_M"], H)
-            backward_hopper.dilated_bwd_dq_hopper_kernel[grid](
-                q, k, v, do, lse, delta, dq, xq, rates, it.items, *strides, *dq.stride()[:3], *xq.stride()[:3],
-                pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, n_tiles, j,
-                HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dq_cfg,
-            )
-            LAUNCHES["dq_hopper"] += 1
-        else:
-            grid, n_tiles = items_grid(it.n_items, it.max_q_rows, q_cfg["BLOCK_M"], H)
-            dilated_bwd_dq_kernel[grid](
-                q, k, v, do, lse, delta, dq, xq, rates, it.items, qv, kv, s,
-                *strides, *dq.stride()[:3], *xq.stride()[:3],
-                Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr, inv_keep,
-                n_tiles, j, HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge, **q_cfg,
-            )
+            for j, i, r, it, s, merge in launches:
+                if dq_cfg:
+                    grid, n_tiles = items_grid(it.n_items, it.max_q_rows, dq_cfg["BLOCK_M"], H)
+                    backward_hopper.dilated_bwd_dq_hopper_kernel[grid](
+                        q, k, v, do, lse, delta, dq, xq, rates, it.items, *strides, *dq.stride()[:3],
+                        *xq.stride()[:3], pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, n_tiles, j,
+                        HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dq_cfg,
+                    )
+                    LAUNCHES["dq_hopper"] += 1
+                else:
+                    grid, n_tiles = items_grid(it.n_items, it.max_q_rows, q_cfg["BLOCK_M"], H)
+                    dilated_bwd_dq_kernel[grid](
+                        q, k, v, do, lse, delta, dq, xq, rates, it.items, qv, kv, s,
+                        *strides, *dq.stride()[:3], *xq.stride()[:3],
+                        Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr,
+                        inv_keep, n_tiles, j, HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge,
+                        **q_cfg,
+                    )
 
 
 def decode(q, k, v, pb: Problem, q_pos, q_valid, k_valid, kdesc):
