@@ -7,7 +7,9 @@ of a window ``[a, a + w_max)``, ``a`` a multiple of every ``w``, depend on that 
 
 Writes ``<out>/<gpu>-<date>.json`` (rows, GPU, versions, command) and a PNG plot (time and peak memory against N,
 log-log) beside it, and prints a table: ms, useful TFLOP/s (the FLOPs of the dilated pattern, or of dense causal
-attention for SDPA), the ratio of TFLOP/s to SDPA-flash at the same N, peak memory.
+attention for SDPA), the ratio of TFLOP/s to SDPA-flash at the same N, peak memory. Each call is timed twice: eager,
+back to back (what a user's loop sees: where the host queues a call slower than the GPU runs it, the host's time), and
+replayed from a CUDA graph (``graph_ms``: the GPU's time alone; calls under ``--graph-max-ms``).
 
     python scripts/bench_attention.py                  # the full sweep (about 8 minutes on an H100)
     python scripts/bench_attention.py --quick          # 16K and 64K only
@@ -31,8 +33,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 try:
+    from .timing import cuda_graph_median_ms as graph_bench
     from .timing import cuda_median_ms as bench
 except ImportError:  # run as a file: python scripts/<name>.py
+    from timing import cuda_graph_median_ms as graph_bench  # noqa: E402
     from timing import cuda_median_ms as bench  # noqa: E402
 import hf_dilated  # noqa: E402
 
@@ -223,6 +227,10 @@ def main():
     ap.add_argument("--max-reference", type=int, default=65536)
     ap.add_argument("--budget-s", type=float, default=540, help="stop starting new cases after this many seconds")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-graph-timing", dest="graph_timing", action="store_false",
+                    help="skip the CUDA-graph replay timing (the GPU's time alone) beside the eager timing")
+    ap.add_argument("--graph-max-ms", type=float, default=250.0,
+                    help="replay from a CUDA graph only calls faster than this (the host matters only for short ones)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     try:
@@ -310,6 +318,12 @@ def main():
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
                 row["ms"] = bench(fn, reps_for(guess), warmup=0 if guess > 500 else 1)
+                if args.graph_timing and guess < args.graph_max_ms and method != "reference":
+                    try:  # the GPU's time alone: the same call replayed from a CUDA graph, no host work
+                        row["graph_ms"] = graph_bench(fn, reps_for(guess))
+                    except Exception as e:  # reported, not fatal: the eager time stands
+                        row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                        torch.cuda.synchronize()
             except torch.cuda.OutOfMemoryError as e:
                 row["error"] = "out of memory"
                 print(f"OOM {mode} N={N} D={D} G={G} {method}: {str(e)[:120]}")
@@ -320,6 +334,8 @@ def main():
                 fl = dense_flops(N, D, H, B) if method in ("sdpa", "cudnn") else dilated_flops(N, branches, D, H, B)
                 fl *= 3.5 if mode == "fwdbwd" else 1.0  # backward = 2.5 x forward (flash-attention convention)
                 row["tflops"] = fl / (row["ms"] * 1e-3) / 1e12
+                if "graph_ms" in row:
+                    row["graph_tflops"] = fl / (row["graph_ms"] * 1e-3) / 1e12
             rows.append(row)
         del q, k, v, do
     # ratio to SDPA at the same (mode, N, D, H, Hk); SDPA's 1M rate is taken from its largest measured N
@@ -340,11 +356,15 @@ def main():
                 r["speedup_vs_sdpa"] = s["ms"] / r["ms"]
             else:
                 r["tflops_ratio_vs_sdpa"] = r["tflops"] / s["tflops"]
+                if "graph_tflops" in r and "graph_tflops" in s:
+                    r["graph_tflops_ratio_vs_sdpa"] = r["graph_tflops"] / s["graph_tflops"]
     cudnn = {key(r): r for r in rows if r["method"] == "cudnn" and "ms" in r}
     for r in rows:
         c = cudnn.get(key(r))
         if r["method"] == "triton" and "ms" in r and c is not None:
             r["tflops_ratio_vs_cudnn"] = r["tflops"] / c["tflops"]
+            if "graph_tflops" in r and "graph_tflops" in c:
+                r["graph_tflops_ratio_vs_cudnn"] = r["graph_tflops"] / c["graph_tflops"]
     flex = {key(r): r for r in rows if r["method"] == "flex" and "ms" in r}
     for r in rows:
         f = flex.get(key(r))
@@ -355,7 +375,8 @@ def main():
 
 
 def print_table(rows):
-    hdr = f"{'mode':7} {'N':>8} {'D':>4} {'H/Hk':>6} {'method':10} {'ms':>10} {'TFLOP/s':>8} {'xSDPA':>6} {'xcuDNN':>6} {'xFlex':>6} {'peak GiB':>9} {'err':>8}"
+    hdr = (f"{'mode':7} {'N':>8} {'D':>4} {'H/Hk':>6} {'method':10} {'ms':>10} {'TFLOP/s':>8} {'xSDPA':>6} {'xcuDNN':>6} "
+           f"{'graph ms':>9} {'xSDPA':>6} {'xFlex':>6} {'peak GiB':>9} {'err':>8}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -368,11 +389,15 @@ def print_table(rows):
         fx = f"{r['speedup_vs_flex']:.1f}" if "speedup_vs_flex" in r else "-"
         cd = f"{r['tflops_ratio_vs_cudnn']:.2f}" if "tflops_ratio_vs_cudnn" in r else "-"
         pk = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
+        gms = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "-"
+        gx = f"{r['graph_tflops_ratio_vs_sdpa']:.2f}" if "graph_tflops_ratio_vs_sdpa" in r else "-"
         err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
         print(f"{r['mode']:7} {r['N']:>8} {r['D']:>4} {str(r['H']) + '/' + str(r['Hk']):>6} {r['method']:10} {ms:>10} "
-              f"{tf:>8} {ratio:>6} {cd:>6} {fx:>6} {pk:>9} {err:>8}")
+              f"{tf:>8} {ratio:>6} {cd:>6} {gms:>9} {gx:>6} {fx:>6} {pk:>9} {err:>8}")
     print("xSDPA: useful TFLOP/s over SDPA-flash's (decode: SDPA time / time); * = SDPA measured at a smaller N."
-          " xcuDNN: useful TFLOP/s over dense cuDNN's. xFlex: FlexAttention time / Triton time.")
+          " xcuDNN: useful TFLOP/s over dense cuDNN's. xFlex: FlexAttention time / Triton time.\n"
+          "ms: back-to-back eager calls (host and GPU: where the host is slower, its time); graph ms: the same call"
+          " replayed from a CUDA graph (the GPU's time alone), and its xSDPA against SDPA's graph time.")
 
 
 def write_results(rows, args, gpu):

@@ -96,3 +96,24 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
             assert k["leanest_loop_instructions"] > k["leanest_loop_mma"] >= 1, k
     tma = {k["config"].get("TMA") for k in kernels if "TMA" in k["config"]}
     assert tma == ({True} if arch >= 90 else {False})
+
+
+def test_timeline_splits_wall_time_into_busy_idle_and_overlap(tmp_path):
+    """``benchmarks/timeline.py`` reads kernel intervals from a chrome trace: busy is the union over streams, overlap
+    the time two kernels run at once, idle the span's rest; other trace events are ignored."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from timeline import busy_idle, kernel_intervals
+
+    events = [
+        dict(ph="X", cat="kernel", name="a", ts=0, dur=10, args=dict(stream=7)),
+        dict(ph="X", cat="kernel", name="b", ts=5, dur=10, args=dict(stream=8)),  # overlaps a by 5 us
+        dict(ph="X", cat="kernel", name="c", ts=20, dur=5, args=dict(stream=7)),  # after 5 us idle
+        dict(ph="X", cat="cpu_op", name="aten::mm", ts=0, dur=100),  # host side: not a kernel
+        dict(ph="i", cat="kernel", name="marker", ts=3),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(dict(traceEvents=events)))
+    iv = kernel_intervals(str(path))
+    assert [name for *_, name in iv] == ["a", "b", "c"] and {s for _, _, s, _ in iv} == {7, 8}
+    assert busy_idle(iv) == dict(span=25.0, busy=20.0, overlap=5.0, kernel_sum=25.0)
+    assert busy_idle([]) == dict(span=0.0, busy=0.0, overlap=0.0, kernel_sum=0.0)

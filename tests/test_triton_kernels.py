@@ -26,6 +26,7 @@ from hf_dilated.ops.triton import dilated_attention_triton, fallback_reason, is_
 from hf_dilated.ops.triton import launch, op  # noqa: E402
 from hf_dilated.ops.triton.schedule import layout_runs  # noqa: E402
 from hf_dilated.ops.triton.tiles import item_tile, rounded  # noqa: E402
+from cuda_graphs import assert_graph_replays_eager  # noqa: E402
 from naive import naive_dilated_attention, rel_err  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -822,6 +823,23 @@ def test_gpu_backward_on_two_streams(rng, monkeypatch, caller_stream):
             assert launch._SIDE_STREAMS, "the backward did not fork a second stream"
             for name, a, b in zip("qkv", one, two):
                 assert torch.equal(a, b), f"d{name} differs between one stream and two (head chunks: {chunks})"
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay(rng):
+    """Forward and backward (GQA, several branches, both streams, the Gluon kernels on Hopper) captured in a CUDA
+    graph replay what eager computes on fresh inputs, bit for bit; the kernels ran during the capture."""
+    _gpu_skip()
+    q, k, v = make_qkv(rng, 1, 8, 4, 3000, 3000, 128, torch.bfloat16, "cuda")
+    do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", torch.bfloat16)
+    ws, rs = [w for w, _ in LONGNET_SMALL], [r for _, r in LONGNET_SMALL]
+
+    def step(q, k, v, do):
+        out = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton")
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    with kernels_run("forward", "backward"):
+        assert_graph_replays_eager(step, (q, k, v, do))
 
 
 @cpu
