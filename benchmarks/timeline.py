@@ -236,13 +236,14 @@ def main():
                 fn = make[op](N, H, Hk, D, mode == "fwdbwd")
                 fn()
                 reps = max(3, min(20, int(2000 / max(1e-3, cuda_median_ms(fn, 1)))))
-                row = dict(op=op, N=N, shape=args.shape, mode=mode, scratch_min_gib=args.scratch_min_gib, bench_ms=cuda_median_ms(fn, reps),
-                           host_ms=host_ms(fn), sync=sync_free(fn), **host_split(fn),
+                row = dict(op=op, N=N, shape=args.shape, mode=mode, scratch_min_gib=args.scratch_min_gib,
+                           bench_ms=cuda_median_ms(fn, reps), host_ms=host_ms(fn), sync=sync_free(fn), **host_split(fn),
                            **timeline(fn, args.iters))
                 print(f"{op:12s} {mode:6s} N={N:7d}  bench {row['bench_ms']:8.3f}  wall {row['span']:8.3f}  "
                       f"busy {row['busy']:8.3f}  idle {row['idle']:6.3f}  overlap {row['overlap']:6.3f}  "
                       f"kernel sum {row['kernel_sum']:8.3f}  kernels {row['kernels']:5.1f}  host {row['host_ms']:6.3f}"
-                      f" (of {row['host_total_ms']:6.3f}: launchers {row['host_launchers_ms']:6.3f}, Triton {row['host_triton_ms']:6.3f})  sync {row['sync'][:20]}"
+                      f" (of {row['host_total_ms']:6.3f}: launchers {row['host_launchers_ms']:6.3f}, "
+                      f"Triton {row['host_triton_ms']:6.3f})  sync {row['sync'][:20]}"
                       f"  {row['non_kernel'] or ''}", flush=True)
                 if args.cprofile:
                     profile_host(fn, args.iters, args.cprofile)

@@ -87,3 +87,37 @@ def test_layers_compiled_one_by_one_share_one_graph(rng):
     with torch.no_grad():
         model(input_ids=ids, use_cache=False)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_training_step_in_cuda_graphs_matches_eager(rng):
+    """``torch.compile(backend="cudagraphs")`` (CUDA-graph trees, what ``mode="reduce-overhead"`` adds) records a
+    training step with the Triton op (bf16, head dim 128: the Gluon kernels on Hopper, the backward on two streams)
+    and replays it: no graph is skipped, and loss and gradients match eager. For small models the host, not the GPU,
+    sets eager's pace (``benchmarks/NOTES_triton.md``, session 18): replaying graphs removes it."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).train()
+    dilated = DilatedAttentionConfig(segment_lengths=[64, 128, 256], dilation_rates=[1, 2, 4], backend="triton")
+    dilated.save_to(model.config)
+    model.set_attn_implementation(ATTENTION_NAME)
+    ids = torch.randint(0, 128, (1, 300), generator=rng).to("cuda")
+    eager_loss, eager_grads = train_step(model, model, ids)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="cudagraphs")
+    launch.LAUNCHES.clear()
+    for _ in range(3):  # warm-up, record, replay
+        train_step(model, compiled, ids)
+    assert launch.LAUNCHES["forward"] and launch.LAUNCHES["backward"] and not launch.LAUNCHES["reference"]
+    launch.LAUNCHES.clear()
+    loss, grads = train_step(model, compiled, ids)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert not launch.LAUNCHES["forward"] and not launch.LAUNCHES["backward"], "the step launched kernels from the " \
+        "host: it did not replay a graph"
+    torch.testing.assert_close(loss.float(), eager_loss.float(), rtol=2e-2, atol=2e-2)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name].float(), grad.float(), rtol=5e-2, atol=5e-2,
+                                   msg=lambda m: f"{name}: {m}")
