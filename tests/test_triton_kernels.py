@@ -908,3 +908,22 @@ def test_final_stores_round_to_nearest_even(dtype):
     y = torch.empty(4096, dtype=dtype)
     _round_kernel[(1,)](x, y, N=4096, UPCAST=dot_mode(dtype))
     assert torch.equal(y, x.to(dtype))
+
+
+def test_contiguity_under_cuda_graph_capture_reuses_the_eager_answer(monkeypatch):
+    """Under ``torch.compile`` a layout arrives flagged not contiguous and the op reads whether it is; while a CUDA
+    graph is captured no value may be read, so the op takes the answer read outside the capture for a layout of
+    the same shape (the eager warm-up every graph capture runs first), and says what to do when there was none."""
+    def layout(n, shift=0):  # new tensors on each call: nothing is memoized on their identity
+        pos = torch.tensor([list(range(shift, shift + n))])
+        zeros, ones = torch.zeros(1, n, dtype=torch.long), torch.ones(1, n, dtype=torch.bool)
+        return TokenLayout(pos, zeros, pos.clone(), zeros.clone(), ones, ones.clone(), contiguous=False)
+
+    op._CONTIGUOUS_SEEN.clear()
+    assert op._really_contiguous(layout(40)) and not op._really_contiguous(layout(41, shift=3))
+    monkeypatch.setattr(op, "_capturing", lambda device: True)
+    monkeypatch.setattr(torch, "arange", lambda *a, **k: pytest.fail("read the layout during a capture"))
+    assert op._really_contiguous(layout(40))
+    assert not op._really_contiguous(layout(41))  # the answer read for this shape outside the capture
+    with pytest.raises(ValueError, match="CUDA graph is captured"):
+        op._really_contiguous(layout(42))

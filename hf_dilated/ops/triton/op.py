@@ -61,18 +61,42 @@ def _compaction(layout: TokenLayout) -> Compaction | None:
 _CONTIGUOUS = _IdentityMemo()
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph (no value may be read on the host)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+# The last answer read outside CUDA-graph capture, per (batch, queries, keys, device): what a capture reuses.
+_CONTIGUOUS_SEEN: dict = {}
+
+
 def _really_contiguous(layout: TokenLayout) -> bool:
     """Whether a layout passed as not contiguous is contiguous all the same: under ``torch.compile`` the flag is
     decided while tracing, where values cannot be read, so a model that passes ``position_ids`` (every Transformers
     model does) arrives here with ``contiguous=False``. One scalar read per distinct layout (memoized on the
     identity of its tensors, which the layers of one compiled forward share), instead of a host copy of the layout
-    and work lists rebuilt per layer and per call."""
+    and work lists rebuilt per layer and per call.
+
+    While a CUDA graph is being captured no value can be read (a read would end the capture): the answer is the one
+    read for a layout of the same shape outside the capture, as in the eager warm-up that ``torch.compile``'s
+    CUDA-graph trees (``mode="reduce-overhead"``) and ``torch.cuda.make_graphed_callables`` run first; a graph's
+    launches are fixed when it is captured, so its replays take the layout's structure as it was then."""
+    nq, nk = layout.q_pos.shape[1], layout.k_pos.shape[1]
+    shape = (layout.q_pos.shape[0], nq, nk, str(layout.k_pos.device))
+
     def check() -> bool:
-        nq, nk = layout.q_pos.shape[1], layout.k_pos.shape[1]
+        if _capturing(layout.k_pos.device):
+            if shape not in _CONTIGUOUS_SEEN:
+                raise ValueError(
+                    "attention layout: whether position_ids / attention_mask describe one contiguous sequence per row "
+                    "cannot be read while a CUDA graph is captured; run the model once outside the capture with the "
+                    "same shapes first (torch.compile's mode='reduce-overhead' does)"
+                )
+            return _CONTIGUOUS_SEEN[shape]
         cols = torch.arange(nk, device=layout.k_pos.device)
         ok = layout.k_valid.all() & layout.q_valid.all() & (layout.k_seq == 0).all() & (layout.q_seq == 0).all()
         ok = ok & (layout.k_pos == cols).all() & (layout.q_pos == cols[nk - nq:]).all()
-        return bool(ok)
+        _CONTIGUOUS_SEEN[shape] = bool(ok)
+        return _CONTIGUOUS_SEEN[shape]
 
     tensors = (layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid)
     return _CONTIGUOUS(check, tensors, ())
