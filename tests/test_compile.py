@@ -91,32 +91,44 @@ def test_layers_compiled_one_by_one_share_one_graph(rng):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_training_step_in_cuda_graphs_matches_eager(rng):
+@pytest.mark.parametrize("kind", ["dilated", "block_sparse"])
+def test_gpu_training_step_in_cuda_graphs_matches_eager(rng, kind):
     """``torch.compile(backend="cudagraphs")`` (CUDA-graph trees, what ``mode="reduce-overhead"`` adds) records a
-    training step with the Triton op (bf16, head dim 128: the Gluon kernels on Hopper, the backward on two streams)
-    and replays it: no graph is skipped, and loss and gradients match eager. For small models the host, not the GPU,
-    sets eager's pace (``benchmarks/NOTES_triton.md``, session 18): replaying graphs removes it."""
+    training step with the Triton op (bf16, head dim 128: the Gluon kernels on Hopper, the backward on two streams;
+    block-sparse with the adaptive, content-chosen pattern) and replays it: no graph is skipped, the replayed step
+    launches nothing from the host, and loss and gradients match eager. For small models the host, not the GPU, sets
+    eager's pace (``benchmarks/NOTES_triton.md``, session 18): replaying graphs removes it."""
+    from hf_dilated.ops.block_sparse import BlockSparseConfig
+    from hf_dilated.ops.triton import block_sparse
+
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).train()
-    dilated = DilatedAttentionConfig(segment_lengths=[64, 128, 256], dilation_rates=[1, 2, 4], backend="triton")
-    dilated.save_to(model.config)
-    model.set_attn_implementation(ATTENTION_NAME)
+    if kind == "dilated":
+        DilatedAttentionConfig(segment_lengths=[64, 128, 256], dilation_rates=[1, 2, 4],
+                               backend="triton").save_to(model.config)
+        model.set_attn_implementation(ATTENTION_NAME)
+        launches = launch.LAUNCHES
+    else:
+        BlockSparseConfig(pattern="adaptive", block_size=64, top_k=1, local_blocks=1,
+                          backend="triton").save_to(model.config)
+        model.set_attn_implementation("block_sparse")
+        launches = block_sparse.LAUNCHES
     ids = torch.randint(0, 128, (1, 300), generator=rng).to("cuda")
     eager_loss, eager_grads = train_step(model, model, ids)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="cudagraphs")
-    launch.LAUNCHES.clear()
+    launches.clear()
     for _ in range(3):  # warm-up, record, replay
         train_step(model, compiled, ids)
-    assert launch.LAUNCHES["forward"] and launch.LAUNCHES["backward"] and not launch.LAUNCHES["reference"]
-    launch.LAUNCHES.clear()
+    assert launches["forward"] and launches["backward"] and not launches["reference"]
+    launches.clear()
     loss, grads = train_step(model, compiled, ids)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
-    assert not launch.LAUNCHES["forward"] and not launch.LAUNCHES["backward"], "the step launched kernels from the " \
-        "host: it did not replay a graph"
+    assert not launches["forward"] and not launches["backward"], "the step launched kernels from the host: it " \
+        "did not replay a graph"
     torch.testing.assert_close(loss.float(), eager_loss.float(), rtol=2e-2, atol=2e-2)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(grads[name].float(), grad.float(), rtol=5e-2, atol=5e-2,
