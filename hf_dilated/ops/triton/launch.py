@@ -120,7 +120,8 @@ def _extras(pb: Problem, holes: bool, layout_valid, B: int, H: int, device):
         streams = streams.expand(n_br, B, H).contiguous()
         thr, inv_keep = keep_threshold(pb.dropout_p), 1.0 / (1.0 - pb.dropout_p)
     else:
-        streams = _constant(f"streams{n_br}", device, lambda: torch.zeros((n_br, 1, 1), dtype=torch.int64, device=device))
+        streams = _constant(f"streams{n_br}", device,
+                            lambda: torch.zeros((n_br, 1, 1), dtype=torch.int64, device=device))
         thr, inv_keep = 0, 1.0
     window = min(int(pb.window), DENSE_SEGMENT) if pb.window else 0
     flags = dict(IS_CAUSAL=pb.is_causal, WINDOW=window > 0, HOLES=holes, DROPOUT=pb.dropout_p > 0)
@@ -254,14 +255,15 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
         if gluon:
             grid, n_tiles = items_grid(it.n_items, it.max_q_rows, gcfg["BLOCK_M"], H)
             forward_hopper.dilated_fwd_hopper_kernel[grid](
-                q, k, v, o, lse, out, rates, it.items, *strides, pb.head_offset, group, r, pb.scale * LOG2E, n_tiles, j,
-                HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=j > 0, LAST=i == last, **gcfg,
+                q, k, v, o, lse, out, rates, it.items, *strides, pb.head_offset, group, r, pb.scale * LOG2E, n_tiles,
+                j, HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=j > 0, LAST=i == last, **gcfg,
             )
             LAUNCHES["forward_hopper"] += 1
             continue
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], H)
         dilated_fwd_branch_kernel[grid](
-            q, k, v, o, lse, out, rates, it.items, qv, kv, per_branch[i], *strides, Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles, j,
+            q, k, v, o, lse, out, rates, it.items, qv, kv, per_branch[i], *strides,
+            Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles, j,
             HEAD_DIM=head_dim_block(D), D=D, MERGE=j > 0, LAST=i == last, UPCAST=dot_mode(q.dtype), TMA=tma,
             **flags, **cfg,
         )
@@ -353,9 +355,9 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
                 cfg = backward_hopper.launch_config()
                 grid, n_tiles = items_grid(it.n_items, it.max_k_rows, cfg["BLOCK_N"], Hk * n_classes)
                 backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
-                    *kv_tensors, it.items, *kv_strides, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E,
-                    n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes), IS_CAUSAL=flags["IS_CAUSAL"], **merge,
-                    **cfg,
+                    *kv_tensors, it.items, *kv_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
+                    pb.scale * LOG2E, n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes),
+                    IS_CAUSAL=flags["IS_CAUSAL"], **merge, **cfg,
                 )
                 LAUNCHES["dkdv_hopper"] += 1
             else:
@@ -371,7 +373,8 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
                 if dq_cfg:
                     grid, n_tiles = items_grid(it.n_items, it.max_q_rows, dq_cfg["BLOCK_M"], H)
                     backward_hopper.dilated_bwd_dq_hopper_kernel[grid](
-                        *q_tensors, it.items, *q_strides, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, n_tiles, j,
+                        *q_tensors, it.items, *q_strides, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E,
+                        n_tiles, j,
                         HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dq_cfg,
                     )
                     LAUNCHES["dq_hopper"] += 1

@@ -65,6 +65,7 @@ def _capturing(device: torch.device) -> bool:
     """Whether the current stream of ``device`` is capturing a CUDA graph (no value may be read on the host)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
+
 # The last answer read outside CUDA-graph capture, per (batch, queries, keys, device): what a capture reuses.
 _CONTIGUOUS_SEEN: dict = {}
 
