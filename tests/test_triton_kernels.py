@@ -262,6 +262,30 @@ def test_lse_gradient(rng):
         assert torch.isfinite(a).all() and rel_err(a, b) < TOL[torch.float32]
 
 
+def test_eager_autograd_equals_the_registered_op(rng, monkeypatch):
+    """Eager training calls apply the op through ``op._EagerAutograd`` (the registered ``setup_context`` and backward
+    without torch.library's per-call argument rebuild): gradients bit for bit those of the op's registered autograd,
+    whether the loss uses the output, the lse or both; an unused lse sends no gradient (no zeros, no extra pass)."""
+    q, k, v = make_qkv(rng, 1, 4, 2, 45, 45, 16, torch.float32, "cpu")
+    lay = resolve_layout(1, 45, 45, torch.device("cpu"))
+    args = (q, k, v, lay.q_pos, lay.q_seq, lay.q_valid, lay.k_pos, lay.k_seq, lay.k_valid, [8, 16], [1, 2],
+            True, True, 0.25, 0, 0, 0, 0.0, None, True)
+    dlses = []
+    deltas = launch.row_deltas
+    monkeypatch.setattr(launch, "row_deltas", lambda o, do, dlse=None: dlses.append(dlse) or deltas(o, do, dlse))
+    applied = []
+    eager_apply = op._EagerAutograd.apply
+    monkeypatch.setattr(op._EagerAutograd, "apply", lambda *a: applied.append(1) or eager_apply(*a))
+    for loss in (lambda o, l: (o * o).sum(), lambda o, l: l.sum(), lambda o, l: (o * 0.5).sum() + l.sum()):
+        registered = torch.autograd.grad(loss(*torch.ops.hf_dilated.dilated_attention_fwd(*args)), (q, k, v))
+        out, lse = dilated_attention_triton(q, k, v, [(8, 1), (16, 2)], lay, True, 0.25, strict=True)
+        eager = torch.autograd.grad(loss(out, lse), (q, k, v))
+        for name, a, b in zip("qkv", registered, eager):
+            assert torch.equal(a, b), f"d{name} differs between the registered autograd and the eager Function"
+    assert len(applied) == 3
+    assert dlses[1] is None and all(d is not None for d in dlses[2:])  # out-only loss, eager: no lse gradient
+
+
 def layout_of(q_pos, k_pos, k_valid=None, q_valid=None, q_seq=None, k_seq=None):
     """A TokenLayout written out by hand (the kernels' reading of a layout, independent of how callers build it)."""
     B, Nq = q_pos.shape

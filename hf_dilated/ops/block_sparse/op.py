@@ -12,6 +12,7 @@ import math
 import torch
 
 from ..dilated import check_scale
+from ..eager_autograd import call, eager_function
 from ..dilated import check_tensors as check_dilated_tensors
 from ..dilated import choose_backend
 from ..layout import TokenLayout, resolve_layout
@@ -133,14 +134,15 @@ def _transpose_of(kv_count: torch.Tensor, kv_index: torch.Tensor, block_size: in
 
 
 torch.library.register_autograd("hf_dilated::block_sparse_fwd", _backward, setup_context=_setup_context)
+_EagerAutograd = eager_function("BlockSparseAttentionFunction", torch.ops.hf_dilated.block_sparse_fwd,
+                                _setup_context, _backward)
 
 
 def block_sparse_op(query, key, value, blocks: BlockLayout, tokens: TokenLayout, is_causal: bool, scale: float):
     """The custom op on resolved layouts: ``(out, lse)``, differentiable w.r.t. query, key, value (and the lse)."""
-    return torch.ops.hf_dilated.block_sparse_fwd(
-        query, key, value, blocks.kv_count, blocks.kv_index, *_tokens(tokens),
-        int(blocks.block_size), bool(tokens.contiguous), bool(is_causal), float(scale),
-    )
+    args = (query, key, value, blocks.kv_count, blocks.kv_index, *_tokens(tokens),
+            int(blocks.block_size), bool(tokens.contiguous), bool(is_causal), float(scale))
+    return call(_EagerAutograd, torch.ops.hf_dilated.block_sparse_fwd, args, (query, key, value))
 
 
 # ---- the public op -------------------------------------------------------------------------------------------------

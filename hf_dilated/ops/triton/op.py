@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from ..eager_autograd import call, eager_function
 from ..layout import TokenLayout, _IdentityMemo
 from ..reference import dilated_attention_reference
 from . import launch
@@ -285,6 +286,10 @@ def _backward(ctx, dout, dlse):
 torch.library.register_autograd("hf_dilated::dilated_attention_fwd", _backward, setup_context=_setup_context)
 
 
+_EagerAutograd = eager_function("DilatedAttentionFunction", torch.ops.hf_dilated.dilated_attention_fwd,
+                                _setup_context, _backward)
+
+
 @torch.library.custom_op("hf_dilated::dilated_attention_decode", mutates_args=())
 def dilated_attention_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor,
@@ -342,8 +347,7 @@ def dilated_attention_triton(query, key, value, branches, layout: TokenLayout, i
             query, key, value, layout.q_pos, layout.keys, ws, rs, bool(is_causal), float(scale), int(head_offset),
             int(window or 0), int(global_tokens),
         )
-    return torch.ops.hf_dilated.dilated_attention_fwd(
-        query, key, value, layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid,
-        ws, rs, bool(layout.contiguous), bool(is_causal), float(scale), int(head_offset),
-        int(window or 0), int(global_tokens), float(dropout_p), seed, bool(strict),
-    )
+    args = (query, key, value, layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid,
+            ws, rs, bool(layout.contiguous), bool(is_causal), float(scale), int(head_offset),
+            int(window or 0), int(global_tokens), float(dropout_p), seed, bool(strict))
+    return call(_EagerAutograd, torch.ops.hf_dilated.dilated_attention_fwd, args, (query, key, value))
