@@ -284,6 +284,13 @@ def test_eager_autograd_equals_the_registered_op(rng, monkeypatch):
             assert torch.equal(a, b), f"d{name} differs between the registered autograd and the eager Function"
     assert len(applied) == 3
     assert dlses[1] is None and all(d is not None for d in dlses[2:])  # out-only loss, eager: no lse gradient
+    # torch.func transforms take the Function too (it is of the setup_context style)
+    def attend(q, k, v):
+        return dilated_attention_triton(q, k, v, [(8, 1), (16, 2)], lay, True, 0.25, strict=True)[0]
+
+    out, vjp = torch.func.vjp(attend, *(t.detach() for t in (q, k, v)))
+    for name, a, b in zip("qkv", vjp(out), torch.autograd.grad(attend(q, k, v), (q, k, v), out)):
+        assert torch.equal(a, b), f"d{name} differs under torch.func.vjp"
 
 
 def layout_of(q_pos, k_pos, k_valid=None, q_valid=None, q_seq=None, k_seq=None):
