@@ -97,6 +97,8 @@ def _really_contiguous(layout: TokenLayout) -> bool:
         cols = torch.arange(nk, device=layout.k_pos.device)
         ok = layout.k_valid.all() & layout.q_valid.all() & (layout.k_seq == 0).all() & (layout.q_seq == 0).all()
         ok = ok & (layout.k_pos == cols).all() & (layout.q_pos == cols[nk - nq:]).all()
+        if len(_CONTIGUOUS_SEEN) >= 1024:  # decoding under compile sees a new key length per step
+            _CONTIGUOUS_SEEN.clear()
         _CONTIGUOUS_SEEN[shape] = bool(ok)
         return _CONTIGUOUS_SEEN[shape]
 
