@@ -31,16 +31,12 @@ def cuda_median_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> floa
     return sorted(times)[len(times) // 2]
 
 
-def cuda_graph_median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of one replay of ``fn()`` captured in a CUDA graph: the GPU's time alone, without the
-    host's (Python, dispatch, kernel launches), as ``triton.testing.do_bench_cudagraph`` measures. Where the host
-    takes longer to queue a call than the GPU to run it (small problems, few heads), :func:`cuda_median_ms` reads the
-    host's time and this the kernels'. ``fn`` is warmed up on a side stream first (what capture needs: caches built,
-    kernels compiled), then captured once."""
+def captured(fn: Callable[[], object], warmup: int = 3):
+    """``(graph, output)``: ``fn()`` captured once in a CUDA graph, after ``warmup`` calls on a side stream (what a
+    capture needs: kernels compiled, caches built, nothing read on the host). The capture is thread-local: autograd
+    runs the backward in a thread of its own. ``output`` is what the captured call returned; each replay rewrites it."""
     import torch
 
-    if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps!r}")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -49,8 +45,21 @@ def cuda_graph_median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # autograd's backward runs in its own thread
-        fn()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        output = fn()
+    return graph, output
+
+
+def cuda_graph_median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of one replay of ``fn()`` captured in a CUDA graph (:func:`captured`): the GPU's time
+    alone, without the host's (Python, dispatch, kernel launches), as ``triton.testing.do_bench_cudagraph`` measures.
+    Where the host takes longer to queue a call than the GPU to run it (small problems, few heads),
+    :func:`cuda_median_ms` reads the host's time and this the kernels'."""
+    import torch
+
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps!r}")
+    graph, _ = captured(fn, warmup)
     graph.replay()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]

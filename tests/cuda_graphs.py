@@ -3,7 +3,13 @@ computes (what ``torch.compile(mode="reduce-overhead")`` and the benchmarks' gra
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from timing import captured  # noqa: E402  (the benchmarks' capture: warm-up on a side stream, thread-local)
 
 
 def assert_graph_replays_eager(step, inputs, trials: int = 2) -> None:
@@ -11,17 +17,7 @@ def assert_graph_replays_eager(step, inputs, trials: int = 2) -> None:
     values into ``inputs`` and replay: every output equals, bit for bit, eager ``step`` on the same values. Fresh
     values show that the graph reads its inputs (nothing was baked in at capture) and that the host work a replay
     skips (work lists, caches, the stream fork) changes nothing."""
-    current = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(current)
-    with torch.cuda.stream(side):  # warm up off the capture stream: kernels compiled, caches built
-        for _ in range(2):
-            step(*inputs)
-    current.wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # autograd's backward runs in its own thread
-        captured = step(*inputs)
+    graph, outputs = captured(lambda: step(*inputs), warmup=2)
     for trial in range(trials):
         with torch.no_grad():
             for t in inputs:
@@ -29,6 +25,6 @@ def assert_graph_replays_eager(step, inputs, trials: int = 2) -> None:
         graph.replay()
         torch.cuda.synchronize()
         expected = step(*inputs)
-        assert len(captured) == len(expected)
-        for i, (a, b) in enumerate(zip(captured, expected)):
+        assert len(outputs) == len(expected)
+        for i, (a, b) in enumerate(zip(outputs, expected)):
             assert torch.equal(a, b), f"output {i} of the graph replay differs from eager (trial {trial})"

@@ -348,16 +348,16 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
     kv_tensors = (q, k, v, do, lse, delta, dk, dv, xk, xv, rates)
     kv_strides = (*strides, *dk.stride()[:3], *dv.stride()[:3], *xk.stride()[:3], *xv.stride()[:3])
     q_tensors, q_strides = (q, k, v, do, lse, delta, dq, xq, rates), (*strides, *dq.stride()[:3], *xq.stride()[:3])
+    dkdv_cfg = backward_hopper.launch_config() if gluon else None
     with forked(q.device) as beside:
         for j, i, r, it, s, merge in launches:  # dK / dV on the current stream
             n_classes = min(group, r)
             if gluon:
-                cfg = backward_hopper.launch_config()
-                grid, n_tiles = items_grid(it.n_items, it.max_k_rows, cfg["BLOCK_N"], Hk * n_classes)
+                grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
                 backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
                     *kv_tensors, it.items, *kv_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
                     pb.scale * LOG2E, n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes),
-                    IS_CAUSAL=flags["IS_CAUSAL"], **merge, **cfg,
+                    IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dkdv_cfg,
                 )
                 LAUNCHES["dkdv_hopper"] += 1
             else:
