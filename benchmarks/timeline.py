@@ -32,6 +32,17 @@ from timing import cuda_median_ms  # noqa: E402
 LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
 
 
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``"H/Hk/D"`` -> ``(H, Hk, D)``; ``ValueError`` naming ``--shape``."""
+    try:
+        H, Hk, D = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shape takes H/Hk/D, e.g. 16/16/128 or 9/3/64, got {text!r}") from None
+    if min(H, Hk, D) < 1 or H % Hk:
+        raise ValueError(f"--shape {text!r}: heads and head dim must be positive and H a multiple of Hk")
+    return H, Hk, D
+
+
 def kernel_intervals(trace_path: str) -> list[tuple[float, float, int, str]]:
     """``(start_us, end_us, stream, name)`` of every GPU kernel in a chrome trace written by ``torch.profiler``."""
     with open(trace_path) as f:
@@ -221,14 +232,20 @@ def main():
     ap.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
                     help="also print a cProfile (internal time) of --iters calls per case, this many rows")
     args = ap.parse_args()
+    try:  # every option checked before any work
+        H, Hk, D = parse_shape(args.shape)
+    except ValueError as err:
+        ap.error(str(err))
+    for name, value, low in (("--iters", args.iters, 1), ("--cprofile", args.cprofile, 0),
+                             ("--scratch-min-gib", args.scratch_min_gib or 0, 0)):
+        if value < low:
+            ap.error(f"{name} must be at least {low}, got {value}")
+    if any(n < 1 for n in args.seqlens):
+        ap.error(f"--seqlens must be positive, got {args.seqlens}")
     if args.scratch_min_gib is not None:
         from hf_dilated.ops.triton import launch
 
         launch.SCRATCH_MIN_BYTES = int(args.scratch_min_gib * 2**30)
-    try:
-        H, Hk, D = (int(x) for x in args.shape.split("/"))
-    except ValueError:
-        raise SystemExit(f"--shape must be H/Hk/D, e.g. 16/16/128; got {args.shape!r}")
     make = dict(dilated=dilated_case, block_sparse=block_sparse_case)
     for op in args.ops:
         for N in args.seqlens:

@@ -238,6 +238,9 @@ def main():
                   else [(args.heads, args.heads // g, d) for d in args.dims for g in args.gqa])
     except ValueError as err:
         ap.error(str(err))
+    if not args.graph_max_ms > 0:
+        ap.error(f"--graph-max-ms must be positive (--no-graph-timing turns the graph timing off), "
+                 f"got {args.graph_max_ms}")
     if args.quick:
         args.seqlens = [n for n in args.seqlens if n <= 65536]
     t_start = time.time()

@@ -37,3 +37,12 @@ def test_plot_draws_one_column_per_mode_that_ran(tmp_path):
 
     height, width = imread(png).shape[:2]
     assert (width, height) == (1210, 990)  # two columns of 5.5 x 9 inches at 110 dpi: no empty decode column
+
+
+def test_graph_max_ms_must_be_positive():
+    """``--graph-max-ms`` is checked before any work (no GPU needed), naming the option."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+    run = subprocess.run([sys.executable, str(script), "--graph-max-ms", "0"], capture_output=True, text=True)
+    assert run.returncode == 2 and "--graph-max-ms" in run.stderr, run.stderr

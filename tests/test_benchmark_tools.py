@@ -117,3 +117,15 @@ def test_timeline_splits_wall_time_into_busy_idle_and_overlap(tmp_path):
     assert [name for *_, name in iv] == ["a", "b", "c"] and {s for _, _, s, _ in iv} == {7, 8}
     assert busy_idle(iv) == dict(span=25.0, busy=20.0, overlap=5.0, kernel_sum=25.0)
     assert busy_idle([]) == dict(span=0.0, busy=0.0, overlap=0.0, kernel_sum=0.0)
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--shape", "16/128"], "--shape"), (["--shape", "16/5/128"], "--shape"), (["--iters", "0"], "--iters"),
+    (["--cprofile", "-1"], "--cprofile"), (["--scratch-min-gib", "-2"], "--scratch-min-gib"),
+    (["--seqlens", "0"], "--seqlens"),
+])
+def test_timeline_refuses_bad_options_by_name(argv, option):
+    """Bad options stop ``benchmarks/timeline.py`` before any work (no GPU needed), naming the option."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "timeline.py"), *argv],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2 and option in run.stderr, run.stderr
