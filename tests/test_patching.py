@@ -500,7 +500,10 @@ def test_gpu_block_sparse_patch_triton_matches_reference(tmp_path):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048)
-    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    # Loaded in bf16 as a user would: `.to(torch.bfloat16)` would also round the rotary inv_freq buffer, which
+    # from_pretrained keeps in float32, and the reloaded model would then differ by the rounding (4% here).
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16).to("cuda").eval()
     ids = torch.randint(0, 256, (2, 2048), device="cuda")
     patch(model, attention="block_sparse", backend="triton")
     from hf_dilated import BlockSparseConfig
@@ -512,8 +515,9 @@ def test_gpu_block_sparse_patch_triton_matches_reference(tmp_path):
     ref = run(model, ids).float()
     assert ((fast - ref).norm() / ref.norm()).item() < 2e-2
     model.config.block_sparse_attention = dict(model.config.block_sparse_attention, backend="triton")
-    save_patched(model, tmp_path)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to("cuda").eval()
+    save_patched(model, tmp_path / "patched")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "patched", dtype=torch.bfloat16)
+    reloaded = reloaded.to("cuda").eval()
     again, want = run(reloaded, ids).float(), run(model, ids).float()
     assert ((again - want).norm() / want.norm()).item() < 1e-3  # the same computation (GPU matmuls may reorder)
 
