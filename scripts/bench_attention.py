@@ -9,7 +9,10 @@ Writes ``<out>/<gpu>-<date>.json`` (rows, GPU, versions, command) and a PNG plot
 log-log) beside it, and prints a table: ms, useful TFLOP/s (the FLOPs of the dilated pattern, or of dense causal
 attention for SDPA), the ratio of TFLOP/s to SDPA-flash at the same N, peak memory. Each call is timed twice: eager,
 back to back (what a user's loop sees: where the host queues a call slower than the GPU runs it, the host's time), and
-replayed from a CUDA graph (``graph_ms``: the GPU's time alone; calls under ``--graph-max-ms``).
+replayed from a CUDA graph (``graph_ms``: the GPU's time alone; calls under ``--graph-max-ms``). Each row also
+records the GPU's mean SM clock, power draw and highest temperature during its eager timing (``gpu_monitor.py``): a
+power-capped GPU slows down under long heavy calls, and ``--warm-s`` runs each call for that long before timing it,
+so that every method is timed at its own sustained clock rather than at whatever the previous case left.
 
     python scripts/bench_attention.py                  # the full sweep (about 8 minutes on an H100)
     python scripts/bench_attention.py --quick          # 16K and 64K only
@@ -33,11 +36,15 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 try:
+    from .gpu_monitor import GpuMonitor
     from .timing import cuda_graph_median_ms as graph_bench
     from .timing import cuda_median_ms as bench
+    from .timing import warm
 except ImportError:  # run as a file: python scripts/<name>.py
+    from gpu_monitor import GpuMonitor  # noqa: E402
     from timing import cuda_graph_median_ms as graph_bench  # noqa: E402
     from timing import cuda_median_ms as bench  # noqa: E402
+    from timing import warm  # noqa: E402
 import hf_dilated  # noqa: E402
 
 LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
@@ -231,6 +238,8 @@ def main():
                     help="skip the CUDA-graph replay timing (the GPU's time alone) beside the eager timing")
     ap.add_argument("--graph-max-ms", type=float, default=250.0,
                     help="replay from a CUDA graph only calls faster than this (the host matters only for short ones)")
+    ap.add_argument("--warm-s", type=float, default=0.0,
+                    help="before timing a call, run it back to back for this many seconds (the sustained clock)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     try:
@@ -241,6 +250,8 @@ def main():
     if not args.graph_max_ms > 0:
         ap.error(f"--graph-max-ms must be positive (--no-graph-timing turns the graph timing off), "
                  f"got {args.graph_max_ms}")
+    if not args.warm_s >= 0:
+        ap.error(f"--warm-s must be >= 0 seconds, got {args.warm_s}")
     if args.quick:
         args.seqlens = [n for n in args.seqlens if n <= 65536]
     t_start = time.time()
@@ -251,6 +262,7 @@ def main():
     B = 1
     rows = []
     bar = tqdm(bench_cases(args.modes, args.seqlens, shapes), desc="bench", file=sys.stdout, mininterval=5)
+    monitor = GpuMonitor(torch.cuda.current_device()).__enter__()
     for mode, N, D, H, Hk in bar:
         G = H // Hk
         if time.time() - t_start > args.budget_s:
@@ -320,7 +332,11 @@ def main():
                 guess = (time.time() - t1) * 1e3
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                if args.warm_s > 0:
+                    row["warm_calls"] = warm(fn, args.warm_s)
+                t_timed = time.monotonic()
                 row["ms"] = bench(fn, reps_for(guess), warmup=0 if guess > 500 else 1)
+                row.update(monitor.window(t_timed, time.monotonic()))
                 if args.graph_timing and guess < args.graph_max_ms and method != "reference":
                     try:  # the GPU's time alone: the same call replayed from a CUDA graph, no host work
                         row["graph_ms"] = graph_bench(fn, reps_for(guess))
@@ -341,6 +357,7 @@ def main():
                     row["graph_tflops"] = fl / (row["graph_ms"] * 1e-3) / 1e12
             rows.append(row)
         del q, k, v, do
+    monitor.__exit__(None, None, None)
     # ratio to SDPA at the same (mode, N, D, H, Hk); SDPA's 1M rate is taken from its largest measured N
     key = lambda r: (r["mode"], r["N"], r["D"], r["H"], r["Hk"])  # noqa: E731
     sd = {key(r): r for r in rows if r["method"] == "sdpa" and "ms" in r}
@@ -374,12 +391,12 @@ def main():
         if r["method"] == "triton" and "ms" in r and f is not None:
             r["speedup_vs_flex"] = f["ms"] / r["ms"]
     print_table(rows)
-    write_results(rows, args, gpu)
+    write_results(rows, args, gpu, monitor)
 
 
 def print_table(rows):
     hdr = (f"{'mode':7} {'N':>8} {'D':>4} {'H/Hk':>6} {'method':10} {'ms':>10} {'TFLOP/s':>8} {'xSDPA':>6} {'xcuDNN':>6} "
-           f"{'graph ms':>9} {'xSDPA':>6} {'xFlex':>6} {'peak GiB':>9} {'err':>8}")
+           f"{'graph ms':>9} {'xSDPA':>6} {'xFlex':>6} {'peak GiB':>9} {'err':>8} {'MHz':>5} {'W':>4}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -395,15 +412,18 @@ def print_table(rows):
         gms = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "-"
         gx = f"{r['graph_tflops_ratio_vs_sdpa']:.2f}" if "graph_tflops_ratio_vs_sdpa" in r else "-"
         err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
+        mhz = f"{r['gpu_clock_mhz']:.0f}" if "gpu_clock_mhz" in r else "-"
+        watts = f"{r['gpu_power_w']:.0f}" if "gpu_power_w" in r else "-"
         print(f"{r['mode']:7} {r['N']:>8} {r['D']:>4} {str(r['H']) + '/' + str(r['Hk']):>6} {r['method']:10} {ms:>10} "
-              f"{tf:>8} {ratio:>6} {cd:>6} {gms:>9} {gx:>6} {fx:>6} {pk:>9} {err:>8}")
+              f"{tf:>8} {ratio:>6} {cd:>6} {gms:>9} {gx:>6} {fx:>6} {pk:>9} {err:>8} {mhz:>5} {watts:>4}")
     print("xSDPA: useful TFLOP/s over SDPA-flash's (decode: SDPA time / time); * = SDPA measured at a smaller N."
           " xcuDNN: useful TFLOP/s over dense cuDNN's. xFlex: FlexAttention time / Triton time.\n"
           "ms: back-to-back eager calls (host and GPU: where the host is slower, its time); graph ms: the same call"
-          " replayed from a CUDA graph (the GPU's time alone), and its xSDPA against SDPA's graph time.")
+          " replayed from a CUDA graph (the GPU's time alone), and its xSDPA against SDPA's graph time.\n"
+          "MHz, W: the GPU's mean SM clock and power draw while the eager time was taken (- : not sampled).")
 
 
-def write_results(rows, args, gpu):
+def write_results(rows, args, gpu, monitor=None):
     import triton
 
     os.makedirs(args.out, exist_ok=True)
@@ -413,6 +433,9 @@ def write_results(rows, args, gpu):
         python=platform.python_version(), command="python " + " ".join(sys.argv), branches=LONGNET,
         dtype="bfloat16", causal=True, date=datetime.datetime.now().isoformat(timespec="seconds"),
         flops="useful: 4*D per computed (query, key) pair of the dilated pattern (dense causal for SDPA); fwd+bwd = 3.5x fwd",
+        warm_s=args.warm_s,
+        gpu_monitor=(None if monitor is None or not monitor.available
+                     else f"{len(monitor.samples)} samples every {monitor.period_s} s, {monitor.errors} failed reads"),
     )
     path = os.path.join(args.out, stem + ".json")
     with open(path, "w") as f:

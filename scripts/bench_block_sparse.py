@@ -3,7 +3,9 @@ an all-dense layout against SDPA-flash, the adaptive pattern against dense SDPA-
 
 bf16, B = 1, H = 16, D = 128, causal. Every timed result is checked first: our kernels against the PyTorch
 reference (the whole problem, gradients included, where the reference fits; else the first and last query rows,
-which the reference computes alone), FlexAttention and SDPA against ours. Writes ``<out>/block_sparse-<gpu>-<date>``
+which the reference computes alone), FlexAttention and SDPA against ours. Each timing records the GPU's mean SM
+clock and power draw while it ran (``fwd_gpu`` / ``fwd_bwd_gpu``, ``gpu_monitor.py``); ``--warm-s`` runs each call
+for that long first, so that every method is timed at the clock it sustains. Writes ``<out>/block_sparse-<gpu>-<date>``
 ``.json`` (rows, GPU, versions, command) and a ``.png`` beside it, and prints a table.
 
     python scripts/bench_block_sparse.py                       # 16K..256K, about 5 minutes on an H100
@@ -27,9 +29,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 try:
-    from .timing import cuda_median_ms as bench
+    from .gpu_monitor import GpuMonitor
+    from .timing import cuda_median_ms, warm
 except ImportError:  # run as a file: python scripts/<name>.py
-    from timing import cuda_median_ms as bench  # noqa: E402
+    from gpu_monitor import GpuMonitor  # noqa: E402
+    from timing import cuda_median_ms, warm  # noqa: E402
 from hf_dilated.ops.block_sparse import (  # noqa: E402
     BlockLayout,
     adaptive_blocks,
@@ -182,13 +186,30 @@ def main():
     ap.add_argument("--adaptive-n", type=int, default=131072)
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--warm-s", type=float, default=0.0,
+                    help="before timing a call, run it back to back for this many seconds (the sustained clock)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    if not args.warm_s >= 0:
+        ap.error(f"--warm-s must be >= 0 seconds, got {args.warm_s}")
     dev = torch.device("cuda")
     gpu = torch.cuda.get_device_name()
     b = args.block_size
     rows, errors = [], []
     t_start = time.time()
+
+    monitor = GpuMonitor(torch.cuda.current_device())
+
+    def timed(fn, reps):
+        """``(median ms of fn(), the GPU's clock / power / temperature meanwhile)`` after ``--warm-s`` of warm-up."""
+        if args.warm_s > 0:
+            warm(fn, args.warm_s)
+        t0 = time.monotonic()
+        ms = cuda_median_ms(fn, reps)
+        return ms, monitor.window(t0, time.monotonic())
+
+    def bench(fn, reps):
+        return timed(fn, reps)[0]
 
     def record(**row):
         rows.append(row)
@@ -203,14 +224,15 @@ def main():
         finally:
             torch.cuda.empty_cache()
 
+    monitor.__enter__()
     for N in args.sizes:
         gen = torch.Generator(device=dev).manual_seed(N)
         q, k, v = (torch.randn(B, H, N, D, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
                    for _ in range(3))
         do = torch.randn(B, H, N, D, device=dev, dtype=torch.bfloat16, generator=gen)
         tokens = resolve_layout(B, N, N, dev)
-        warm = fixed_layout(N, b, dev)  # warm the allocator / kernels of the builders and of the transpose (the
-        BlockLayout(b, warm.n_blocks, warm.kv_count, warm.kv_index).transposed  # first took 65 ms at 16K, else ~1 ms)
+        first = fixed_layout(N, b, dev)  # warm the allocator / kernels of the builders and of the transpose (the
+        BlockLayout(b, first.n_blocks, first.kv_count, first.kv_index).transposed  # first took 65 ms at 16K, else ~1 ms)
         lay, build_ms = timed_ms(lambda: fixed_layout(N, b, dev))
         _, transpose_ms = timed_ms(lambda: BlockLayout(b, lay.n_blocks, lay.kv_count, lay.kv_index).transposed)
         pairs = pair_count(lay, N)
@@ -223,9 +245,9 @@ def main():
             if N <= args.full_check_max:
                 err = max(err, check_full(ours(q, k, v, lay, tokens, do), q, k, v, lay, tokens, do))
             assert err < TOL, f"ours: rel err {err}"
-            fwd = bench(lambda: ours(q, k, v, lay, tokens), 10)
-            fb = bench(lambda: ours(q, k, v, lay, tokens, do), 5)
-            record(method="ours", **base, err=err, fwd_ms=fwd, fwd_bwd_ms=fb, fwd_tflops=4 * D * pairs / fwd / 1e9,
+            fwd, fwd_gpu = timed(lambda: ours(q, k, v, lay, tokens), 10)
+            fb, fb_gpu = timed(lambda: ours(q, k, v, lay, tokens, do), 5)
+            record(method="ours", **base, err=err, fwd_ms=fwd, fwd_bwd_ms=fb, fwd_gpu=fwd_gpu, fwd_bwd_gpu=fb_gpu, fwd_tflops=4 * D * pairs / fwd / 1e9,
                    fwd_bwd_tflops=14 * D * pairs / fb / 1e9, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
             return out
 
@@ -237,9 +259,10 @@ def main():
             out = flex(q, k, v, mask)[0]
             err = rel_err(out, ours_out["o"]) if "o" in ours_out else float("nan")
             assert err < TOL, f"flex vs ours: rel err {err}"
-            fwd = bench(lambda: flex(q, k, v, mask), 10)
-            fb = bench(lambda: flex(q, k, v, mask, do), 5)
+            fwd, fwd_gpu = timed(lambda: flex(q, k, v, mask), 10)
+            fb, fb_gpu = timed(lambda: flex(q, k, v, mask, do), 5)
             record(method="flex_blockmask", **base, err=err, mask_build_ms=mask_ms, fwd_ms=fwd, fwd_bwd_ms=fb,
+                   fwd_gpu=fwd_gpu, fwd_bwd_gpu=fb_gpu,
                    fwd_tflops=4 * D * pairs / fwd / 1e9, fwd_bwd_tflops=14 * D * pairs / fb / 1e9)
 
         if not args.no_flex:
@@ -255,9 +278,10 @@ def main():
                 dense_pairs = H * N * (N + 1) // 2
                 for name, fn in (("ours_dense_layout", lambda g=None: ours(q, k, v, dl, tokens, g)),
                                  ("sdpa_flash", lambda g=None: sdpa(q, k, v, g))):
-                    fwd = bench(fn, 5)
-                    fb = bench(lambda: fn(do), 3)
-                    record(method=name, N=N, block_size=b, err=err, fwd_ms=fwd, fwd_bwd_ms=fb,
+                    fwd, fwd_gpu = timed(fn, 5)
+                    fb, fb_gpu = timed(lambda: fn(do), 3)
+                    record(method=name, N=N, block_size=b, err=err, fwd_ms=fwd, fwd_bwd_ms=fb, fwd_gpu=fwd_gpu,
+                           fwd_bwd_gpu=fb_gpu,
                            fwd_tflops=4 * D * dense_pairs / fwd / 1e9, fwd_bwd_tflops=14 * D * dense_pairs / fb / 1e9)
 
             guarded(f"dense N={N}", run_dense)
@@ -289,6 +313,7 @@ def main():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
+    monitor.__exit__(None, None, None)
     write(rows, errors, args, gpu, time.time() - t_start)
 
 
@@ -299,15 +324,19 @@ def write(rows, errors, args, gpu, seconds):
     stem = f"block_sparse-{gpu.replace(' ', '_')}-{datetime.date.today().isoformat()}"
     meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                 python=platform.python_version(), command=" ".join([sys.executable] + sys.argv),
-                shape=dict(B=B, H=H, D=D, dtype="bfloat16", causal=True), seconds=round(seconds, 1))
+                shape=dict(B=B, H=H, D=D, dtype="bfloat16", causal=True), seconds=round(seconds, 1),
+                warm_s=args.warm_s)
     path = os.path.join(args.out, stem + ".json")
     with open(path, "w") as f:
         json.dump(dict(meta=meta, rows=rows, errors=errors), f, indent=1)
     print("wrote", path)
-    print(f"\n{'method':<20}{'N':>8}{'fwd ms':>10}{'f+b ms':>10}{'fwd TF':>9}{'f+b TF':>9}{'err':>10}")
+    print(f"\n{'method':<20}{'N':>8}{'fwd ms':>10}{'f+b ms':>10}{'fwd TF':>9}{'f+b TF':>9}{'err':>10}"
+          f"{'MHz f/f+b':>11}")
     for r in rows:
+        mhz = "/".join(f"{r[k]['gpu_clock_mhz']:.0f}" if r.get(k) else "-" for k in ("fwd_gpu", "fwd_bwd_gpu"))
         print(f"{r['method']:<20}{r['N']:>8}{r['fwd_ms']:>10.2f}{r['fwd_bwd_ms']:>10.2f}"
-              f"{r.get('fwd_tflops', float('nan')):>9.1f}{r.get('fwd_bwd_tflops', float('nan')):>9.1f}{r['err']:>10.2e}")
+              f"{r.get('fwd_tflops', float('nan')):>9.1f}{r.get('fwd_bwd_tflops', float('nan')):>9.1f}{r['err']:>10.2e}"
+              f"{mhz:>11}")
     by = {(r["method"], r["N"]): r for r in rows}
     for (method, N), r in sorted(by.items(), key=lambda x: x[0][1]):
         other = {"ours": "flex_blockmask", "ours_dense_layout": "sdpa_flash"}.get(method)

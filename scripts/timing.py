@@ -31,6 +31,24 @@ def cuda_median_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> floa
     return sorted(times)[len(times) // 2]
 
 
+def warm(fn: Callable[[], object], seconds: float) -> int:
+    """Run ``fn()`` back to back for at least ``seconds`` of wall time (synchronised once per call) and return how
+    many calls that took: a power-capped GPU then runs at the clock it sustains under this load, not at the clock the
+    previous case left it at."""
+    import time
+
+    import torch
+
+    if not seconds >= 0:
+        raise ValueError(f"seconds must be >= 0, got {seconds!r}")
+    calls, start = 0, time.monotonic()
+    while time.monotonic() - start < seconds:
+        fn()
+        torch.cuda.synchronize()
+        calls += 1
+    return calls
+
+
 def captured(fn: Callable[[], object], warmup: int = 3):
     """``(graph, output)``: ``fn()`` captured once in a CUDA graph, after ``warmup`` calls on a side stream (what a
     capture needs: kernels compiled, caches built, nothing read on the host). The capture is thread-local: autograd

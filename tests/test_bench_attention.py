@@ -46,3 +46,56 @@ def test_graph_max_ms_must_be_positive():
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
     run = subprocess.run([sys.executable, str(script), "--graph-max-ms", "0"], capture_output=True, text=True)
     assert run.returncode == 2 and "--graph-max-ms" in run.stderr, run.stderr
+
+
+def test_warm_s_must_not_be_negative():
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+    run = subprocess.run([sys.executable, str(script), "--warm-s", "-1"], capture_output=True, text=True)
+    assert run.returncode == 2 and "--warm-s" in run.stderr, run.stderr
+
+
+def test_gpu_monitor_summarises_the_samples_of_each_window():
+    """Samples from a fake reader (clock, power, temperature) land in the window that was open when they were taken;
+    a window shorter than the period takes the nearest sample; a failing reader loses samples, not the run."""
+    import time
+
+    from gpu_monitor import GpuMonitor, parse_smi_line
+
+    assert parse_smi_line(" 1980, 123.60, 41") == (1980.0, 123.6, 41.0)
+    for bad in ("[N/A], 100, 40", "1980, 100"):
+        with pytest.raises(ValueError):
+            parse_smi_line(bad)
+    with pytest.raises(ValueError, match="period_s"):
+        GpuMonitor(period_s=0)
+
+    values = iter([(1980.0, 100.0, 40.0), (1770.0, 700.0, 60.0)] + [(1500.0, 650.0, 58.0)] * 10_000)
+    with GpuMonitor(period_s=0.01, read=lambda: next(values)) as mon:
+        t0 = time.monotonic()
+        while len(mon.samples) < 6:
+            time.sleep(0.005)
+        t1 = time.monotonic()
+    w = mon.window(t0 - 1.0, t1)
+    assert w["gpu_samples"] == len(mon.samples) >= 6
+    assert w["gpu_temp_c"] == 60.0 and 1500.0 < w["gpu_clock_mhz"] < 1980.0
+    stamp = mon.samples[1][0]
+    assert mon.window(stamp, stamp)["gpu_clock_mhz"] == 1770.0  # nearest sample of an empty window
+    assert mon.window(t1 + 5, t1 + 6) == {}  # nothing within a second
+
+    def broken():
+        raise RuntimeError("nvml went away")
+
+    with GpuMonitor(period_s=0.01, read=broken) as mon:
+        time.sleep(0.05)
+    assert mon.errors >= 1 and mon.samples == [] and mon.window(0, time.monotonic()) == {}
+
+
+def test_table_shows_the_clock_and_power_of_each_timing(capsys):
+    rows = [dict(mode="fwd", N=1024, D=64, H=9, Hk=3, method="triton", ms=1.0, tflops=100.0, gpu_clock_mhz=1770.4,
+                 gpu_power_w=690.0),
+            dict(mode="fwd", N=1024, D=64, H=9, Hk=3, method="sdpa", ms=2.0, tflops=50.0)]
+    bench.print_table(rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-2:] == ["MHz", "W"]
+    assert lines[2].split()[-2:] == ["1770", "690"] and lines[3].split()[-2:] == ["-", "-"]

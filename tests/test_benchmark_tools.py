@@ -129,3 +129,10 @@ def test_timeline_refuses_bad_options_by_name(argv, option):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "timeline.py"), *argv],
                          capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 2 and option in run.stderr, run.stderr
+
+
+def test_bench_block_sparse_refuses_a_negative_warm_up():
+    """``--warm-s`` is checked before any GPU work, naming the option."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_block_sparse.py"
+    run = subprocess.run([sys.executable, str(script), "--warm-s", "-0.5"], capture_output=True, text=True)
+    assert run.returncode == 2 and "--warm-s" in run.stderr, run.stderr
