@@ -5,10 +5,11 @@
   ``backward_hopper.py``), LongNet branches w = 2048..32768, r = 1..16 (the attention benchmark's), causal.
 - ``--op block_sparse``: ``block_sparse.forward`` / ``backward`` (``ops/triton/block_sparse_hopper.py``) on
   ``scripts/bench_block_sparse.py``'s layout (a 2K local window, the sink block, LongNet-style dilated blocks).
-- ``--pass forward`` or ``backward`` (the backward's Gluon kernels: dK/dV, and for the dilated op at head dim 128
-  dQ too).
+- ``--pass forward`` or ``backward`` (the backward's Gluon kernels: dK/dV, and for the dilated op dQ too; at head
+  dim 256 the dilated backward has the Gluon dQ alone).
 
-bf16; cases cover the benchmarks' H 16 / D 128 shape, GQA 32 / 8 and SmolLM2's 9 / 3 heads at D 64.
+bf16; cases cover the benchmarks' H 16 / D 128 shape, GQA 32 / 8 and SmolLM2's 9 / 3 heads at D 64, or
+``--shapes H/Hk/D ...`` at ``--seqlens`` (default 16K and 64K), e.g. ``--shapes 8/2/256`` for Gemma-style heads.
 
     python benchmarks/ab_gluon.py --op dilated --pass forward --out benchmarks/results
 
@@ -98,8 +99,8 @@ def dilated_forward(q, k, v, do, block: int):
 
 OPS = {("dilated", "backward"): dilated_backward, ("block_sparse", "backward"): block_sparse_backward,
        ("dilated", "forward"): dilated_forward, ("block_sparse", "forward"): block_sparse_forward}
-# The launch counter that shows the Gluon kernel ran.
-GLUON_RAN = {"forward": "forward_hopper", "backward": "dkdv_hopper"}
+# The launch counters that show a Gluon kernel ran.
+GLUON_RAN = {"forward": ("forward_hopper",), "backward": ("dkdv_hopper", "dq_hopper")}
 
 
 def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, rounds: int) -> dict:
@@ -110,15 +111,15 @@ def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, r
     q, do = (torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     k, v = (torch.randn(1, Hk, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     run, launches = OPS[op, which](q, k, v, do, block)
-    counter = GLUON_RAN[which]
+    counted = lambda: sum(launches[c] for c in GLUON_RAN[which])  # noqa: E731
     kernels = {"portable": "0", "gluon": "1"}
     grads, ran = {}, {}
     with mock.patch.dict(os.environ):  # the switch is set per call below and restored on the way out
         for name, flag in kernels.items():
             os.environ["HF_DILATED_GLUON"] = flag
-            before = launches[counter]
+            before = counted()
             grads[name] = run()
-            ran[name] = launches[counter] > before
+            ran[name] = counted() > before
         if not ran["gluon"] or ran["portable"]:
             raise RuntimeError(f"the kernels did not run as asked: {ran} (needs an sm_90 GPU and Gluon)")
         names = "qkv" if which == "backward" else ("out", "lse")
@@ -145,11 +146,23 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=128, help="block-sparse layout block")
     ap.add_argument("--seqlens", type=int, nargs="*", help="only the cases of these lengths")
+    ap.add_argument("--shapes", nargs="+", metavar="H/Hk/D", help="head shapes to run at --seqlens instead of the cases")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    cases = CASES
+    if args.shapes:
+        from bench_attention import parse_shape
+
+        try:
+            shapes = [parse_shape(x) for x in args.shapes]
+        except ValueError as err:
+            ap.error(str(err))
+        cases = [(N, H, Hk, D) for N in (args.seqlens or (16384, 65536)) for H, Hk, D in shapes]
     gpu = torch.cuda.get_device_name()
     rows = []
-    for N, H, Hk, D in CASES:
+    for N, H, Hk, D in cases:
         if args.seqlens and N not in args.seqlens:
             continue
         rows.append(run_case(args.op, args.which, N, H, Hk, D, args.block_size, args.rounds))

@@ -749,9 +749,10 @@ def test_gpu_counted_positions_across_holes(rng):
 @cpu
 @pytest.mark.parametrize("which", ["forward_hopper", "backward_hopper"])
 def test_gluon_kernels_coverage(monkeypatch, which):
-    """The dilated forward and dK/dV kernels in Gluon (``forward_hopper.py``, ``backward_hopper.py``; compiled on the
-    CPU by test_benchmark_tools, run by the GPU tests) cover bf16 / fp16 at head dim 64 / 128 on the descriptor path
-    without window, dropout or holes; never under the interpreter, off sm_90, or with ``HF_DILATED_GLUON=0``."""
+    """The dilated forward and backward kernels in Gluon (``forward_hopper.py``, ``backward_hopper.py``; compiled on the
+    CPU by test_benchmark_tools, run by the GPU tests) cover bf16 / fp16 at head dim 64 / 128 / 256 on the descriptor
+    path without window, dropout or holes (the backward: dK/dV at 64 / 128, dQ at 128 / 256); never under the
+    interpreter, off sm_90, or with ``HF_DILATED_GLUON=0``."""
     import importlib
 
     from hf_dilated.ops.triton import configs, hopper
@@ -765,6 +766,10 @@ def test_gluon_kernels_coverage(monkeypatch, which):
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     monkeypatch.setattr(configs, "_capability_major", lambda: 9)
     assert kernel.applies(q, plain, True) and kernel.applies(q[..., :64].half(), plain, True)
+    assert kernel.applies(torch.empty(1, 2, 256, 256, dtype=torch.bfloat16), plain, True)  # Gemma's head dim
+    if which == "backward_hopper":  # which of its two kernels runs at each head dim
+        assert [d for d in (64, 128, 256) if kernel.dkdv_launch_config(d)] == [64, 128]
+        assert [d for d in (64, 128, 256) if kernel.dq_launch_config(d)] == [128, 256]
     assert not kernel.applies(q, plain, False)  # pointer loads (unaligned strides, padded head dim)
     for flag in ("WINDOW", "HOLES", "DROPOUT"):
         assert not kernel.applies(q, dict(plain, **{flag: True}), True), flag
@@ -780,11 +785,11 @@ def test_gluon_kernels_coverage(monkeypatch, which):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gluon", ["1", "0"])
 def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon):
-    """On sm_90 the dilated forward, dK/dV and (head dim 128) dQ run in Gluon where they apply, and the portable
-    kernels with ``HF_DILATED_GLUON=0``; both against the float64 oracle: GQA with several offset classes, ragged
-    segments, bidirectional, padding, packed sequences, fewer queries than keys (queries and keys of a segment at
-    different rows), global tokens, a dense layer (one launch, which writes the gradients with no float32 buffer) and the
-    backward's head chunks."""
+    """On sm_90 the dilated forward, dK/dV (head dim 64 / 128) and dQ (128 / 256) run in Gluon where they apply, and
+    the portable kernels with ``HF_DILATED_GLUON=0``; both against the float64 oracle: GQA with several offset classes,
+    ragged segments, bidirectional, padding, packed sequences, fewer queries than keys (queries and keys of a segment
+    at different rows), global tokens, a dense layer (one launch, which writes the gradients with no float32 buffer),
+    the backward's head chunks, and Gemma-style head dim 256."""
     _gpu_skip()
     from hf_dilated.ops.triton import configs, hopper
 
@@ -800,11 +805,15 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon):
         kinds = ("dkdv_hopper", "dq_hopper", "forward_hopper")
         ran = {kind: launch.LAUNCHES[kind] > before.get(kind, 0) for kind in kinds}
         on = gluon == "1"
-        assert ran == {"dkdv_hopper": on, "dq_hopper": on and q.shape[-1] == 128, "forward_hopper": on}, ran
+        d = q.shape[-1]
+        assert ran == {"dkdv_hopper": on and d in (64, 128), "dq_hopper": on and d in (128, 256),
+                       "forward_hopper": on}, ran
 
     run(*make_qkv(rng, 2, 16, 4, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
     run(*make_qkv(rng, 1, 8, 8, 2500, 2500, 64, fp16, "cuda"), is_causal=False, head_offset=1)
     run(*make_qkv(rng, 1, 9, 3, 1700, 1700, 64, bf16, "cuda"))
+    run(*make_qkv(rng, 1, 8, 2, 2300, 2300, 256, bf16, "cuda"), head_offset=1)  # Gemma-style heads
+    run(*make_qkv(rng, 1, 4, 4, 1100, 1100, 256, fp16, "cuda"), is_causal=False)
     run(*make_qkv(rng, 1, 8, 2, 700, 2000, 128, bf16, "cuda"), head_offset=2)
     mask = torch.ones(2, 2048, dtype=torch.bool, device="cuda")
     mask[1, :777] = False

@@ -20,14 +20,18 @@ sliding window and no dropout (``applies``); everything else runs the portable k
 ``HF_DILATED_GLUON=0``. The products are the portable kernel's, summed in the same order (16-row k-steps in query
 order), so the gradients are expected bit-identical (``benchmarks/ab_gluon.py`` checks it on the GPU).
 
-dQ (``dilated_bwd_dq_hopper_kernel``, head dim 128 only: ``DQ_STEPS``): one warpgroup owns 64 dilated query rows of an
-item and head, Q and dO resident in shared memory, K / V tiles streamed by TMA (3 K and 2 V buffers). Per key tile the
+dQ (``dilated_bwd_dq_hopper_kernel``, head dim 128 and 256: ``DQ_STEPS``): one warpgroup owns 64 dilated query rows
+of an item and head, Q and dO resident in shared memory, K / V tiles streamed by TMA (3 K and 2 V buffers of 64 keys
+at D = 128; 2 K and 1 V of 32 keys at 256, 112 KB: two programs per SM). Per key tile the
 scores and ``dP`` are issued, then the previous tile's ``dQ += dS K`` (``hopper.dq_step``): the exponentials and
 ``dS`` run while products are on the tensor cores, where the portable kernel waits for ``S`` and ``dP`` as soon as it
 issues them. Same products, same order: bit-identical gradients (H100, 16K-256K); with it the backward runs 1.07 /
 1.04 / 1.02x faster than with the portable dQ at 16K / 64K / 256K and D = 128 (means of 2 interleaved rounds), 0.98x
 at D = 64, where the portable one stays
-(``benchmarks/results/ab_gluon_dq-dilated-*.jsonl``).
+(``benchmarks/results/ab_gluon_dq-dilated-*.jsonl``). At D = 256, where the portable dq kernel spills 184-1392 bytes
+(96-485 spill loads inside its loops), the Gluon dQ runs the backward 1.19x / 1.21x faster at 16K / 64K (8 / 2 heads,
+bit-identical, ``results/ab_gluon_backward-dilated-d256-session19-*``). The dK/dV kernel stays portable there: 64 keys
+of dK and dV at D = 256 are 256 float32 registers per thread of one warpgroup.
 """
 
 from __future__ import annotations
@@ -43,19 +47,23 @@ from .tiles import LOG2E
 
 BLOCK_N = 64  # dilated key rows per program (one warpgroup)
 BLOCK_Q = 64  # dilated query rows per step: n64 instructions for the transposed products
-# dQ: (query rows per program, key rows per step, K buffers, V buffers, warps) by head dim. Only D = 128: at D = 64
-# the Gluon dQ measured 0.98x of the portable one (H100, 64K, benchmarks/results/ab_gluon_dq-*), which runs there.
-DQ_STEPS = {128: (64, 64, 3, 2, 4)}
+# dQ: (query rows per program, key rows per step, K buffers, V buffers, warps) by head dim. Not D = 64: there the
+# Gluon dQ measured 0.98x of the portable one (H100, 64K, benchmarks/results/ab_gluon_dq-*), which runs there.
+DQ_STEPS = {128: (64, 64, 3, 2, 4), 256: (64, 32, 2, 1, 4)}
+
+
+DKDV_HEAD_DIMS = (64, 128)  # D = 256 needs 256 float32 accumulator registers per thread for dK and dV of 64 keys
 
 
 def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
-    """Whether the dilated backward runs this kernel: ``hopper.runnable`` (the switch, sm_90, the tensor-descriptor
-    path, not the interpreter), bf16 / fp16, head dim 64 / 128, no sliding window, no dropout (``flags``: the
-    launchers' constexpr flags; holes never reach here, they turn the descriptor path off)."""
+    """Whether the dilated backward may run these kernels: ``hopper.runnable`` (the switch, sm_90, the
+    tensor-descriptor path, not the interpreter), bf16 / fp16, no sliding window, no dropout (``flags``: the
+    launchers' constexpr flags; holes never reach here, they turn the descriptor path off). Which of the two runs at
+    the call's head dim: ``dkdv_launch_config`` / ``dq_launch_config``."""
     return (
         runnable(tma)
         and q.dtype in (torch.bfloat16, torch.float16)
-        and q.shape[-1] in (64, 128)
+        and (q.shape[-1] in DKDV_HEAD_DIMS or q.shape[-1] in DQ_STEPS)
         and not flags["WINDOW"]
         and not flags["DROPOUT"]
         and not flags["HOLES"]
@@ -325,8 +333,11 @@ if gluon is not None:
             gl.store(SUMS + rows64 * stride_sn + d[None, :], acc.to(SUMS.dtype.element_ty), mask=rmask[:, None])
 
 
-def launch_config() -> dict:
-    """dK/dV: 64 dilated keys x 64 dilated queries per step on one warpgroup."""
+def dkdv_launch_config(head_dim: int) -> dict | None:
+    """dK/dV: 64 dilated keys x 64 dilated queries per step on one warpgroup, at ``DKDV_HEAD_DIMS``; ``None`` where
+    the portable dK/dV kernel runs."""
+    if head_dim not in DKDV_HEAD_DIMS:
+        return None
     return dict(BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q, num_warps=4)
 
 

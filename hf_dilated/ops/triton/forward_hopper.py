@@ -9,14 +9,15 @@ portable kernel's grid and contract (one warpgroup per segment item, 64 dilated 
   descriptors over the item's dilated rows (row stride ``r`` rows, zeros past the last); a buffer is refilled as soon
   as its product has read it;
 - ``P`` stays in registers as the A operand of the asynchronous ``P V`` (the wait holds it until the product is done);
-- 128-key steps at head dim 128 (one K buffer, two V buffers: 112 KB, two programs per SM), 64-key steps at 64;
+- 128-key steps at head dim 128 (one K buffer, two V buffers: 112 KB, two programs per SM), 64-key steps at 64 and
+  256 (at 256 one K and one V buffer: 96 KB, two programs per SM);
 - only tiles that cross the causal diagonal or the item's last key are masked;
 - the epilogue is the portable kernel's: merge with the rows earlier launches wrote (``MERGE``), the ``LAST`` launch
   writes the output in its dtype.
 
 The arithmetic is ``tiles.softmax_step``'s, so with the portable kernel's 64-key steps the output is bit-identical
 (measured on the H100); 128-key steps move the running maximum less often and differ in the last bf16 bit. Used for
-bf16 / fp16, head dim 64 / 128, the tensor-descriptor path, no sliding window, dropout or holes (``applies``).
+bf16 / fp16, head dim 64 / 128 / 256, the tensor-descriptor path, no sliding window, dropout or holes (``applies``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
 # (key rows per step, K buffers, V buffers) by head dim, measured on the H100 (benchmarks/NOTES_triton.md, round 2
 # session 14): at D = 128, (128, 1, 2) ran the forward 1.04-1.09x faster than the portable kernel at 64K / 256K and
 # 1.06-1.09x with GQA 32 / 8, (64, 3, 3) 0.98-1.02x; at D = 64 (9 / 3 heads) (64, 2, 2) ran 1.06-1.11x, (128, 1, 2)
-# 0.92-0.98x.
-STEPS = {64: (64, 2, 2), 128: (128, 1, 2)}
+# 0.92-0.98x. At D = 256 (Gemma's heads, 8 / 2) (64, 1, 1) (96 KB: two programs per SM; the portable kernel spills
+# 540-820 bytes there) ran 1.36x / 1.25x at 16K / 64K, bit-identical (round 2 session 19).
+STEPS = {64: (64, 2, 2), 128: (128, 1, 2), 256: (64, 1, 1)}
 
 
 def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:

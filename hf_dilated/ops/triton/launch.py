@@ -339,8 +339,9 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
     if tma:
         descriptor_scratch(q.device)
         LAUNCHES["backward_tma"] += 1
-    gluon = backward_hopper.applies(q, flags, tma)  # the dK/dV kernel in Gluon (sm_90)
-    dq_cfg = backward_hopper.dq_launch_config(hd) if gluon else None  # and the dQ one, at D = 128
+    gluon = backward_hopper.applies(q, flags, tma)  # the Gluon kernels (sm_90), each at the head dims it takes
+    dkdv_cfg = backward_hopper.dkdv_launch_config(hd) if gluon else None
+    dq_cfg = backward_hopper.dq_launch_config(hd) if gluon else None
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
     per_branch = _branch_views(streams) if not flags["DROPOUT"] else None
     launches = [(j, i, r, it, streams[i, :, h0:] if flags["DROPOUT"] else per_branch[i],
@@ -348,11 +349,10 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
     kv_tensors = (q, k, v, do, lse, delta, dk, dv, xk, xv, rates)
     kv_strides = (*strides, *dk.stride()[:3], *dv.stride()[:3], *xk.stride()[:3], *xv.stride()[:3])
     q_tensors, q_strides = (q, k, v, do, lse, delta, dq, xq, rates), (*strides, *dq.stride()[:3], *xq.stride()[:3])
-    dkdv_cfg = backward_hopper.launch_config() if gluon else None
     with forked(q.device) as beside:
         for j, i, r, it, s, merge in launches:  # dK / dV on the current stream
             n_classes = min(group, r)
-            if gluon:
+            if dkdv_cfg:
                 grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
                 backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
                     *kv_tensors, it.items, *kv_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
