@@ -15,8 +15,8 @@ class (the portable kernel's grid and contract):
 - the branch's share is added to the float32 sums of the earlier launches (read, add, write the rows they wrote: no
   two programs write one key row); the ``LAST`` launch writes the final dK / dV in their dtype (``launch.backward``).
 
-It covers the training path's common case: bf16 / fp16, head dim 64 / 128, the tensor-descriptor path (no holes), no
-sliding window and no dropout (``applies``); everything else runs the portable kernel, as does
+It covers the training path's common case: bf16 / fp16, head dim 64 / 128 / 256, the tensor-descriptor path (no
+holes), no sliding window and no dropout (``applies``); everything else runs the portable kernel, as does
 ``HF_DILATED_GLUON=0``. The products are the portable kernel's, summed in the same order (16-row k-steps in query
 order), so the gradients are expected bit-identical (``benchmarks/ab_gluon.py`` checks it on the GPU).
 
@@ -30,8 +30,15 @@ issues them. Same products, same order: bit-identical gradients (H100, 16K-256K)
 at D = 64, where the portable one stays
 (``benchmarks/results/ab_gluon_dq-dilated-*.jsonl``). At D = 256, where the portable dq kernel spills 184-1392 bytes
 (96-485 spill loads inside its loops), the Gluon dQ runs the backward 1.19x / 1.21x faster at 16K / 64K (8 / 2 heads,
-bit-identical, ``results/ab_gluon_backward-dilated-d256-session19-*``). The dK/dV kernel stays portable there: 64 keys
-of dK and dV at D = 256 are 256 float32 registers per thread of one warpgroup.
+bit-identical, ``results/ab_gluon_backward-dilated-d256-session19-*``).
+
+dK/dV at D = 256: 64 keys of dK and dV would be 256 float32 registers per thread of one warpgroup, so each branch
+runs the kernel twice, ``PART`` 1 for dV (``S^T``, ``dV += P^T dO``; no V in shared memory, 100 KB at 32-query steps:
+two programs per SM) and ``PART`` 2 for dK (``S^T``, ``dP^T``, ``dK += dS^T Q``; 132 KB), five products per tile pair
+instead of four, where the portable kernel spilled 560-744 bytes (103-334 spill loads in its loops). With both Gluon
+kernels the D = 256 backward runs 1.39x / 1.46x faster than the portable one at 16K / 64K, bit-identical
+(``results/ab_gluon_backward-dilated-d256-split-dkdv-session19-*``; 16-query steps for dK, 98 KB and two programs per
+SM, 1.28x / 1.41x).
 """
 
 from __future__ import annotations
@@ -39,9 +46,10 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    dkdv_buffers, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, first_selected, gl, gluon, item_query_tile,
-    kv_descs, kv_prefetch, load_item, mbarrier, n_rows, query_tile_buffers, query_tile_keys, release_barriers, row_desc,
-    runnable, tma_load, warpgroup_mma_init, warpgroup_mma_wait, written_before,
+    dkdv_buffers, dkdv_part_buffers, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, fence_async_shared,
+    first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows, query_tile_buffers,
+    query_tile_keys, release_barriers, row_desc, runnable, tma_load, warpgroup_mma, warpgroup_mma_init,
+    warpgroup_mma_wait, written_before,
 )
 from .tiles import LOG2E
 
@@ -52,14 +60,18 @@ BLOCK_Q = 64  # dilated query rows per step: n64 instructions for the transposed
 DQ_STEPS = {128: (64, 64, 3, 2, 4), 256: (64, 32, 2, 1, 4)}
 
 
-DKDV_HEAD_DIMS = (64, 128)  # D = 256 needs 256 float32 accumulator registers per thread for dK and dV of 64 keys
+# dK/dV: (PART, query rows per step) of each launch per branch, by head dim. At D = 256, dK and dV of 64 keys would
+# take 256 float32 registers per thread of one warpgroup: one launch computes dV (2 products per tile pair, no V in
+# shared memory: 100 KB at 32-query steps) and one dK (3 products), 5 products where D <= 128 runs 4 in one launch.
+DKDV_STEPS = {64: ((0, 64),), 128: ((0, 64),), 256: ((1, 32), (2, 32))}  # measured, H100: see the docstring
+DKDV_HEAD_DIMS = tuple(DKDV_STEPS)
 
 
 def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
     """Whether the dilated backward may run these kernels: ``hopper.runnable`` (the switch, sm_90, the
     tensor-descriptor path, not the interpreter), bf16 / fp16, no sliding window, no dropout (``flags``: the
     launchers' constexpr flags; holes never reach here, they turn the descriptor path off). Which of the two runs at
-    the call's head dim: ``dkdv_launch_config`` / ``dq_launch_config``."""
+    the call's head dim: ``dkdv_launch_configs`` / ``dq_launch_config``."""
     return (
         runnable(tma)
         and q.dtype in (torch.bfloat16, torch.float16)
@@ -86,11 +98,13 @@ if gluon is not None:
         stride_xvb, stride_xvh, stride_xvn,
         head_offset, group, n_classes, r, scale, qk_scale, n_tiles, n_prev,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
-        IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, num_warps: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr,
     ):
         """dK and dV of one tile of ``BLOCK_N`` dilated key rows of one segment item, for one kv head and offset
         class (the query heads ``h0, h0 + r, ...`` of its GQA group read the same key rows), added to the rows of
-        ``DK`` / ``DV`` earlier launches wrote (``MERGE``), stored there or, ``LAST``, to ``DK_OUT`` / ``DV_OUT``."""
+        ``DK`` / ``DV`` earlier launches wrote (``MERGE``), stored there or, ``LAST``, to ``DK_OUT`` / ``DV_OUT``.
+        ``PART`` 0: both; 1: dV alone (``S^T``, ``dV += P^T dO``: no V); 2: dK alone (``S^T``, ``dP^T``,
+        ``dK += dS^T Q``): one accumulator per program where two do not fit the registers (head dim 256)."""
         dtype: gl.constexpr = Q.dtype.element_ty
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_Q, 16])
@@ -124,8 +138,12 @@ if gluon is not None:
         start_q = (j0 // BLOCK_Q) * BLOCK_Q
         n_steps = gl.where(j_first < n_k, gl.maximum(n_q - start_q + BLOCK_Q - 1, 0) // BLOCK_Q, 0)  # 0: no keys
 
-        k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready = dkdv_buffers(
-            dtype, kv_smem_layout, q_smem_layout, p_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM)
+        if PART == 0:
+            k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready = dkdv_buffers(
+                dtype, kv_smem_layout, q_smem_layout, p_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM)
+        else:  # p_smem: P^T (dV) or dS^T (dK)
+            k_smem, v_smem, q_smem, do_smem, p_smem, kv_bar, ready = dkdv_part_buffers(
+                dtype, kv_smem_layout, q_smem_layout, p_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM, PART)
 
         # K and V: the item's dilated key rows (row stride r rows, zeros past the last), read once.
         kvh64 = kvh.to(gl.int64)
@@ -137,9 +155,13 @@ if gluon is not None:
                           HEAD_DIM, kv_smem_layout)
         has_keys = j_first < n_k  # else nothing is read (the descriptor's one row may lie past the tensor)
         if has_keys:
-            mbarrier.expect(kv_bar, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
-            tma_load(k_desc, [j_first, 0], kv_bar, k_smem)
-            tma_load(v_desc, [j_first, 0], kv_bar, v_smem)
+            if PART == 1:  # dV alone: no V
+                mbarrier.expect(kv_bar, BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
+                tma_load(k_desc, [j_first, 0], kv_bar, k_smem)
+            else:
+                mbarrier.expect(kv_bar, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
+                tma_load(k_desc, [j_first, 0], kv_bar, k_smem)
+                tma_load(v_desc, [j_first, 0], kv_bar, v_smem)
 
         tile_bytes: gl.constexpr = 2 * BLOCK_Q * HEAD_DIM * dtype.primitive_bitwidth // 8
         kidx = gl.arange(0, BLOCK_N, layout=key_axis)
@@ -153,8 +175,11 @@ if gluon is not None:
             full_from = gl.maximum(kp_max - q_first + r - 1, 0) // r
         vrows = gl.arange(0, BLOCK_Q, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
         s_zero = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=s_layout)
-        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
-        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
+        if PART == 0:
+            dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
+            dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
+        else:
+            acc = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
         if has_keys:
             mbarrier.wait(kv_bar, 0)
 
@@ -194,7 +219,15 @@ if gluon is not None:
                 mbarrier.wait(ready.index(buf), (it // 2) % 2)
                 qs = q_smem.index(buf)
                 dos = do_smem.index(buf)
-                sT, dpT, dk, dv = dkdv_scores(k_smem, v_smem, qs, dos, s_zero, dk, dv)
+                if PART == 0:
+                    sT, dpT, dk, dv = dkdv_scores(k_smem, v_smem, qs, dos, s_zero, dk, dv)
+                elif PART == 1:  # S^T alone; waiting for it also retires the last step's dV (its buffers refill)
+                    sT = warpgroup_mma(k_smem, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    sT, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sT, acc))
+                else:  # S^T and dP^T; waiting for S^T also retires the last step's dK
+                    sT = warpgroup_mma(k_smem, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    dpT = warpgroup_mma(v_smem, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    sT, acc = warpgroup_mma_wait(num_outstanding=1, deps=(sT, acc))
                 if s + 1 < n_steps_h:
                     q_cur = q_cur + BLOCK_Q
                     nbuf = 1 - buf
@@ -208,9 +241,22 @@ if gluon is not None:
                 if needs_mask:
                     qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
                     pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
-                dk, dv = dkdv_products(pT, dpT, delta, qs, dos, p_smem, ds_smem, dk, dv, dtype)
+                if PART == 0:
+                    dk, dv = dkdv_products(pT, dpT, delta, qs, dos, p_smem, ds_smem, dk, dv, dtype)
+                elif PART == 1:  # dV += P^T dO, left in flight
+                    p_smem.store(pT.to(dtype))
+                    fence_async_shared()
+                    acc = warpgroup_mma(p_smem, dos, acc, is_async=True)
+                else:  # dK += dS^T Q, left in flight
+                    dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT,))
+                    p_smem.store((pT * (dpT - delta[None, :])).to(dtype))
+                    fence_async_shared()
+                    acc = warpgroup_mma(p_smem, qs, acc, is_async=True)
                 it += 1
-        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        if PART == 0:
+            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.invalidate(kv_bar)
         mbarrier.invalidate(ready.index(0))
         mbarrier.invalidate(ready.index(1))
@@ -223,10 +269,19 @@ if gluon is not None:
         seen = kin
         if MERGE:
             seen = kin & written_before(kp, kvh * group, head_offset, PREV, n_prev, group)
-        _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh, DK_OUT + b * stride_xkb + kvh64 * stride_xkh,
-                kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE, LAST)
-        _finish(dv, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh,
-                kc64, d, kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
+        if PART == 0:
+            _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh,
+                    DK_OUT + b * stride_xkb + kvh64 * stride_xkh, kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE,
+                    LAST)
+            _finish(dv, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh,
+                    kc64, d, kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
+        elif PART == 1:
+            _finish(acc, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh,
+                    kc64, d, kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
+        else:
+            _finish(acc * scale, DK + b * stride_dkb + kvh64 * stride_dkh,
+                    DK_OUT + b * stride_xkb + kvh64 * stride_xkh, kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE,
+                    LAST)
 
     @gluon.jit
     def dilated_bwd_dq_hopper_kernel(
@@ -333,12 +388,12 @@ if gluon is not None:
             gl.store(SUMS + rows64 * stride_sn + d[None, :], acc.to(SUMS.dtype.element_ty), mask=rmask[:, None])
 
 
-def dkdv_launch_config(head_dim: int) -> dict | None:
-    """dK/dV: 64 dilated keys x 64 dilated queries per step on one warpgroup, at ``DKDV_HEAD_DIMS``; ``None`` where
-    the portable dK/dV kernel runs."""
-    if head_dim not in DKDV_HEAD_DIMS:
+def dkdv_launch_configs(head_dim: int) -> list[dict] | None:
+    """dK/dV: the launches per branch (``DKDV_STEPS``: one for both gradients, or at D = 256 one for dV and one for
+    dK), each 64 dilated keys on one warpgroup; ``None`` where the portable dK/dV kernel runs."""
+    if head_dim not in DKDV_STEPS:
         return None
-    return dict(BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q, num_warps=4)
+    return [dict(BLOCK_N=BLOCK_N, BLOCK_Q=q_rows, PART=part, num_warps=4) for part, q_rows in DKDV_STEPS[head_dim]]
 
 
 def dq_launch_config(head_dim: int) -> dict | None:

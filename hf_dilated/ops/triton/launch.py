@@ -340,7 +340,7 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
         descriptor_scratch(q.device)
         LAUNCHES["backward_tma"] += 1
     gluon = backward_hopper.applies(q, flags, tma)  # the Gluon kernels (sm_90), each at the head dims it takes
-    dkdv_cfg = backward_hopper.dkdv_launch_config(hd) if gluon else None
+    dkdv_cfgs = backward_hopper.dkdv_launch_configs(hd) if gluon else None
     dq_cfg = backward_hopper.dq_launch_config(hd) if gluon else None
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
     per_branch = _branch_views(streams) if not flags["DROPOUT"] else None
@@ -352,14 +352,15 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
     with forked(q.device) as beside:
         for j, i, r, it, s, merge in launches:  # dK / dV on the current stream
             n_classes = min(group, r)
-            if dkdv_cfg:
-                grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
-                backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
-                    *kv_tensors, it.items, *kv_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
-                    pb.scale * LOG2E, n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes),
-                    IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dkdv_cfg,
-                )
-                LAUNCHES["dkdv_hopper"] += 1
+            if dkdv_cfgs:
+                for dkdv_cfg in dkdv_cfgs:  # one launch, or at D = 256 one for dV and one for dK
+                    grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
+                    backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
+                        *kv_tensors, it.items, *kv_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
+                        pb.scale * LOG2E, n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes),
+                        IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dkdv_cfg,
+                    )
+                    LAUNCHES["dkdv_hopper"] += 1
             else:
                 grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
                 dilated_bwd_dkdv_kernel[grid](
