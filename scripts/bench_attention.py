@@ -238,8 +238,8 @@ def main():
                     help="skip the CUDA-graph replay timing (the GPU's time alone) beside the eager timing")
     ap.add_argument("--graph-max-ms", type=float, default=250.0,
                     help="replay from a CUDA graph only calls faster than this (the host matters only for short ones)")
-    ap.add_argument("--warm-s", type=float, default=0.0,
-                    help="before timing a call, run it back to back for this many seconds (the sustained clock)")
+    ap.add_argument("--warm-s", type=float, default=1.0,
+                    help="before timing a call, run it back to back for this many seconds (the sustained clock; 0: no)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     try:
@@ -339,7 +339,11 @@ def main():
                 row.update(monitor.window(t_timed, time.monotonic()))
                 if args.graph_timing and guess < args.graph_max_ms and method != "reference":
                     try:  # the GPU's time alone: the same call replayed from a CUDA graph, no host work
+                        t_graph = time.monotonic()
                         row["graph_ms"] = graph_bench(fn, reps_for(guess))
+                        clock = monitor.window(t_graph, time.monotonic()).get("gpu_clock_mhz")
+                        if clock is not None:
+                            row["graph_gpu_clock_mhz"] = clock
                     except Exception as e:  # reported, not fatal: the eager time stands
                         row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                         torch.cuda.synchronize()

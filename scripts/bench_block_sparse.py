@@ -186,8 +186,8 @@ def main():
     ap.add_argument("--adaptive-n", type=int, default=131072)
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--warm-s", type=float, default=0.0,
-                    help="before timing a call, run it back to back for this many seconds (the sustained clock)")
+    ap.add_argument("--warm-s", type=float, default=1.0,
+                    help="before timing a call, run it back to back for this many seconds (the sustained clock; 0: no)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     if not args.warm_s >= 0:

@@ -32,15 +32,18 @@ def cuda_median_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> floa
 
 
 def warm(fn: Callable[[], object], seconds: float) -> int:
-    """Run ``fn()`` back to back for at least ``seconds`` of wall time (synchronised once per call) and return how
-    many calls that took: a power-capped GPU then runs at the clock it sustains under this load, not at the clock the
-    previous case left it at."""
+    """Call ``fn()`` once (compilation, caches: the GPU may idle meanwhile), then back to back for at least ``seconds``
+    of wall time (synchronised once per call), and return how many calls that took after the first: a power-capped
+    GPU then runs at the clock it sustains under this load, not at the clock an idle moment (a compile, the previous
+    case) left it at."""
     import time
 
     import torch
 
     if not seconds >= 0:
         raise ValueError(f"seconds must be >= 0, got {seconds!r}")
+    fn()
+    torch.cuda.synchronize()
     calls, start = 0, time.monotonic()
     while time.monotonic() - start < seconds:
         fn()
