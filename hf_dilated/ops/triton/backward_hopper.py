@@ -54,7 +54,7 @@ from .hopper import (
 from .tiles import LOG2E
 
 BLOCK_N = 64  # dilated key rows per program (one warpgroup)
-BLOCK_Q = 64  # dilated query rows per step: n64 instructions for the transposed products
+BLOCK_Q = 64  # dilated query rows per step at D <= 128: n64 instructions for the transposed products
 # dQ: (query rows per program, key rows per step, K buffers, V buffers, warps) by head dim. Not D = 64: there the
 # Gluon dQ measured 0.98x of the portable one (H100, 64K, benchmarks/results/ab_gluon_dq-*), which runs there.
 DQ_STEPS = {128: (64, 64, 3, 2, 4), 256: (64, 32, 2, 1, 4)}
@@ -63,7 +63,7 @@ DQ_STEPS = {128: (64, 64, 3, 2, 4), 256: (64, 32, 2, 1, 4)}
 # dK/dV: (PART, query rows per step) of each launch per branch, by head dim. At D = 256, dK and dV of 64 keys would
 # take 256 float32 registers per thread of one warpgroup: one launch computes dV (2 products per tile pair, no V in
 # shared memory: 100 KB at 32-query steps) and one dK (3 products), 5 products where D <= 128 runs 4 in one launch.
-DKDV_STEPS = {64: ((0, 64),), 128: ((0, 64),), 256: ((1, 32), (2, 32))}  # measured, H100: see the docstring
+DKDV_STEPS = {64: ((0, BLOCK_Q),), 128: ((0, BLOCK_Q),), 256: ((1, 32), (2, 32))}  # measured (H100): the docstring
 DKDV_HEAD_DIMS = tuple(DKDV_STEPS)
 
 
