@@ -312,22 +312,35 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
 
 
 def compare(before: dict, rows: list[Resources]) -> str:
-    """Which kernels generate other code than in ``before`` (matched by kernel, specialisation and config)."""
+    """Which kernels generate other code than in ``before``, matched by kernel, specialisation and config (the launch
+    key); a kernel whose launch key is new but whose PTX is that of a vanished key of the same kernel (a launch
+    argument added, say) counts as the same code."""
     old = {k["launch_key"]: k for k in before["kernels"]}
-    same, lines = 0, []
+    same, rekeyed, lines, unmatched = 0, 0, [], []
     for r in rows:
         o = old.pop(r.launch_key, None)
         if o is None:
-            lines.append(f"  new      {r.kernel} {r.config} {r.specialised}")
+            unmatched.append(r)
         elif o["ptx_sha"] == r.ptx_sha:
             same += 1
         else:
             lines.append(f"  changed  {r.kernel} {r.config} {r.specialised}: registers {o['registers']} -> "
                          f"{r.registers}, spills {o['spill_stores']} -> {r.spill_stores} bytes, shared "
                          f"{o['shared']} -> {r.shared}")
+    gone = {}
+    for key, o in old.items():
+        gone.setdefault((o["kernel"], o["ptx_sha"]), []).append(key)
+    for r in unmatched:
+        keys = gone.get((r.kernel, r.ptx_sha)) if r.ptx_sha else None
+        if keys:
+            old.pop(keys.pop())
+            rekeyed += 1
+        else:
+            lines.append(f"  new      {r.kernel} {r.config} {r.specialised}")
     lines += [f"  gone     {o['kernel']} {o['config']} {o['specialised']}" for o in old.values()]
-    return f"against {before.get('command', 'the other report')}: {same} kernels generate the same code" + (
-        "\n" + "\n".join(lines) if lines else ", none differs")
+    note = f" ({rekeyed} of them under new launch arguments)" if rekeyed else ""
+    return (f"against {before.get('command', 'the other report')}: {same + rekeyed} kernels generate the same code"
+            + note + ("\n" + "\n".join(lines) if lines else ", none differs"))
 
 
 TUNED_KERNELS = {"fwd": "dilated_fwd_branch_kernel", "dkdv": "dilated_bwd_dkdv_kernel", "dq": "dilated_bwd_dq_kernel"}

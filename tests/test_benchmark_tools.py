@@ -6,6 +6,7 @@ kernel the launch paths use for Hopper and Ampere (what the interpreter never do
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -136,3 +137,30 @@ def test_bench_block_sparse_refuses_a_negative_warm_up():
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_block_sparse.py"
     run = subprocess.run([sys.executable, str(script), "--warm-s", "-0.5"], capture_output=True, text=True)
     assert run.returncode == 2 and "--warm-s" in run.stderr, run.stderr
+
+
+def test_kernel_resources_compare_names_what_changed():
+    """``--compare``: the same launch key and PTX is the same code; a new launch key with the PTX of a vanished key of
+    the same kernel is the same code under new launch arguments; other PTX is a change; the rest is new or gone. (In
+    a process of its own: the tool imports the Gluon kernels, which an interpreter-mode process cannot.)"""
+    pytest.importorskip("triton")
+    script = """
+import json, sys
+import kernel_resources as kr
+def row(kernel, key, sha):
+    return kr.Resources(kernel=kernel, case="c", config={}, launch_key=key, ptx_sha=sha, registers=100,
+                        spill_stores=0, shared=0)
+before = {"command": "base", "kernels": [vars(row("a", "k1", "s1")), vars(row("a", "k2", "s2")),
+                                         vars(row("b", "k3", "s3")), vars(row("c", "k4", "s4"))]}
+rows = [row("a", "k1", "s1"), row("a", "k2x", "s2"), row("b", "k3", "s3-other"), row("d", "k5", "s5")]
+print(json.dumps([kr.compare(before, rows),
+                  kr.compare(before, [row(r["kernel"], r["launch_key"], r["ptx_sha"]) for r in before["kernels"]])]))
+"""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)]))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text, unchanged = json.loads(run.stdout.strip().splitlines()[-1])
+    assert text.startswith("against base: 2 kernels generate the same code (1 of them under new launch arguments)")
+    assert "changed  b" in text and "new      d" in text and "gone     c" in text and "gone     a" not in text
+    assert unchanged.endswith("4 kernels generate the same code, none differs")
