@@ -20,7 +20,14 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from hf_dilated.scripts import bench_ring
+try:
+    from hf_dilated.scripts import bench_ring
+except ImportError:  # a source checkout on PYTHONPATH (hf_dilated.scripts exists once the package is installed)
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_ring
 
 TINY = ["--device", "cpu", "--tiny", "--phases", "check,compare", "--compare-shard", "128", "--check-shard", "96",
         "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--reps", "1"]
