@@ -164,3 +164,11 @@ print(json.dumps([kr.compare(before, rows),
     assert text.startswith("against base: 2 kernels generate the same code (1 of them under new launch arguments)")
     assert "changed  b" in text and "new      d" in text and "gone     c" in text and "gone     a" not in text
     assert unchanged.endswith("4 kernels generate the same code, none differs")
+
+
+@pytest.mark.parametrize("argv, option", [(["--shapes", "8/2"], "--shapes"), (["--rounds", "0"], "--rounds")])
+def test_ab_gluon_refuses_bad_options_by_name(argv, option):
+    """``benchmarks/ab_gluon.py`` checks its options before any GPU work, naming the one at fault."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_gluon.py"), *argv], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 2 and option in run.stderr, run.stderr[-2000:]
