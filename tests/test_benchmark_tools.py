@@ -52,8 +52,8 @@ def test_host_overhead_times_the_triton_launchers():
 
 KERNELS = {"dilated_fwd_branch_kernel", "delta_kernel", "dilated_bwd_dkdv_kernel", "dilated_bwd_dq_kernel",
            "dilated_decode_kernel", "bs_fwd_kernel", "bs_bwd_dq_kernel", "bs_bwd_dkdv_kernel"}
-# sm_90 also runs the dilated and block-sparse forward and dK/dV, and the dilated dQ at head dim 128, in Gluon (the
-# portable ones with HF_DILATED_GLUON=0, driven too).
+# sm_90 also runs the dilated and block-sparse forward and dK/dV, and the dilated dQ at head dim 128 / 256, in Gluon
+# (the portable ones with HF_DILATED_GLUON=0, driven too).
 EXTRA = {90: {"bs_bwd_dkdv_hopper_kernel", "dilated_bwd_dkdv_hopper_kernel", "dilated_fwd_hopper_kernel",
               "bs_fwd_hopper_kernel", "dilated_bwd_dq_hopper_kernel"}, 80: set()}
 
@@ -97,6 +97,31 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
             assert k["leanest_loop_instructions"] > k["leanest_loop_mma"] >= 1, k
     tma = {k["config"].get("TMA") for k in kernels if "TMA" in k["config"]}
     assert tma == ({True} if arch >= 90 else {False})
+
+
+def test_head_dim_256_runs_the_gluon_kernels_on_hopper(tmp_path):
+    """Gemma-style heads (8 / 2, D 256) on sm_90: the Gluon forward and dQ compile, and the Gluon dK/dV as its two
+    launches (dV without V in shared memory, 100 KB; dK, 132 KB), under this Triton (the GPU image's may differ)."""
+    pytest.importorskip("triton")
+    reason = _ptxas_missing()
+    if reason:
+        pytest.skip(reason)
+    from hf_dilated.ops.triton import hopper
+
+    if not hopper.available():
+        pytest.skip("this Triton has no Gluon Hopper API (3.6 or newer)")
+    out = tmp_path / "resources.json"
+    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "HOME": str(tmp_path), "TRITON_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--quick", "--arch", "90",
+                          "--shapes", "8/2/256", "--n", "512", "--json", str(out)],
+                         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    kernels = [k for k in json.loads(out.read_text())["kernels"] if k["case"].startswith("8/2/256")]
+    assert all(k["error"] is None for k in kernels), [k for k in kernels if k["error"]]
+    names = {k["kernel"] for k in kernels}
+    assert {"dilated_fwd_hopper_kernel", "dilated_bwd_dq_hopper_kernel", "dilated_bwd_dkdv_hopper_kernel"} <= names
+    dkdv = {k["shared"] // 1024 for k in kernels if k["kernel"] == "dilated_bwd_dkdv_hopper_kernel"}
+    assert dkdv == {100, 132}, dkdv  # the dV launch and the dK launch
 
 
 def test_timeline_splits_wall_time_into_busy_idle_and_overlap(tmp_path):
