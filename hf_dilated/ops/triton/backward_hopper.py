@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    dkdv_buffers, dkdv_part_buffers, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, fence_async_shared,
+    dkdv_buffers, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, fence_async_shared,
     first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows, query_tile_buffers,
     query_tile_keys, release_barriers, row_desc, runnable, tma_load, warpgroup_mma, warpgroup_mma_init,
     warpgroup_mma_wait, written_before,
@@ -138,12 +138,8 @@ if gluon is not None:
         start_q = (j0 // BLOCK_Q) * BLOCK_Q
         n_steps = gl.where(j_first < n_k, gl.maximum(n_q - start_q + BLOCK_Q - 1, 0) // BLOCK_Q, 0)  # 0: no keys
 
-        if PART == 0:
-            k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready = dkdv_buffers(
-                dtype, kv_smem_layout, q_smem_layout, p_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM)
-        else:  # p_smem: P^T (dV) or dS^T (dK)
-            k_smem, v_smem, q_smem, do_smem, p_smem, kv_bar, ready = dkdv_part_buffers(
-                dtype, kv_smem_layout, q_smem_layout, p_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM, PART)
+        k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready = dkdv_buffers(
+            dtype, kv_smem_layout, q_smem_layout, p_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM, PART)
 
         # K and V: the item's dilated key rows (row stride r rows, zeros past the last), read once.
         kvh64 = kvh.to(gl.int64)
@@ -249,9 +245,9 @@ if gluon is not None:
                     acc = warpgroup_mma(p_smem, dos, acc, is_async=True)
                 else:  # dK += dS^T Q, left in flight
                     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT,))
-                    p_smem.store((pT * (dpT - delta[None, :])).to(dtype))
+                    ds_smem.store((pT * (dpT - delta[None, :])).to(dtype))
                     fence_async_shared()
-                    acc = warpgroup_mma(p_smem, qs, acc, is_async=True)
+                    acc = warpgroup_mma(ds_smem, qs, acc, is_async=True)
                 it += 1
         if PART == 0:
             dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))

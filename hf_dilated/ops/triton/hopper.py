@@ -353,30 +353,11 @@ if gluon is not None:
 
     @gluon.jit
     def dkdv_buffers(dtype: gl.constexpr, kv_layout: gl.constexpr, q_layout: gl.constexpr, p_layout: gl.constexpr,
-                     BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr):
+                     BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr, PART: gl.constexpr = 0):
         """The shared memory of a dK/dV program: ``(K, V, Q[2], dO[2], P^T, dS^T, the K/V copy's barrier, a barrier
-        per Q/dO buffer)``, barriers initialised: K and V read once, Q and dO double-buffered."""
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
-        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_layout)
-        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_layout)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        mbarrier.init(ready.index(0), count=1)
-        mbarrier.init(ready.index(1), count=1)
-        fence_async_shared()
-        return k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready
-
-    @gluon.jit
-    def dkdv_part_buffers(dtype: gl.constexpr, kv_layout: gl.constexpr, q_layout: gl.constexpr,
-                          p_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
-                          HEAD_DIM: gl.constexpr, PART: gl.constexpr):
-        """The shared memory of a program that computes dV alone (``PART`` 1) or dK alone (2): ``(K, V, Q[2], dO[2],
-        the P^T or dS^T tile, the K/V copy's barrier, a barrier per Q/dO buffer)``; dV needs no V (``V`` is then K's
-        buffer, never loaded)."""
+        per Q/dO buffer)``, barriers initialised: K and V read once, Q and dO double-buffered. A program that computes
+        dV alone (``PART`` 1) or dK alone (2) has one score tile (``dS^T`` is ``P^T``'s buffer), and dV no V (``V``
+        is K's buffer, never loaded)."""
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
         if PART == 1:
             v_smem = k_smem
@@ -385,13 +366,17 @@ if gluon is not None:
         q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_layout)
         do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_layout)
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_layout)
+        if PART == 0:
+            ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_layout)
+        else:
+            ds_smem = p_smem
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         mbarrier.init(ready.index(0), count=1)
         mbarrier.init(ready.index(1), count=1)
         fence_async_shared()
-        return k_smem, v_smem, q_smem, do_smem, p_smem, kv_bar, ready
+        return k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready
 
     @gluon.jit
     def dkdv_scores(k_smem, v_smem, qs, dos, s_zero, dk, dv):
@@ -419,8 +404,7 @@ if gluon is not None:
         return dk, dv
 
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
-    query_tile_keys = row_desc = dkdv_buffers = dkdv_part_buffers = dkdv_scores = dkdv_products = None
-    first_selected = n_rows = None
+    query_tile_keys = row_desc = dkdv_buffers = dkdv_scores = dkdv_products = first_selected = n_rows = None
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
     dq_first = dq_step = dq_last = None
