@@ -27,20 +27,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_attention import parse_shape  # noqa: E402
 from timing import cuda_median_ms  # noqa: E402
 
 LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
-
-
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """``"H/Hk/D"`` -> ``(H, Hk, D)``; ``ValueError`` naming ``--shape``."""
-    try:
-        H, Hk, D = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise ValueError(f"--shape takes H/Hk/D, e.g. 16/16/128 or 9/3/64, got {text!r}") from None
-    if min(H, Hk, D) < 1 or H % Hk:
-        raise ValueError(f"--shape {text!r}: heads and head dim must be positive and H a multiple of Hk")
-    return H, Hk, D
 
 
 def kernel_intervals(trace_path: str) -> list[tuple[float, float, int, str]]:
@@ -233,7 +223,7 @@ def main():
                     help="also print a cProfile (internal time) of --iters calls per case, this many rows")
     args = ap.parse_args()
     try:  # every option checked before any work
-        H, Hk, D = parse_shape(args.shape)
+        H, Hk, D = parse_shape(args.shape, "--shape")
     except ValueError as err:
         ap.error(str(err))
     for name, value, low in (("--iters", args.iters, 1), ("--cprofile", args.cprofile, 0),

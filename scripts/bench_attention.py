@@ -201,14 +201,15 @@ def check_sdpa(result, q, k, v, do):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """``"H/Hk/D"`` (query heads, kv heads, head dim) -> ``(H, Hk, D)``; ``ValueError`` naming ``--shapes``."""
+def parse_shape(text: str, option: str = "--shapes") -> tuple[int, int, int]:
+    """``"H/Hk/D"`` (query heads, kv heads, head dim) -> ``(H, Hk, D)``; ``ValueError`` naming ``option`` (the
+    benchmark tools' head-shape options all read this way)."""
     try:
         h, hk, d = (int(x) for x in text.split("/"))
     except ValueError:
-        raise ValueError(f"--shapes takes H/Hk/D triples such as 16/16/128 or 9/3/64, got {text!r}") from None
+        raise ValueError(f"{option} takes H/Hk/D triples such as 16/16/128 or 9/3/64, got {text!r}") from None
     if min(h, hk, d) < 1 or h % hk:
-        raise ValueError(f"--shapes {text!r}: heads must be positive and H a multiple of Hk")
+        raise ValueError(f"{option} {text!r}: heads and head dim must be positive and H a multiple of Hk")
     return h, hk, d
 
 

@@ -327,11 +327,10 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
     ``order``, summed into the float32 ``sums`` (dq, dk, dv); the ``last`` branch's launches write ``outs`` in their
     dtype. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0.
     The dQ launches run beside the dK / dV ones (``forked``)."""
-    H, Hk, Nq, D = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
-    Nk = k.shape[2]
-    H_all = extras[2].shape[2]
+    H, Hk, Nq, Nk, D = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
     group = H // Hk
     qv, kv, streams, window, thr, inv_keep, flags = extras
+    H_all = streams.shape[2]  # the dropout streams' heads: all of them, whatever this chunk holds
     dq, dk, dv = sums
     xq, xk, xv = outs
     hd = head_dim_block(D)
