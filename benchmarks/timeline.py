@@ -27,10 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_attention import parse_shape  # noqa: E402
+from bench_attention import LONGNET, parse_shape, run_dilated  # noqa: E402
 from timing import cuda_median_ms  # noqa: E402
-
-LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
 
 
 def kernel_intervals(trace_path: str) -> list[tuple[float, float, int, str]]:
@@ -173,22 +171,12 @@ def sync_free(fn) -> str:
 
 
 def dilated_case(N: int, H: int, Hk: int, D: int, backward: bool):
-    from hf_dilated import dilated_attention
-
+    """The attention benchmark's call (``bench_attention.run_dilated``): LongNet branches, causal, the Triton kernels."""
     g = torch.Generator(device="cuda").manual_seed(N)
     q = torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(1, Hk, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    do = torch.randn_like(q)
-    ws, rs = LONGNET
-
-    def fn():
-        if not backward:
-            with torch.no_grad():
-                return dilated_attention(q, k, v, ws, rs, is_causal=True)
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        return torch.autograd.grad(dilated_attention(qq, kk, vv, ws, rs, is_causal=True), (qq, kk, vv), do)
-
-    return fn
+    do = torch.randn_like(q) if backward else None
+    return lambda: run_dilated("triton", q, k, v, LONGNET, do)
 
 
 def block_sparse_case(N: int, H: int, Hk: int, D: int, backward: bool):

@@ -75,20 +75,10 @@ def cuda_graph_median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -
     """Median milliseconds of one replay of ``fn()`` captured in a CUDA graph (:func:`captured`): the GPU's time
     alone, without the host's (Python, dispatch, kernel launches), as ``triton.testing.do_bench_cudagraph`` measures.
     Where the host takes longer to queue a call than the GPU to run it (small problems, few heads),
-    :func:`cuda_median_ms` reads the host's time and this the kernels'."""
-    import torch
-
-    if reps < 1:
+    :func:`cuda_median_ms` reads the host's time and this the kernels' (it times the replays)."""
+    if reps < 1:  # before the capture's work
         raise ValueError(f"reps must be >= 1, got {reps!r}")
     graph, _ = captured(fn, warmup)
-    graph.replay()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    times = [start.elapsed_time(end) for start, end in events]
+    ms = cuda_median_ms(graph.replay, reps, warmup=1)
     del graph
-    return sorted(times)[len(times) // 2]
+    return ms
