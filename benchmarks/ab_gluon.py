@@ -1,5 +1,6 @@
 """A/B of a Gluon kernel on one Hopper GPU against the portable Triton one, in one process, interleaved over rounds
-(``HF_DILATED_GLUON=0`` selects the portable kernels; everything else is the same code).
+(``HF_DILATED_GLUON=0`` selects the portable kernels; everything else is the same code). ``--switch fused_dq``: the
+dilated backward's dK/dV launch that adds dQ (``HF_DILATED_FUSED_DQ=1``) against the Gluon dK/dV and dQ kernels.
 
 - ``--op dilated``: ``launch.forward`` / ``launch.backward`` (``ops/triton/forward_hopper.py``,
   ``backward_hopper.py``), LongNet branches w = 2048..32768, r = 1..16 (the attention benchmark's), causal.
@@ -17,7 +18,7 @@ Each case first compares the two kernels' results: the backward's gradients must
 and dQ sum the same products in the same order); the forward's outputs agree to the last bf16 bit (the Gluon forward's
 128-key steps move the running maximum less often; with 64-key steps they are bit-identical) and are checked at
 SPEC's 1e-2. Then it times the pass with ``triton.testing.do_bench`` (median) for each kernel in every round. Writes
-``ab_gluon_<pass>-<op>-<GPU>-<date>.json``; exits 1 if results differ."""
+``ab_<switch>_<pass>-<op>-<GPU>-<date>.json``; exits 1 if results differ."""
 
 from __future__ import annotations
 
@@ -99,11 +100,18 @@ def dilated_forward(q, k, v, do, block: int):
 
 OPS = {("dilated", "backward"): dilated_backward, ("block_sparse", "backward"): block_sparse_backward,
        ("dilated", "forward"): dilated_forward, ("block_sparse", "forward"): block_sparse_forward}
-# The launch counters that show a Gluon kernel ran.
-GLUON_RAN = {"forward": ("forward_hopper",), "backward": ("dkdv_hopper", "dq_hopper")}
+# What is switched: the environment variable, the names of its "0" and "1" sides, the launch counters that show the
+# "1" side ran (per pass), and whether the two sides must agree bit for bit in the backward.
+SWITCHES = {
+    "gluon": ("HF_DILATED_GLUON", ("portable", "gluon"),
+              {"forward": ("forward_hopper",), "backward": ("dkdv_hopper", "dq_hopper")}, True),
+    # dQ summed by reduce-adds in no fixed order: equal to SPEC's tolerance, not bit for bit (dK, dV are)
+    "fused_dq": ("HF_DILATED_FUSED_DQ", ("separate_dq", "fused_dq"), {"backward": ("dq_fused",)}, False),
+}
 
 
-def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, rounds: int) -> dict:
+def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, rounds: int,
+             switch: str = "gluon") -> dict:
     from triton.testing import do_bench
 
     dev = torch.device("cuda")
@@ -111,20 +119,22 @@ def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, r
     q, do = (torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     k, v = (torch.randn(1, Hk, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     run, launches = OPS[op, which](q, k, v, do, block)
-    counted = lambda: sum(launches[c] for c in GLUON_RAN[which])  # noqa: E731
-    kernels = {"portable": "0", "gluon": "1"}
+    variable, (off, on), counters, _ = SWITCHES[switch]
+    counted = lambda: sum(launches[c] for c in counters[which])  # noqa: E731
+    kernels = {off: "0", on: "1"}
     grads, ran = {}, {}
     with mock.patch.dict(os.environ):  # the switch is set per call below and restored on the way out
         for name, flag in kernels.items():
-            os.environ["HF_DILATED_GLUON"] = flag
+            os.environ[variable] = flag
             before = counted()
             grads[name] = run()
             ran[name] = counted() > before
-        if not ran["gluon"] or ran["portable"]:
+        if not ran[on] or ran[off]:
             raise RuntimeError(f"the kernels did not run as asked: {ran} (needs an sm_90 GPU and Gluon)")
         names = "qkv" if which == "backward" else ("out", "lse")
-        pairs = list(zip(names, grads["portable"], grads["gluon"]))
-        row = dict(op=op, which=which, N=N, H=H, Hk=Hk, D=D, block=block if op == "block_sparse" else None,
+        pairs = list(zip(names, grads[off], grads[on]))
+        row = dict(op=op, which=which, switch=switch, N=N, H=H, Hk=Hk, D=D,
+                   block=block if op == "block_sparse" else None,
                    identical={n: bool(torch.equal(a, b)) for n, a, b in pairs},
                    max_abs_diff={n: float((a.float() - b.float()).abs().max()) for n, a, b in pairs},
                    rel_err={n: float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
@@ -132,10 +142,10 @@ def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, r
                    ms={name: [] for name in kernels})
         for _ in range(rounds):
             for name, flag in kernels.items():
-                os.environ["HF_DILATED_GLUON"] = flag
+                os.environ[variable] = flag
                 row["ms"][name].append(round(do_bench(run, warmup=25, rep=150, return_mode="median"), 4))
     med = {name: sorted(v)[len(v) // 2] for name, v in row["ms"].items()}
-    row["speedup_median"] = round(med["portable"] / med["gluon"], 3)
+    row["speedup_median"] = round(med[off] / med[on], 3)
     return row
 
 
@@ -147,8 +157,13 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=128, help="block-sparse layout block")
     ap.add_argument("--seqlens", type=int, nargs="*", help="only the cases of these lengths")
     ap.add_argument("--shapes", nargs="+", metavar="H/Hk/D", help="head shapes to run at --seqlens instead of the cases")
+    ap.add_argument("--switch", choices=tuple(SWITCHES), default="gluon",
+                    help="gluon: Gluon against portable kernels; fused_dq: the dK/dV launch that adds dQ against the "
+                         "Gluon dK/dV and dQ kernels (dilated backward)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    if args.which not in SWITCHES[args.switch][2] or (args.switch == "fused_dq" and args.op != "dilated"):
+        ap.error(f"--switch {args.switch} has no --op {args.op} --pass {args.which}")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     cases = CASES
@@ -165,19 +180,19 @@ def main() -> int:
     for N, H, Hk, D in cases:
         if args.seqlens and N not in args.seqlens:
             continue
-        rows.append(run_case(args.op, args.which, N, H, Hk, D, args.block_size, args.rounds))
+        rows.append(run_case(args.op, args.which, N, H, Hk, D, args.block_size, args.rounds, args.switch))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
-    name = f"ab_gluon_{args.which}-{args.op}-{gpu.replace(' ', '_')}-{datetime.date.today()}.json"
+    name = f"ab_{args.switch}_{args.which}-{args.op}-{gpu.replace(' ', '_')}-{datetime.date.today()}.json"
     path = os.path.join(args.out, name)
     meta = run_environment(dtype=torch.bfloat16)
     with open(path, "w") as f:
         json.dump(dict(meta=meta, command=" ".join(sys.argv), rows=rows), f, indent=1)
     print("wrote", path)
-    if args.which == "backward":  # the same products in the same order: a difference is a bug, not rounding
+    if args.which == "backward" and SWITCHES[args.switch][3]:  # same products, same order: a difference is a bug
         differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows if not all(r["identical"].values())]
-    else:  # the forward may differ in the last bf16 bit, not more (a NaN is a difference)
+    else:  # the forward (and the fused dQ) may differ in the last bf16 bits, not more (a NaN is a difference)
         differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows
                   if any(not math.isfinite(x) or x > 1e-2 for x in r["rel_err"].values())]
     if differ:

@@ -19,6 +19,7 @@ assembled by the ptxas that ships with Triton (``-v``: registers, spills) and di
     python benchmarks/kernel_resources.py --quick --json new.json --compare old.json   # did a change alter the code?
     python benchmarks/kernel_resources.py --candidates --shapes 8/2/256    # hf-dilated tune's candidates, every path
 
+``KERNEL_RESOURCES_FULL_ERRORS=1`` prints a failed compile's whole message, not its first line.
 Exits 1 when a kernel fails to compile or needs more shared memory than the target has. The numbers come from the
 installed Triton: the GPU image's version may allocate registers differently (the report names the version).
 """
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from unittest import mock
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     # The interpreter replaces @triton.jit functions with Python ones that cannot be compiled: start again without.
@@ -171,6 +173,10 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
     if not quick:  # the benchmarks' 128-token blocks (the patterns above use 64)
         fwd_bwd("block-sparse local, 128-blocks", lambda: block_sparse_attention(
             q, k, v, BlockSparseConfig(pattern="local", block_size=128), backend="triton"))
+    # The Gluon dK/dV and dQ launches where one dK/dV launch adds dQ (sm_90, head dim 128): HF_DILATED_FUSED_DQ=0 and
+    # torch.use_deterministic_algorithms(True) run them.
+    with mock.patch.dict(os.environ, {"HF_DILATED_FUSED_DQ": "0"}):
+        fwd_bwd("longnet causal, separate dQ", lambda: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton"))
     # The portable dK/dV where the Gluon one would run (sm_90): what HF_DILATED_GLUON=0, other head dims and
     # other Tritons launch there.
     with hopper.portable():
@@ -306,7 +312,10 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
             res.error = f"needs {res.shared} bytes of shared memory, sm_{arch} has {limit}"
     except Exception as e:  # noqa: BLE001 -- a compile error of any kind is the finding
         text = str(e).strip()
-        res.error = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+        if os.environ.get("KERNEL_RESOURCES_FULL_ERRORS"):  # the whole message (a compile error's source excerpt)
+            res.error = f"{type(e).__name__}: {text}"
+        else:
+            res.error = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
     res.compile_s = round(time.perf_counter() - start, 2)
     return res
 

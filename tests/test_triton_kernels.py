@@ -784,10 +784,11 @@ def test_gluon_kernels_coverage(monkeypatch, which):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gluon", ["1", "0"])
-def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon):
+@pytest.mark.parametrize("gluon, fused_dq", [("1", "1"), ("1", "0"), ("0", "1")])
+def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq):
     """On sm_90 the dilated forward, dK/dV (head dim 64 / 128 in one launch, 256 in two) and dQ (128 / 256) run in
-    Gluon where they apply, and the portable kernels with ``HF_DILATED_GLUON=0``; both against the float64 oracle: GQA
+    Gluon where they apply, at head dim 128 dQ from the dK/dV launch unless ``HF_DILATED_FUSED_DQ=0``, and the
+    portable kernels with ``HF_DILATED_GLUON=0``; all against the float64 oracle: GQA
     with several offset classes, ragged segments, bidirectional, padding, packed sequences, fewer queries than keys
     (queries and keys of a segment at different rows), global tokens, a dense layer (one launch, which writes the
     gradients with no float32 buffer), the backward's head chunks, and Gemma-style head dim 256."""
@@ -798,16 +799,19 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon):
         pytest.skip("the Gluon kernel is for sm_90")
     assert hopper.available(), "sm_90 with a Triton whose Gluon API the kernel does not know"
     monkeypatch.setenv("HF_DILATED_GLUON", gluon)
+    monkeypatch.setenv("HF_DILATED_FUSED_DQ", fused_dq)
     bf16, fp16 = torch.bfloat16, torch.float16
 
     def run(q, k, v, branches=LONGNET_SMALL, **kw):
         before = dict(launch.LAUNCHES)
         check(q, k, v, branches, TOL[q.dtype], use_naive=False, **kw)
-        kinds = ("dkdv_hopper", "dq_hopper", "forward_hopper")
+        kinds = ("dkdv_hopper", "dq_hopper", "dq_fused", "forward_hopper")
         ran = {kind: launch.LAUNCHES[kind] > before.get(kind, 0) for kind in kinds}
         on = gluon == "1"
         d = q.shape[-1]
-        assert ran == {"dkdv_hopper": on, "dq_hopper": on and d in (128, 256), "forward_hopper": on}, ran
+        fused = on and fused_dq == "1" and d == 128
+        assert ran == {"dkdv_hopper": on, "dq_hopper": on and d in (128, 256) and not fused, "dq_fused": fused,
+                       "forward_hopper": on}, ran
 
     run(*make_qkv(rng, 2, 16, 4, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
     run(*make_qkv(rng, 1, 8, 8, 2500, 2500, 64, fp16, "cuda"), is_causal=False, head_offset=1)
@@ -835,6 +839,7 @@ def test_gpu_backward_on_two_streams(rng, monkeypatch, caller_stream):
     are bit for bit those of one stream (the same kernels), also when the caller works on a stream of its own and
     over several head chunks (float32 scratch freed between chunks), and the second stream did run."""
     _gpu_skip()
+    monkeypatch.setenv("HF_DILATED_FUSED_DQ", "0")  # dQ launches of their own, on the second stream, bit for bit
     q, k, v = make_qkv(rng, 1, 8, 4, 3000, 3000, 128, torch.bfloat16, "cuda")
     do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", torch.bfloat16)
     ws, rs = [w for w, _ in LONGNET_SMALL], [r for _, r in LONGNET_SMALL]
@@ -866,10 +871,13 @@ def test_gpu_backward_on_two_streams(rng, monkeypatch, caller_stream):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay(rng):
+@pytest.mark.parametrize("fused_dq", ["0", "1"])
+def test_gpu_cuda_graph_replay(rng, monkeypatch, fused_dq):
     """Forward and backward (GQA, several branches, both streams, the Gluon kernels on Hopper) captured in a CUDA
-    graph replay what eager computes on fresh inputs, bit for bit; the kernels ran during the capture."""
+    graph replay what eager computes on fresh inputs, bit for bit (dQ summed by the dK/dV launches' reduce-adds: to
+    rounding); the kernels ran during the capture."""
     _gpu_skip()
+    monkeypatch.setenv("HF_DILATED_FUSED_DQ", fused_dq)
     q, k, v = make_qkv(rng, 1, 8, 4, 3000, 3000, 128, torch.bfloat16, "cuda")
     do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", torch.bfloat16)
     ws, rs = [w for w, _ in LONGNET_SMALL], [r for _, r in LONGNET_SMALL]
@@ -879,7 +887,7 @@ def test_gpu_cuda_graph_replay(rng):
         return (out, *torch.autograd.grad(out, (q, k, v), do))
 
     with kernels_run("forward", "backward"):
-        assert_graph_replays_eager(step, (q, k, v, do))
+        assert_graph_replays_eager(step, (q, k, v, do), summed_in_any_order=(1,) if fused_dq == "1" else ())
 
 
 @cpu

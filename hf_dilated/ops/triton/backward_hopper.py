@@ -48,8 +48,8 @@ import torch
 from .hopper import (
     dkdv_buffers, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, fence_async_shared,
     first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows, query_tile_buffers,
-    query_tile_keys, release_barriers, row_desc, runnable, tma_load, warpgroup_mma, warpgroup_mma_init,
-    warpgroup_mma_wait, written_before,
+    query_tile_keys, release_barriers, row_desc, runnable, switch, tma, tma_load, tma_reduce_add, warpgroup_mma,
+    warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
 from .tiles import LOG2E
 
@@ -65,6 +65,10 @@ DQ_STEPS = {128: (64, 64, 3, 2, 4), 256: (64, 32, 2, 1, 4)}
 # shared memory: 100 KB at 32-query steps) and one dK (3 products), 5 products where D <= 128 runs 4 in one launch.
 DKDV_STEPS = {64: ((0, BLOCK_Q),), 128: ((0, BLOCK_Q),), 256: ((1, 32), (2, 32))}  # measured (H100): the docstring
 DKDV_HEAD_DIMS = tuple(DKDV_STEPS)
+# dK/dV with the step's dQ (``FUSED_DQ``): (key rows per program, query rows per step, warps) by head dim. 128 keys on
+# two warpgroups, FA3's tile: each dQ share added to the sums covers 128 keys, and K, V, Q, dO, P^T, dS^T and the dQ
+# tile take 192 KB, one program per SM.
+FUSED_DQ_STEPS = {128: (128, 64, 8)}
 
 
 def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
@@ -86,7 +90,7 @@ if gluon is not None:
 
     @gluon.jit
     def dilated_bwd_dkdv_hopper_kernel(
-        Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, T,
+        Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, DQ, PREV, T,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
@@ -96,15 +100,20 @@ if gluon is not None:
         stride_dvb, stride_dvh, stride_dvn,
         stride_xkb, stride_xkh, stride_xkn,
         stride_xvb, stride_xvh, stride_xvn,
+        stride_dqb, stride_dqh, stride_dqn,
         head_offset, group, n_classes, r, scale, qk_scale, n_tiles, n_prev,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
-        IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, PART: gl.constexpr, FUSED_DQ: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """dK and dV of one tile of ``BLOCK_N`` dilated key rows of one segment item, for one kv head and offset
         class (the query heads ``h0, h0 + r, ...`` of its GQA group read the same key rows), added to the rows of
         ``DK`` / ``DV`` earlier launches wrote (``MERGE``), stored there or, ``LAST``, to ``DK_OUT`` / ``DV_OUT``.
         ``PART`` 0: both; 1: dV alone (``S^T``, ``dV += P^T dO``: no V); 2: dK alone (``S^T``, ``dP^T``,
-        ``dK += dS^T Q``): one accumulator per program where two do not fit the registers (head dim 256)."""
+        ``dK += dS^T Q``): one accumulator per program where two do not fit the registers (head dim 256).
+        ``FUSED_DQ`` (with ``PART`` 0): each step also computes the step's share of dQ, ``dS K`` of its queries, and
+        adds it to the float32 sums ``DQ`` by a TMA reduce-add (FA3's scheme): no dQ kernel, which would compute
+        ``S`` and ``dP`` again."""
         dtype: gl.constexpr = Q.dtype.element_ty
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_Q, 16])
@@ -115,6 +124,10 @@ if gluon is not None:
         p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
         key_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_axis: gl.constexpr = gl.SliceLayout(0, s_layout)
+        # dQ's step tile (queries x head dim): its columns split over the warpgroups, each one m64 instruction
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, HEAD_DIM // (num_warps // 4), 16])
+        dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], gl.float32)
 
         pid = gl.program_id(0)
         item = pid // n_tiles
@@ -140,6 +153,9 @@ if gluon is not None:
 
         k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready = dkdv_buffers(
             dtype, kv_smem_layout, q_smem_layout, p_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM, PART)
+        if FUSED_DQ:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q, HEAD_DIM], dq_smem_layout)
+            dq_zero = gl.zeros([BLOCK_Q, HEAD_DIM], gl.float32, layout=dq_layout)
 
         # K and V: the item's dilated key rows (row stride r rows, zeros past the last), read once.
         kvh64 = kvh.to(gl.int64)
@@ -193,6 +209,9 @@ if gluon is not None:
                               BLOCK_Q, HEAD_DIM, q_smem_layout)
             do_desc = row_desc(DO + b * stride_db + h64 * stride_dh + q0_row * stride_dn, n_qdesc, r * stride_dn,
                                BLOCK_Q, HEAD_DIM, q_smem_layout)
+            if FUSED_DQ:
+                dq_desc = row_desc(DQ + b * stride_dqb + h64 * stride_dqh + q0_row * stride_dqn, n_qdesc,
+                                   r * stride_dqn, BLOCK_Q, HEAD_DIM, dq_smem_layout)
             l_row = L + b * stride_lb + h64 * stride_lh + q0_row
             dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
             # Prologue: the first query tile's Q / dO by TMA, its lse / delta into registers (a step ahead).
@@ -211,6 +230,7 @@ if gluon is not None:
                 lse = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
                 delta = gl.convert_layout(delta_next, query_axis)
                 needs_mask = q_cur < full_from  # some key of the tile after some query of the step
+                q_step = q_cur
                 diag = q_cur + shift
                 mbarrier.wait(ready.index(buf), (it // 2) % 2)
                 qs = q_smem.index(buf)
@@ -237,7 +257,10 @@ if gluon is not None:
                 if needs_mask:
                     qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
                     pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
-                if PART == 0:
+                if FUSED_DQ:
+                    dk, dv = _fused_dq_products(pT, dpT, delta, qs, dos, k_smem, p_smem, ds_smem, dq_smem, dq_desc,
+                                                dq_zero, dk, dv, q_step, scale, dtype)
+                elif PART == 0:
                     dk, dv = dkdv_products(pT, dpT, delta, qs, dos, p_smem, ds_smem, dk, dv, dtype)
                 elif PART == 1:  # dV += P^T dO, left in flight
                     p_smem.store(pT.to(dtype))
@@ -253,6 +276,8 @@ if gluon is not None:
             dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if FUSED_DQ:
+            tma.store_wait(0)  # the last reduce has read its tile
         mbarrier.invalidate(kv_bar)
         mbarrier.invalidate(ready.index(0))
         mbarrier.invalidate(ready.index(1))
@@ -372,6 +397,29 @@ if gluon is not None:
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
     @gluon.jit
+    def _fused_dq_products(pT, dpT, delta, qs, dos, k_smem, p_smem, ds_smem, dq_smem, dq_desc, dq_zero, dk, dv, q_row,
+                           scale, dtype: gl.constexpr):
+        """``hopper.dkdv_products`` with the step's dQ: ``dV += P^T dO`` issued while ``dS^T`` is computed, then
+        ``dS K`` (the step's queries' share of dQ) and ``dK += dS^T Q``; waiting for ``dS K`` leaves ``dK`` in flight
+        while the share goes through shared memory to a TMA reduce-add into the float32 sums (rows ``q_row ..`` of
+        the head's dilated rows; rows past the item's last query lie outside the descriptor and are dropped)."""
+        p_smem.store(pT.to(dtype))
+        fence_async_shared()
+        dv = warpgroup_mma(p_smem, dos, dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+        dsT = pT * (dpT - delta[None, :])
+        ds_smem.store(dsT.to(dtype))
+        fence_async_shared()
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+        dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))  # also retires dV, issued before it
+        tma.store_wait(0)  # the last step's reduce has read the tile
+        dq_smem.store(dq * scale)
+        fence_async_shared()
+        tma_reduce_add(dq_desc, [q_row, 0], dq_smem)
+        return dk, dv
+
+    @gluon.jit
     def _finish(acc, SUMS, OUT, rows64, d, rmask, seen, stride_sn, stride_on, MERGE: gl.constexpr,
                 LAST: gl.constexpr):
         """One gradient tile's epilogue: add the rows an earlier launch wrote to ``SUMS`` (``MERGE``), store to
@@ -389,7 +437,18 @@ def dkdv_launch_configs(head_dim: int) -> list[dict] | None:
     dK), each 64 dilated keys on one warpgroup; ``None`` where the portable dK/dV kernel runs."""
     if head_dim not in DKDV_STEPS:
         return None
-    return [dict(BLOCK_N=BLOCK_N, BLOCK_Q=q_rows, PART=part, num_warps=4) for part, q_rows in DKDV_STEPS[head_dim]]
+    return [dict(BLOCK_N=BLOCK_N, BLOCK_Q=q_rows, PART=part, FUSED_DQ=False, num_warps=4)
+            for part, q_rows in DKDV_STEPS[head_dim]]
+
+
+def fused_dq_launch_config(head_dim: int) -> dict | None:
+    """The dK/dV launch that also adds dQ (``FUSED_DQ_STEPS``), replacing the dQ kernel; ``None`` where there is none,
+    where ``HF_DILATED_FUSED_DQ=0``, or under ``torch.use_deterministic_algorithms(True)`` (the reduce-adds of the
+    programs that share a query row land in no fixed order, so dQ may differ in its last bits between runs)."""
+    if head_dim not in FUSED_DQ_STEPS or not switch("HF_DILATED_FUSED_DQ") or torch.are_deterministic_algorithms_enabled():
+        return None
+    n, q_rows, warps = FUSED_DQ_STEPS[head_dim]
+    return dict(BLOCK_N=n, BLOCK_Q=q_rows, PART=0, FUSED_DQ=True, num_warps=warps)
 
 
 def dq_launch_config(head_dim: int) -> dict | None:

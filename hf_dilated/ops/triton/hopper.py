@@ -30,9 +30,23 @@ try:  # Gluon is experimental; a Triton without it (or with another API) keeps t
 
     # The TMA load's name: ``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` after.
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # The TMA reduce-add (``cp.reduce.async.bulk.tensor ... .add``) of a shared tile into global memory: Gluon's
+    # ``tma.async_atomic_add`` from Triton 3.7 on; Triton 3.6 builds the same op but names no Gluon function for it.
+    tma_reduce_add = getattr(tma, "async_atomic_add", None)
+    if tma_reduce_add is None:
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            """Add shared tile ``src`` into the rows of ``tensor_desc`` at ``coord`` (asynchronous: a
+            ``tma.store_wait`` before ``src`` is written again)."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_init = None
-    warpgroup_mma_wait = tma_load = None
+    warpgroup_mma_wait = tma_load = tma_reduce_add = None
 
 
 def available() -> bool:
@@ -45,14 +59,20 @@ def available() -> bool:
 _SWITCH = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
 
 
+def switch(name: str) -> bool:
+    """An on/off environment variable, on when unset: ``1`` / ``true`` / ``on`` / ``yes`` or ``0`` / ``false`` /
+    ``off`` / ``no`` (any case); any other value is refused, naming the variable."""
+    value = os.environ.get(name, "1").strip().lower()
+    if value not in _SWITCH:
+        raise ValueError(f"{name} must be one of {sorted(_SWITCH)}, got {os.environ[name]!r}")
+    return _SWITCH[value]
+
+
 def enabled() -> bool:
     """``HF_DILATED_GLUON=0`` (or ``false`` / ``off`` / ``no``) in the environment keeps the portable kernels: for a
     Triton whose Gluon misbehaves, or to compare the two (``benchmarks/ab_gluon.py``). Unset or
     ``1`` / ``true`` / ``on`` / ``yes``: the Gluon kernels where they apply; any other value is refused."""
-    value = os.environ.get("HF_DILATED_GLUON", "1").strip().lower()
-    if value not in _SWITCH:
-        raise ValueError(f"HF_DILATED_GLUON must be one of {sorted(_SWITCH)}, got {os.environ['HF_DILATED_GLUON']!r}")
-    return _SWITCH[value]
+    return switch("HF_DILATED_GLUON")
 
 
 @contextlib.contextmanager

@@ -286,8 +286,9 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
     order, rates, last = _launch_order(pb, plan, cache_key, q.device,
                                        rows_reached=Nq == k.shape[2] and pb.global_tokens == 0)
     filled = last is None
-    args = (order, rates, last, pb, extras, kv_cfg, q_cfg)
-    if q.dtype == torch.float32 or (not filled and len(order) == 1):
+    fused = _fused_dq_config(q, k, v, do, extras[-1])
+    args = (order, rates, last, pb, extras, kv_cfg, q_cfg, fused)
+    if q.dtype == torch.float32 or (not filled and len(order) == 1 and fused is None):
         # The sums are the gradients (the last launch writes them in place; one launch alone writes them and merges
         # nothing), laid out like q, k, v (the op's fake implementation says so: compiled graphs rely on it).
         grads = tuple(_buffer(t.shape, q.device, filled, q.dtype, like=t) for t in (q, k, v))
@@ -295,7 +296,8 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
         return grads
     # Half precision: sum the branches in float32 scratch (rounding once, not once per branch), a chunk of kv heads
     # at a time so the scratch stays within SCRATCH_FRACTION of q + k + v; the last launch writes the gradients in
-    # their dtype (a copy from the scratch when no launch reaches every row).
+    # their dtype (a copy from the scratch when no launch reaches every row). A dQ the dK/dV launches add (``fused``)
+    # sums into zeros, and is always that copy.
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     limit = max(SCRATCH_MIN_BYTES, SCRATCH_FRACTION * (q.nbytes + k.nbytes + v.nbytes))
     per_kv_head = 2 * (q.nbytes + k.nbytes + v.nbytes) / Hk
@@ -309,11 +311,13 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
             sq, sk, sv = q[:, h0:h1], k[:, g0:g1], v[:, g0:g1]
             sdo, slse, sdelta = do[:, h0:h1], lse[:, h0:h1], delta[:, h0:h1]
             outs = (dq[:, h0:h1], dk[:, g0:g1], dv[:, g0:g1])
-        scratch = tuple(_buffer(t.shape, q.device, filled) for t in (sq, sk, sv))
+        scratch = tuple(_buffer(t.shape, q.device, filled or (t is sq and fused is not None)) for t in (sq, sk, sv))
         _backward_heads(sq, sk, sv, sdo, slse, sdelta, scratch, outs, h0, *args)
         if filled:
             for out, sums in zip(outs, scratch):
                 out.copy_(sums)
+        elif fused is not None:
+            outs[0].copy_(scratch[0])
         del scratch
     return dq, dk, dv
 
@@ -322,11 +326,23 @@ SCRATCH_FRACTION = 0.125
 SCRATCH_MIN_BYTES = 2**30
 
 
-def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem, extras, kv_cfg, q_cfg):
+def _fused_dq_config(q, k, v, do, flags) -> dict | None:
+    """The Gluon dK/dV launch that also adds dQ (``backward_hopper.fused_dq_launch_config``), where the Gluon
+    backward applies to this call; ``None``: dQ has kernels of its own."""
+    hd = head_dim_block(q.shape[-1])
+    cfg = backward_hopper.fused_dq_launch_config(hd)
+    if cfg is None or not backward_hopper.applies(q, flags, use_tma((q, k, v, do), hd != q.shape[-1], flags["HOLES"])):
+        return None
+    return cfg
+
+
+def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem, extras, kv_cfg, q_cfg,
+                    fused):
     """All branches of the backward for the heads ``h0..`` of these (possibly head-sliced) tensors, in launch
     ``order``, summed into the float32 ``sums`` (dq, dk, dv); the ``last`` branch's launches write ``outs`` in their
     dtype. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0.
-    The dQ launches run beside the dK / dV ones (``forked``)."""
+    The dQ launches run beside the dK / dV ones (``forked``); with ``fused`` (a config) the dK/dV launches add dQ to
+    its zeroed sums and there are none."""
     H, Hk, Nq, Nk, D = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
     group = H // Hk
     qv, kv, streams, window, thr, inv_keep, flags = extras
@@ -339,7 +355,9 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
         descriptor_scratch(q.device)
         LAUNCHES["backward_tma"] += 1
     gluon = backward_hopper.applies(q, flags, tma)  # the Gluon kernels (sm_90), each at the head dims it takes
-    dkdv_cfgs = backward_hopper.dkdv_launch_configs(hd) if gluon else None
+    if fused and not gluon:  # backward() chose it for the whole tensors: a slice of them cannot differ
+        raise RuntimeError("the fused dQ launch was chosen for a call the Gluon backward does not apply to")
+    dkdv_cfgs = ([fused] if fused else backward_hopper.dkdv_launch_configs(hd)) if gluon else None
     dq_cfg = backward_hopper.dq_launch_config(hd) if gluon else None
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
     per_branch = _branch_views(streams) if not flags["DROPOUT"] else None
@@ -347,6 +365,7 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
                  dict(MERGE=j > 0, LAST=i == last)) for j, (i, r, it) in enumerate(order)]
     kv_tensors = (q, k, v, do, lse, delta, dk, dv, xk, xv, rates)
     kv_strides = (*strides, *dk.stride()[:3], *dv.stride()[:3], *xk.stride()[:3], *xv.stride()[:3])
+    hopper_tensors, hopper_strides = (*kv_tensors[:-1], dq, rates), (*kv_strides, *dq.stride()[:3])
     q_tensors, q_strides = (q, k, v, do, lse, delta, dq, xq, rates), (*strides, *dq.stride()[:3], *xq.stride()[:3])
     with forked(q.device) as beside:
         for j, i, r, it, s, merge in launches:  # dK / dV on the current stream
@@ -355,11 +374,12 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
                 for dkdv_cfg in dkdv_cfgs:  # one launch, or at D = 256 one for dV and one for dK
                     grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
                     backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
-                        *kv_tensors, it.items, *kv_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
+                        *hopper_tensors, it.items, *hopper_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
                         pb.scale * LOG2E, n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes),
                         IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dkdv_cfg,
                     )
                     LAUNCHES["dkdv_hopper"] += 1
+                    LAUNCHES["dq_fused"] += bool(dkdv_cfg["FUSED_DQ"])
             else:
                 grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
                 dilated_bwd_dkdv_kernel[grid](
@@ -369,7 +389,7 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
                     HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge, **kv_cfg,
                 )
         with beside():  # dQ on a second stream
-            for j, i, r, it, s, merge in launches:
+            for j, i, r, it, s, merge in launches if not fused else ():
                 if dq_cfg:
                     grid, n_tiles = items_grid(it.n_items, it.max_q_rows, dq_cfg["BLOCK_M"], H)
                     backward_hopper.dilated_bwd_dq_hopper_kernel[grid](
