@@ -751,8 +751,8 @@ def test_gpu_counted_positions_across_holes(rng):
 def test_gluon_kernels_coverage(monkeypatch, which):
     """The dilated forward and backward kernels in Gluon (``forward_hopper.py``, ``backward_hopper.py``; compiled on the
     CPU by test_benchmark_tools, run by the GPU tests) cover bf16 / fp16 at head dim 64 / 128 / 256 on the descriptor
-    path without window, dropout or holes (the backward's dQ at 128 / 256); never under the
-    interpreter, off sm_90, or with ``HF_DILATED_GLUON=0``."""
+    path without window, dropout or holes (the backward's dQ at 128 / 256, from the dK/dV launch at 128); never
+    under the interpreter, off sm_90, or with ``HF_DILATED_GLUON=0``."""
     import importlib
 
     from hf_dilated.ops.triton import configs, hopper
@@ -771,6 +771,23 @@ def test_gluon_kernels_coverage(monkeypatch, which):
         assert [[c["PART"] for c in kernel.dkdv_launch_configs(d)] for d in (64, 128, 256)] == [[0], [0], [1, 2]]
         assert kernel.dkdv_launch_configs(96) is None
         assert [d for d in (64, 128, 256) if kernel.dq_launch_config(d)] == [128, 256]
+        # at head dim 128 one dK/dV launch adds dQ too (two warpgroups, 128 keys), unless switched off or
+        # deterministic algorithms are asked for (its reduce-adds land in no fixed order)
+        assert [d for d in (64, 128, 256) if kernel.fused_dq_launch_config(d)] == [128]
+        assert kernel.fused_dq_launch_config(128) == dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True,
+                                                          num_warps=8)
+        monkeypatch.setenv("HF_DILATED_FUSED_DQ", "off")
+        assert kernel.fused_dq_launch_config(128) is None
+        monkeypatch.setenv("HF_DILATED_FUSED_DQ", "sometimes")
+        with pytest.raises(ValueError, match="HF_DILATED_FUSED_DQ must be one of"):
+            kernel.fused_dq_launch_config(128)
+        monkeypatch.delenv("HF_DILATED_FUSED_DQ")
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        try:
+            torch.use_deterministic_algorithms(True)
+            assert kernel.fused_dq_launch_config(128) is None
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
     assert not kernel.applies(q, plain, False)  # pointer loads (unaligned strides, padded head dim)
     for flag in ("WINDOW", "HOLES", "DROPOUT"):
         assert not kernel.applies(q, dict(plain, **{flag: True}), True), flag

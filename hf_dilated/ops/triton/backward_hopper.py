@@ -39,6 +39,26 @@ instead of four, where the portable kernel spilled 560-744 bytes (103-334 spill 
 kernels the D = 256 backward runs 1.39x / 1.46x faster than the portable one at 16K / 64K, bit-identical
 (``results/ab_gluon_backward-dilated-d256-split-dkdv-session19-*``; 16-query steps for dK, 98 KB and two programs per
 SM, 1.28x / 1.41x).
+
+dQ from the dK/dV launch at D = 128 (``FUSED_DQ``, FA3's scheme, the default where it applies): the dQ kernel
+computes ``S`` and ``dP`` a second time, so a backward ran 7 tensor-core products per (query, key) pair where FA2
+runs 5. Here the dK/dV program also issues ``dS K`` for each step's queries and adds the float32 tile to the dQ sums
+with a TMA reduce-add (``cp.reduce.async.bulk``; ``hopper.tma_reduce_add``): 5 products. A program then owns 128 keys
+on two warpgroups (K, V, Q and dO double-buffered, ``P^T``, ``dS^T`` and the dQ tile: 192 KB, one program per SM), so
+that each added tile covers 128 keys. The dQ sums start at zero and are copied to dQ at the end; the reduce-adds of the
+programs sharing a query row land in no fixed order, so dQ may differ in its last bits between runs (dK, dV stay
+bit-identical): ``HF_DILATED_FUSED_DQ=0`` or ``torch.use_deterministic_algorithms(True)`` keeps the dQ kernel.
+Measured (H100, bf16, LongNet branches, ``results/*fused-dq*session20*``):
+
+- at the 700 W power cap, where every method runs from 64K on, fewer products mean a higher clock: forward+backward
+  timed sustained (``--warm-s 1``) at 1822-1935 MHz against 1527-1620 with the dQ kernel, 1.04-1.05x faster at 64K /
+  256K (H 16) and 1.02-1.04x (GQA 32 / 8); 0.99-1.07x SDPA-flash's useful rate from 16K to 1M;
+- back-to-back backward timings (``ab_gluon.py --switch fused_dq``, 200 ms, below the cap): 0.96-0.98x at 16K,
+  1.02-1.05x at 64K;
+- the alternatives, same run: dQ by register atomics (``atom.add.v2.f32``) 0.45-0.63x; the 128-key two-warpgroup
+  tile without dQ 0.95-0.98x (the warpgroups step in lock-step, where two 64-key programs per SM interleave);
+- D = 64 (9 / 3 heads): no gain (64K: 3.79 / 4.21 ms with 64 / 128 keys against 3.73 ms), it is not power-capped
+  there; D = 256: a float32 dQ tile of 64 rows would take 64 KB more shared memory. Both keep the dQ kernel.
 """
 
 from __future__ import annotations
@@ -67,7 +87,7 @@ DKDV_STEPS = {64: ((0, BLOCK_Q),), 128: ((0, BLOCK_Q),), 256: ((1, 32), (2, 32))
 DKDV_HEAD_DIMS = tuple(DKDV_STEPS)
 # dK/dV with the step's dQ (``FUSED_DQ``): (key rows per program, query rows per step, warps) by head dim. 128 keys on
 # two warpgroups, FA3's tile: each dQ share added to the sums covers 128 keys, and K, V, Q, dO, P^T, dS^T and the dQ
-# tile take 192 KB, one program per SM.
+# tile take 192 KB, one program per SM. Not D = 64 / 256: the docstring.
 FUSED_DQ_STEPS = {128: (128, 64, 8)}
 
 
@@ -445,7 +465,9 @@ def fused_dq_launch_config(head_dim: int) -> dict | None:
     """The dK/dV launch that also adds dQ (``FUSED_DQ_STEPS``), replacing the dQ kernel; ``None`` where there is none,
     where ``HF_DILATED_FUSED_DQ=0``, or under ``torch.use_deterministic_algorithms(True)`` (the reduce-adds of the
     programs that share a query row land in no fixed order, so dQ may differ in its last bits between runs)."""
-    if head_dim not in FUSED_DQ_STEPS or not switch("HF_DILATED_FUSED_DQ") or torch.are_deterministic_algorithms_enabled():
+    if head_dim not in FUSED_DQ_STEPS or not switch("HF_DILATED_FUSED_DQ"):
+        return None
+    if torch.are_deterministic_algorithms_enabled():
         return None
     n, q_rows, warps = FUSED_DQ_STEPS[head_dim]
     return dict(BLOCK_N=n, BLOCK_Q=q_rows, PART=0, FUSED_DQ=True, num_warps=warps)
