@@ -66,9 +66,9 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    dkdv_buffers, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, fence_async_shared,
+    dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, fence_async_shared,
     first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows, query_tile_buffers,
-    query_tile_keys, release_barriers, row_desc, runnable, switch, tma, tma_load, tma_reduce_add, warpgroup_mma,
+    query_tile_keys, release_barriers, row_desc, runnable, switch, tma, tma_load, warpgroup_mma,
     warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
 from .tiles import LOG2E
@@ -175,7 +175,6 @@ if gluon is not None:
             dtype, kv_smem_layout, q_smem_layout, p_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM, PART)
         if FUSED_DQ:
             dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q, HEAD_DIM], dq_smem_layout)
-            dq_zero = gl.zeros([BLOCK_Q, HEAD_DIM], gl.float32, layout=dq_layout)
 
         # K and V: the item's dilated key rows (row stride r rows, zeros past the last), read once.
         kvh64 = kvh.to(gl.int64)
@@ -278,8 +277,8 @@ if gluon is not None:
                     qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
                     pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
                 if FUSED_DQ:
-                    dk, dv = _fused_dq_products(pT, dpT, delta, qs, dos, k_smem, p_smem, ds_smem, dq_smem, dq_desc,
-                                                dq_zero, dk, dv, q_step, scale, dtype)
+                    dk, dv = dkdv_dq_products(pT, dpT, delta, qs, dos, k_smem, p_smem, ds_smem, dq_smem, dq_desc,
+                                              dk, dv, q_step, scale, dtype, dq_layout, BLOCK_Q, HEAD_DIM)
                 elif PART == 0:
                     dk, dv = dkdv_products(pT, dpT, delta, qs, dos, p_smem, ds_smem, dk, dv, dtype)
                 elif PART == 1:  # dV += P^T dO, left in flight
@@ -415,29 +414,6 @@ if gluon is not None:
             _finish(dq * scale, DQ + b * stride_dqb + h64 * stride_dqh, DQ_OUT + b * stride_xqb + h64 * stride_xqh,
                     qc64, d, in_range, seen, stride_dqn, stride_xqn, MERGE, LAST)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
-
-    @gluon.jit
-    def _fused_dq_products(pT, dpT, delta, qs, dos, k_smem, p_smem, ds_smem, dq_smem, dq_desc, dq_zero, dk, dv, q_row,
-                           scale, dtype: gl.constexpr):
-        """``hopper.dkdv_products`` with the step's dQ: ``dV += P^T dO`` issued while ``dS^T`` is computed, then
-        ``dS K`` (the step's queries' share of dQ) and ``dK += dS^T Q``; waiting for ``dS K`` leaves ``dK`` in flight
-        while the share goes through shared memory to a TMA reduce-add into the float32 sums (rows ``q_row ..`` of
-        the head's dilated rows; rows past the item's last query lie outside the descriptor and are dropped)."""
-        p_smem.store(pT.to(dtype))
-        fence_async_shared()
-        dv = warpgroup_mma(p_smem, dos, dv, is_async=True)
-        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-        dsT = pT * (dpT - delta[None, :])
-        ds_smem.store(dsT.to(dtype))
-        fence_async_shared()
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
-        dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))  # also retires dV, issued before it
-        tma.store_wait(0)  # the last step's reduce has read the tile
-        dq_smem.store(dq * scale)
-        fence_async_shared()
-        tma_reduce_add(dq_desc, [q_row, 0], dq_smem)
-        return dk, dv
 
     @gluon.jit
     def _finish(acc, SUMS, OUT, rows64, d, rmask, seen, stride_sn, stride_on, MERGE: gl.constexpr,

@@ -17,7 +17,10 @@ product against dq's 1.8 ms (Nsight, 64K, benchmarks/NOTES_triton.md). Here, one
   computed, and this step's dV / dK run until the next step's scores are issued;
 - 112 KB of shared memory and 255 registers per 128 threads: two programs share an SM and cover each other's
   latencies. (128-key tiles on two warpgroups, one program per SM, and a producer warp with register reallocation
-  (FA3's arrangement) both measured slower: benchmarks/NOTES_triton.md.)
+  (FA3's arrangement) both measured slower: benchmarks/NOTES_triton.md. So did adding dQ here, on 128-key tiles as the
+  dilated backward does (``hopper.dkdv_dq_products``), with no dQ kernel: 236 bytes of spills, 43 stores and 85 loads
+  of them in the step loop; backward 0.73x at 64K, forward+backward 310 / 304 against 392 / 380 useful TFLOP/s at 64K
+  / 256K, ``results/*block_sparse*fused-dq*session20*``.)
 
 Same contract as the portable kernel (masks, GQA without repeating K / V, one program per key tile writes its rows, no
 atomics), and bit-identical gradients (the same products summed in the same order); used for bf16 / fp16, head dim 64

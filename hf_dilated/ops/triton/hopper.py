@@ -423,8 +423,35 @@ if gluon is not None:
         dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
         return dk, dv
 
+    @gluon.jit
+    def dkdv_dq_products(pT, dpT, delta, qs, dos, k_smem, p_smem, ds_smem, dq_smem, dq_desc, dk, dv, q_row, scale,
+                         dtype: gl.constexpr, dq_layout: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """:func:`dkdv_products` with the step's dQ: ``dV += P^T dO`` issued while ``dS^T`` is computed, then
+        ``dS K`` (the step's queries' share of dQ) and ``dK += dS^T Q``; waiting for ``dS K`` leaves ``dK`` in flight
+        while the share goes through shared memory to a TMA reduce-add into the float32 sums (rows ``q_row ..`` of
+        the head's dilated rows; rows past the item's last query lie outside the descriptor and are dropped).
+        ``dq_layout``: the share's register layout (its columns split over the warpgroups); ``BLOCK_Q`` x
+        ``HEAD_DIM``: its shape."""
+        p_smem.store(pT.to(dtype))
+        fence_async_shared()
+        dv = warpgroup_mma(p_smem, dos, dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+        dsT = pT * (dpT - delta[None, :])
+        ds_smem.store(dsT.to(dtype))
+        fence_async_shared()
+        dq_zero = gl.zeros([BLOCK_Q, HEAD_DIM], gl.float32, layout=dq_layout)  # made here: no live registers
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+        dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))  # also retires dV, issued before it
+        tma.store_wait(0)  # the last step's reduce has read the tile
+        dq_smem.store(dq * scale)
+        fence_async_shared()
+        tma_reduce_add(dq_desc, [q_row, 0], dq_smem)
+        return dk, dv
+
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
     query_tile_keys = row_desc = dkdv_buffers = dkdv_scores = dkdv_products = first_selected = n_rows = None
+    dkdv_dq_products = None
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
     dq_first = dq_step = dq_last = None
