@@ -413,6 +413,14 @@ if gluon is not None:
         """The rest of a dK/dV step: ``dV += P^T dO`` issued while ``dS^T = P^T (dP^T - delta)`` is computed, then
         ``dK += dS^T Q``, both left in flight. ``P^T`` and ``dS^T`` go to the products through shared memory, so that
         no register stays locked under an in-flight product."""
+        dv = _dv_and_ds(pT, dpT, delta, dos, p_smem, ds_smem, dv, dtype)
+        dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
+        return dk, dv
+
+    @gluon.jit
+    def _dv_and_ds(pT, dpT, delta, dos, p_smem, ds_smem, dv, dtype: gl.constexpr):
+        """``P^T`` to shared memory and ``dV += P^T dO`` issued (left in flight), then ``dS^T = P^T (dP^T - delta)``
+        to shared memory, ready for the products that read it."""
         p_smem.store(pT.to(dtype))
         fence_async_shared()
         dv = warpgroup_mma(p_smem, dos, dv, is_async=True)
@@ -420,8 +428,7 @@ if gluon is not None:
         dsT = pT * (dpT - delta[None, :])
         ds_smem.store(dsT.to(dtype))
         fence_async_shared()
-        dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
-        return dk, dv
+        return dv
 
     @gluon.jit
     def dkdv_dq_products(pT, dpT, delta, qs, dos, k_smem, p_smem, ds_smem, dq_smem, dq_desc, dk, dv, q_row, scale,
@@ -432,13 +439,7 @@ if gluon is not None:
         the head's dilated rows; rows past the item's last query lie outside the descriptor and are dropped).
         ``dq_layout``: the share's register layout (its columns split over the warpgroups); ``BLOCK_Q`` x
         ``HEAD_DIM``: its shape."""
-        p_smem.store(pT.to(dtype))
-        fence_async_shared()
-        dv = warpgroup_mma(p_smem, dos, dv, is_async=True)
-        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-        dsT = pT * (dpT - delta[None, :])
-        ds_smem.store(dsT.to(dtype))
-        fence_async_shared()
+        dv = _dv_and_ds(pT, dpT, delta, dos, p_smem, ds_smem, dv, dtype)
         dq_zero = gl.zeros([BLOCK_Q, HEAD_DIM], gl.float32, layout=dq_layout)  # made here: no live registers
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
