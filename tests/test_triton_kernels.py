@@ -847,6 +847,7 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq):
     monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head at a time: heads from h0 > 0 in the kernels
     monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
     run(*make_qkv(rng, 1, 8, 4, 2100, 2100, 64, bf16, "cuda"), head_offset=2)
+    run(*make_qkv(rng, 1, 8, 4, 2100, 2100, 128, bf16, "cuda"), head_offset=2)  # dQ sums per head chunk (fused)
 
 
 @pytest.mark.gpu
