@@ -282,12 +282,20 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
     group = H // Hk
     delta = row_deltas(o, do, dlse)
     extras = _extras(pb, plan.holes, layout_valid, B, H, q.device)
-    kv_cfg, q_cfg = bwd_config(head_dim_block(D), q.dtype)
+    flags = extras[-1]
+    hd = head_dim_block(D)
+    kv_cfg, q_cfg = bwd_config(hd, q.dtype)
     order, rates, last = _launch_order(pb, plan, cache_key, q.device,
                                        rows_reached=Nq == k.shape[2] and pb.global_tokens == 0)
     filled = last is None
-    fused = _fused_dq_config(q, k, v, do, extras[-1])
-    args = (order, rates, last, pb, extras, kv_cfg, q_cfg, fused)
+    # Descriptor loads and the Gluon kernels, decided once for the call: a head slice of these tensors keeps their
+    # strides and 16-byte alignment, so every chunk below would decide the same. ``fused``: the Gluon dK/dV launch
+    # that also adds dQ (``backward_hopper.fused_dq_launch_config``); None: dQ has kernels of its own.
+    fused = backward_hopper.fused_dq_launch_config(hd)
+    tma = use_tma((q, k, v, do), hd != D, flags["HOLES"])
+    gluon = backward_hopper.applies(q, flags, tma)
+    fused = fused if gluon else None
+    args = (order, rates, last, pb, extras, kv_cfg, q_cfg, tma, gluon, fused)
     if q.dtype == torch.float32 or (not filled and len(order) == 1 and fused is None):
         # The sums are the gradients (the last launch writes them in place; one launch alone writes them and merges
         # nothing), laid out like q, k, v (the op's fake implementation says so: compiled graphs rely on it).
@@ -326,23 +334,14 @@ SCRATCH_FRACTION = 0.125
 SCRATCH_MIN_BYTES = 2**30
 
 
-def _fused_dq_config(q, k, v, do, flags) -> dict | None:
-    """The Gluon dK/dV launch that also adds dQ (``backward_hopper.fused_dq_launch_config``), where the Gluon
-    backward applies to this call; ``None``: dQ has kernels of its own."""
-    hd = head_dim_block(q.shape[-1])
-    cfg = backward_hopper.fused_dq_launch_config(hd)
-    if cfg is None or not backward_hopper.applies(q, flags, use_tma((q, k, v, do), hd != q.shape[-1], flags["HOLES"])):
-        return None
-    return cfg
-
-
 def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem, extras, kv_cfg, q_cfg,
-                    fused):
+                    tma, gluon, fused):
     """All branches of the backward for the heads ``h0..`` of these (possibly head-sliced) tensors, in launch
     ``order``, summed into the float32 ``sums`` (dq, dk, dv); the ``last`` branch's launches write ``outs`` in their
     dtype. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0.
     The dQ launches run beside the dK / dV ones (``forked``); with ``fused`` (a config) the dK/dV launches add dQ to
-    its zeroed sums and there are none."""
+    its zeroed sums and there are none. ``tma`` / ``gluon``: descriptor loads / the Gluon kernels (sm_90), each at
+    the head dims it takes, as ``backward`` decided them."""
     H, Hk, Nq, Nk, D = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
     group = H // Hk
     qv, kv, streams, window, thr, inv_keep, flags = extras
@@ -350,13 +349,9 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
     dq, dk, dv = sums
     xq, xk, xv = outs
     hd = head_dim_block(D)
-    tma = use_tma((q, k, v, do), hd != D, flags["HOLES"])
     if tma:
         descriptor_scratch(q.device)
         LAUNCHES["backward_tma"] += 1
-    gluon = backward_hopper.applies(q, flags, tma)  # the Gluon kernels (sm_90), each at the head dims it takes
-    if fused and not gluon:  # backward() chose it for the whole tensors: a slice of them cannot differ
-        raise RuntimeError("the fused dQ launch was chosen for a call the Gluon backward does not apply to")
     dkdv_cfgs = ([fused] if fused else backward_hopper.dkdv_launch_configs(hd)) if gluon else None
     dq_cfg = backward_hopper.dq_launch_config(hd) if gluon else None
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
