@@ -247,8 +247,9 @@ def main():
             assert err < TOL, f"ours: rel err {err}"
             fwd, fwd_gpu = timed(lambda: ours(q, k, v, lay, tokens), 10)
             fb, fb_gpu = timed(lambda: ours(q, k, v, lay, tokens, do), 5)
-            record(method="ours", **base, err=err, fwd_ms=fwd, fwd_bwd_ms=fb, fwd_gpu=fwd_gpu, fwd_bwd_gpu=fb_gpu, fwd_tflops=4 * D * pairs / fwd / 1e9,
-                   fwd_bwd_tflops=14 * D * pairs / fb / 1e9, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+            record(method="ours", **base, err=err, fwd_ms=fwd, fwd_bwd_ms=fb, fwd_gpu=fwd_gpu, fwd_bwd_gpu=fb_gpu,
+                   fwd_tflops=4 * D * pairs / fwd / 1e9, fwd_bwd_tflops=14 * D * pairs / fb / 1e9,
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30)
             return out
 
         ours_out = {}
