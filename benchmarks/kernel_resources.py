@@ -19,7 +19,8 @@ assembled by the ptxas that ships with Triton (``-v``: registers, spills) and di
     python benchmarks/kernel_resources.py --quick --json new.json --compare old.json   # did a change alter the code?
     python benchmarks/kernel_resources.py --candidates --shapes 8/2/256    # hf-dilated tune's candidates, every path
 
-``KERNEL_RESOURCES_FULL_ERRORS=1`` prints a failed compile's whole message, not its first line.
+``KERNEL_RESOURCES_FULL_ERRORS=1`` (or ``true`` / ``on`` / ``yes``; unset: off) prints a failed compile's whole
+message, not its first line; any other value than those and ``0`` / ``false`` / ``off`` / ``no`` is refused.
 Exits 1 when a kernel fails to compile or needs more shared memory than the target has. The numbers come from the
 installed Triton: the GPU image's version may allocate registers differently (the report names the version).
 """
@@ -287,8 +288,9 @@ def specialisation(launch: Launch, arch: int) -> tuple[tuple, str]:
     return key, " ".join(flags)
 
 
-def compile_launch(launch: Launch, arch: int) -> Resources:
-    """Compile ``launch`` as Triton would for the target and measure it."""
+def compile_launch(launch: Launch, arch: int, full_errors: bool = False) -> Resources:
+    """Compile ``launch`` as Triton would for the target and measure it; a failure's message whole (``full_errors``)
+    or its first line."""
     fn = launch.fn
     target, backend, bound, specialization, options = _bind(launch, arch)
     options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
@@ -312,7 +314,7 @@ def compile_launch(launch: Launch, arch: int) -> Resources:
             res.error = f"needs {res.shared} bytes of shared memory, sm_{arch} has {limit}"
     except Exception as e:  # noqa: BLE001 -- a compile error of any kind is the finding
         text = str(e).strip()
-        if os.environ.get("KERNEL_RESOURCES_FULL_ERRORS"):  # the whole message (a compile error's source excerpt)
+        if full_errors:  # the whole message (a compile error's source excerpt)
             res.error = f"{type(e).__name__}: {text}"
         else:
             res.error = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
@@ -411,6 +413,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.arch not in SHARED_LIMIT:
         ap.error(f"--arch must be one of {sorted(SHARED_LIMIT)}, got {args.arch}")
+    from hf_dilated.ops.triton.hopper import switch
+
+    try:
+        full_errors = switch("KERNEL_RESOURCES_FULL_ERRORS", default=False)
+    except ValueError as err:
+        ap.error(str(err))
     shapes = args.shapes[:1] if args.quick else args.shapes
     launches: list[Launch] = []
     case = [""]
@@ -425,7 +433,7 @@ def main(argv=None) -> int:
     for launch in tqdm(launches, desc=f"compiling for sm_{args.arch}", unit="launch", file=sys.stderr):
         key, flags = specialisation(launch, args.arch)
         if key not in unique:
-            unique[key] = compile_launch(launch, args.arch)
+            unique[key] = compile_launch(launch, args.arch, full_errors)
             unique[key].specialised = flags
             unique[key].launch_key = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
         unique[key].cases.append(launch.case)

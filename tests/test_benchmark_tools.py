@@ -198,3 +198,13 @@ def test_ab_gluon_refuses_bad_options_by_name(argv, option):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_gluon.py"), *argv], capture_output=True,
                          text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 2 and option in run.stderr, run.stderr[-2000:]
+
+
+def test_kernel_resources_refuses_a_bad_full_errors_switch():
+    """``KERNEL_RESOURCES_FULL_ERRORS`` takes on / off words only: anything else stops the tool before it compiles,
+    naming the variable (a typo must not silently pick one of the two)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, KERNEL_RESOURCES_FULL_ERRORS="maybe", TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--quick"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert run.returncode == 2 and "KERNEL_RESOURCES_FULL_ERRORS must be one of" in run.stderr, run.stderr[-2000:]

@@ -59,10 +59,10 @@ def available() -> bool:
 _SWITCH = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
 
 
-def switch(name: str) -> bool:
-    """An on/off environment variable, on when unset: ``1`` / ``true`` / ``on`` / ``yes`` or ``0`` / ``false`` /
-    ``off`` / ``no`` (any case); any other value is refused, naming the variable."""
-    value = os.environ.get(name, "1").strip().lower()
+def switch(name: str, default: bool = True) -> bool:
+    """An on/off environment variable, ``default`` when unset: ``1`` / ``true`` / ``on`` / ``yes`` or ``0`` /
+    ``false`` / ``off`` / ``no`` (any case); any other value is refused, naming the variable."""
+    value = os.environ.get(name, "1" if default else "0").strip().lower()
     if value not in _SWITCH:
         raise ValueError(f"{name} must be one of {sorted(_SWITCH)}, got {os.environ[name]!r}")
     return _SWITCH[value]
