@@ -99,6 +99,7 @@ class Resources:
     warps_per_sm: int | None = None
     leanest_loop_instructions: int | None = None
     leanest_loop_mma: int | None = None
+    wgmma_serialized: bool | None = None
     ptx_sha: str | None = None
     launch_key: str = ""
     cases: list = field(default_factory=list)
@@ -188,7 +189,10 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
 
 
 def _ptxas_report(ptx: str, arch: int) -> dict:
-    """Registers, spills and stack of the PTX, from the ``-v`` report of the ptxas that Triton itself uses."""
+    """Registers, spills and stack of the PTX, from the ``-v`` report of the ptxas that Triton itself uses, and
+    whether ptxas serialized the kernel's ``wgmma``s (its C75xx "wgmma.mma_async instructions are serialized"
+    warnings: each product then waits for the one before, whatever the kernel's pipelining asked for; spills into a
+    product's accumulator registers are one cause)."""
     from triton.backends.nvidia import compiler as nvidia
 
     ptxas = nvidia.get_ptxas(arch).path
@@ -207,7 +211,8 @@ def _ptxas_report(ptx: str, arch: int) -> dict:
     return dict(registers=int(regs.group(1)) if regs else None,
                 stack=int(spill.group(1)) if spill else None,
                 spill_stores=int(spill.group(2)) if spill else None,
-                spill_loads=int(spill.group(3)) if spill else None)
+                spill_loads=int(spill.group(3)) if spill else None,
+                wgmma_serialized="wgmma.mma_async instructions are serialized" in log)
 
 
 def ptx_fingerprint(ptx: str) -> str:
@@ -440,7 +445,7 @@ def main(argv=None) -> int:
     rows = list(unique.values())
     print(f"Triton {triton.__version__}, sm_{args.arch}, {len(launches)} launches, {len(rows)} distinct kernels")
     print(f"{'kernel':26} {'config':40} {'specialised':30} {'regs':>4} {'spill st/ld':>11} {'in loops':>8} "
-          f"{'loop ins/mma':>12} {'smem KB':>7} {'warps/SM':>8}  first case")
+          f"{'loop ins/mma':>12} {'smem KB':>7} {'warps/SM':>8} {'wgmma':>6}  first case")
     for r in rows:
         cfg = " ".join(f"{k.replace('BLOCK_', '').replace('num_', '')}={v}" for k, v in r.config.items())
         spill = "" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
@@ -449,13 +454,17 @@ def main(argv=None) -> int:
             "None", "?")
         loop = "" if r.leanest_loop_instructions is None else f"{r.leanest_loop_instructions}/{r.leanest_loop_mma}"
         print(f"{r.kernel:26} {cfg:40} {r.specialised:30} {r.registers or '':>4} {spill:>11} {hot:>8} {loop:>12} "
-              f"{smem:>7} {r.warps_per_sm or '':>8}  {r.cases[0]}"
+              f"{smem:>7} {r.warps_per_sm or '':>8} {'serial' if r.wgmma_serialized else '':>6}  {r.cases[0]}"
               + (f"\n    ERROR {r.error}" if r.error else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "torch": torch.__version__, "arch": args.arch,
                        "command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
                        "kernels": [asdict(r) for r in rows]}, f, indent=1)
+    serial = [r for r in rows if r.wgmma_serialized]
+    if serial:  # a performance finding, not a failure: the kernel runs, its products one at a time
+        print(f"{len(serial)} kernel(s) with wgmma serialized by ptxas (column 'wgmma'): "
+              + ", ".join(sorted({f'{r.kernel} {r.config}' for r in serial})))
     if args.candidates:
         print(candidate_summary(rows))
     if args.compare:

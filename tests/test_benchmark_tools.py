@@ -95,6 +95,8 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
             # the SASS reading finds the loops over tiles that hold the tensor-core instructions
             assert k["tile_loops"] >= 1 and 0 <= k["spill_instructions_in_loops"] <= k["spill_instructions"], k
             assert k["leanest_loop_instructions"] > k["leanest_loop_mma"] >= 1, k
+        # ptxas did not serialize the tensor-core products (the block-sparse dQ on two warpgroups once had them so)
+        assert k["wgmma_serialized"] is False, k
     tma = {k["config"].get("TMA") for k in kernels if "TMA" in k["config"]}
     assert tma == ({True} if arch >= 90 else {False})
 
@@ -122,6 +124,10 @@ def test_head_dim_256_runs_the_gluon_kernels_on_hopper(tmp_path):
     assert {"dilated_fwd_hopper_kernel", "dilated_bwd_dq_hopper_kernel", "dilated_bwd_dkdv_hopper_kernel"} <= names
     dkdv = {k["shared"] // 1024 for k in kernels if k["kernel"] == "dilated_bwd_dkdv_hopper_kernel"}
     assert dkdv == {100, 132}, dkdv  # the dV launch and the dK launch
+    # the portable block-sparse dK/dV at D 256: 8 warps, no spill, products not serialized (on 4 warps: 2 KB, serial)
+    bs = [k for k in kernels if k["kernel"] == "bs_bwd_dkdv_kernel"]
+    assert bs and all(k["config"]["num_warps"] == 8 and not k["wgmma_serialized"] for k in bs), bs
+    assert not [k for k in kernels if k["wgmma_serialized"]], [k for k in kernels if k["wgmma_serialized"]]
 
 
 def test_timeline_splits_wall_time_into_busy_idle_and_overlap(tmp_path):
