@@ -9,8 +9,10 @@ change) can be compared in one device call, bit for bit and in milliseconds.
 One JSON line per (head dim, N): forward and forward+backward medians (``triton.testing.do_bench``) on seeded inputs
 (B = 1, bf16, causal), and per tensor (out, dq, dk, dv) a float64 sum and the sum of its int16 bit patterns: equal
 checksums on both sides mean identical results. ``--op dilated``: the LongNet branches (w = 2048..32768,
-r = 1..16); ``--op block_sparse``: ``scripts/bench_block_sparse.py``'s layout (128-blocks), from the checkout's own
-``scripts``."""
+r = 1..16); ``--op block_sparse``: ``scripts/bench_block_sparse.py``'s layout (``--block-size``, 128 by default), from
+the checkout's own ``scripts``. ``--dtype`` float16 / float32 instead of bfloat16.
+
+    python benchmarks/compare_checkouts.py . new 16384 65536 --op block_sparse --block-size 64 --dims 64 128"""
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); --heads by default")
     ap.add_argument("--op", choices=("dilated", "block_sparse"), default="dilated")
+    ap.add_argument("--block-size", type=int, choices=(64, 128), default=128, help="the block-sparse layout's block")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     args = ap.parse_args()
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     if args.heads < 1 or kv_heads < 1 or args.heads % kv_heads:
@@ -57,14 +61,14 @@ def main() -> None:
         """The op timed at length ``N``: the LongNet branches, or block-sparse on the benchmark's layout for N."""
         if args.op == "dilated":
             return lambda q, k, v: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton")
-        layout = bench_block_sparse.fixed_layout(N, 128, "cuda", num_heads=args.heads)
+        layout = bench_block_sparse.fixed_layout(N, args.block_size, "cuda", num_heads=args.heads)
         return lambda q, k, v: hf_dilated.block_sparse_attention(q, k, v, layout, is_causal=True, backend="triton")
 
     for D in args.dims:
         for N in args.seqlens:
             attend = attention(N)
             g = torch.Generator(device="cuda").manual_seed(1234 + N + D)
-            q, k, v, do = (torch.randn(1, h, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            q, k, v, do = (torch.randn(1, h, N, D, device="cuda", dtype=getattr(torch, args.dtype), generator=g)
                            for h in (args.heads, kv_heads, kv_heads, args.heads))
             with torch.no_grad():
                 out = attend(q, k, v)
@@ -77,6 +81,7 @@ def main() -> None:
             grads = fwd_bwd()
             both = do_bench(fwd_bwd, warmup=50, rep=600, return_mode="median")
             print(json.dumps(dict(label=args.label, op=args.op, N=N, D=D, heads=args.heads, kv_heads=kv_heads,
+                                  dtype=args.dtype, block=args.block_size if args.op == "block_sparse" else None,
                                   fwd_ms=round(fwd, 3), fwdbwd_ms=round(both, 3), bwd_ms=round(both - fwd, 3),
                                   cks=[checksums(out)] + [checksums(x) for x in grads])), flush=True)
             del q, k, v, do, qq, kk, vv, out, grads
