@@ -1,5 +1,6 @@
 """Compile every Triton kernel of the package for a GPU on a machine without one, and report what each compiled
-kernel needs: registers, spills (and whether they sit in a hot loop), shared memory, the warps an SM can hold.
+kernel needs: registers, spills (and whether they sit in a hot loop), shared memory, the warps an SM can hold, and
+whether ptxas serialized its tensor-core products (column ``wgmma``).
 
 Why: the interpreter (the CPU tests) runs the kernels' Python, not Triton's compiler, so a kernel change can pass
 every CPU test and still fail to compile for a GPU, or ask for more shared memory than the GPU has (an
