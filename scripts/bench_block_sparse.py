@@ -105,16 +105,20 @@ def sdpa(q, k, v, do=None):
     return (out, *torch.autograd.grad(out, (q, k, v), do))
 
 
-_FLEX = None
+_FLEX = {}
 
 
-def flex_fn():
-    global _FLEX
-    if _FLEX is None:
+def flex_fn(block: int = 128):
+    """FlexAttention compiled for masks of ``block``-token blocks. Below 128 with max-autotune: Inductor's one
+    default backward config on the H100 (torch 2.11) has 128-wide tiles, which a 64-block mask does not divide, and
+    it drops such configs before ``kernel_options`` apply (``NoValidChoicesError``); autotuning picks among its
+    configs that fit."""
+    if block not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX
+        _FLEX[block] = torch.compile(flex_attention, dynamic=False,
+                                     mode=None if block >= 128 else "max-autotune-no-cudagraphs")
+    return _FLEX[block]
 
 
 def flex_block_mask(lay: BlockLayout, N: int):
@@ -142,7 +146,7 @@ def flex_block_mask(lay: BlockLayout, N: int):
 
 
 def flex(q, k, v, mask, do=None):
-    out = flex_fn()(q, k, v, block_mask=mask)
+    out = flex_fn(min(mask.BLOCK_SIZE))(q, k, v, block_mask=mask)
     if do is None:
         return (out,)
     return (out, *torch.autograd.grad(out, (q, k, v), do))
