@@ -353,7 +353,7 @@ def _bwd_config(block: int, d: int, dtype: torch.dtype, tma: bool = False) -> tu
         return c, dict(c)
     wide = dtype == torch.float32 or d > 128
     if _hopper() and not wide:  # benchmarks/tune_block_sparse.py, H100, 64K: backward 16.3 ms, 25.4 with (64, 64, 8, 2)
-        # 64-blocks: 64 x 64 tiles on one warpgroup, two stages (96 KB: two programs per SM). On two warpgroups
+        # (that one serialized, below). 64-blocks: 64 x 64 tiles on one warpgroup, two stages (96 KB: two programs per SM). On two warpgroups
         # ptxas serialized every product of the kernel (`kernel_resources.py`, column "wgmma"; Triton 3.6 and 3.9):
         # the backward ran 1.44 / 1.54 / 1.20x faster with this at 64K (H 16 D 128 / GQA 32/8 / 9/3 D 64, H100,
         # round 2 session 21), 1.36x with three stages (128 KB, one program per SM)
@@ -364,14 +364,15 @@ def _bwd_config(block: int, d: int, dtype: torch.dtype, tma: bool = False) -> tu
                   num_stages=1 if wide else 2)
     if tma and not wide:  # the same sweep with TMA loads: backward 13.4 ms, 14.4 with (64, 128, 8, 2)
         dkdv = dict(BLOCK_M=min(block, 32), BLOCK_N=min(block, 64), num_warps=4, num_stages=3)
-    elif dtype == torch.float32 and d > 128:  # 32 x 64 tiles needed 320 KB of shared memory at head dim 256, more
-        # than any GPU has (an OutOfResources on the H100); 16 x 32 on 8 warps: 144 KB
-        dkdv = dict(BLOCK_M=min(block, 16), BLOCK_N=min(block, 32), num_warps=8, num_stages=1)
-    elif wide and dtype != torch.float32:  # head dim 256: 64 keys of dK and dV over 8 warps; on 4 they spilled 2 KB
-        # and ptxas serialized the products: backward 2.67 / 2.82x faster at 16K / 64K (8 / 2 heads, H100, session 21)
+    elif dtype == torch.float32:
+        if d > 128:  # 32 x 64 tiles needed 320 KB of shared memory at head dim 256, more than any GPU has (an
+            # OutOfResources on the H100); 16 x 32 on 8 warps: 144 KB
+            dkdv = dict(BLOCK_M=min(block, 16), BLOCK_N=min(block, 32), num_warps=8, num_stages=1)
+        else:  # (16 x 32 on 8 warps spills 20 bytes here instead of 2 KB, but ran 0.76x at D 128)
+            dkdv = dict(BLOCK_M=min(block, 32), BLOCK_N=min(block, 64), num_warps=4, num_stages=1)
+    elif wide:  # head dim 256: 64 keys of dK and dV over 8 warps; on 4 they spilled 2 KB and ptxas serialized the
+        # products: backward 2.67 / 2.82x faster at 16K / 64K (8 / 2 heads, H100, round 2 session 21)
         dkdv = dict(BLOCK_M=min(block, 32), BLOCK_N=min(block, 64), num_warps=8, num_stages=1)
-    elif wide:  # float32 up to head dim 128 (16 x 32 on 8 warps spills less but ran 0.76x at D 128)
-        dkdv = dict(BLOCK_M=min(block, 32), BLOCK_N=min(block, 64), num_warps=4, num_stages=1)
     else:
         dkdv = dict(BLOCK_M=min(block, 64), BLOCK_N=min(block, 128), num_warps=8, num_stages=2)
     return dq, dkdv
