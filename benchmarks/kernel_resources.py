@@ -120,6 +120,7 @@ def recorded_launches(arch: int, into: list, case: list):
         (JITFunction, "run", record),
         (configs, "interpreting", lambda: False),
         (configs, "_capability_major", lambda: arch // 10),  # configs._hopper and dot_mode read it
+        (configs, "shared_memory_limit", lambda: SHARED_LIMIT[arch]),  # small_shared_memory reads it
         (tuned, "lookup", lambda *a, **k: None),  # the built-in tables, not this machine's tuned configs
         (triton_backend, "is_available", lambda device: True),
         (triton, "set_allocator", lambda alloc: None),
@@ -173,9 +174,9 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
                                  strict=True)
     for pattern in ("local", "adaptive") if not quick else ("adaptive",):
         fwd_bwd(f"block-sparse {pattern}", lambda: block_sparse_attention(q, k, v, pattern, backend="triton"))
-    if not quick:  # the benchmarks' 128-token blocks (the patterns above use 64)
-        fwd_bwd("block-sparse local, 128-blocks", lambda: block_sparse_attention(
-            q, k, v, BlockSparseConfig(pattern="local", block_size=128), backend="triton"))
+    # the benchmarks' 128-token blocks (the patterns above use 64): other tiles, other shared memory
+    fwd_bwd("block-sparse local, 128-blocks", lambda: block_sparse_attention(
+        q, k, v, BlockSparseConfig(pattern="local", block_size=128), backend="triton"))
     # The Gluon dK/dV and dQ launches where one dK/dV launch adds dQ (sm_90, head dim 128): HF_DILATED_FUSED_DQ=0 and
     # torch.use_deterministic_algorithms(True) run them.
     with mock.patch.dict(os.environ, {"HF_DILATED_FUSED_DQ": "0"}):
@@ -407,8 +408,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--n", type=int, default=4096, help="tokens of the driving problem (only its specialisation "
                                                          "matters: a multiple of 16, as real lengths mostly are)")
-    ap.add_argument("--quick", action="store_true", help="the causal LongNet path, decoding and adaptive block-"
-                                                          "sparse only, one shape")
+    ap.add_argument("--quick", action="store_true", help="the causal LongNet path, decoding, adaptive block-sparse "
+                                                          "and 128-block block-sparse only, one shape")
     ap.add_argument("--candidates", action="store_true",
                     help="instead: every candidate config of `hf-dilated tune` (ops/triton/tuning.py) for the dilated "
                          "forward, dK/dV and dQ, each compiled on every path (padding, window, dropout, "

@@ -55,7 +55,7 @@ KERNELS = {"dilated_fwd_branch_kernel", "delta_kernel", "dilated_bwd_dkdv_kernel
 # sm_90 also runs the dilated and block-sparse forward and dK/dV, and the dilated dQ at head dim 128 / 256, in Gluon
 # (the portable ones with HF_DILATED_GLUON=0, driven too).
 EXTRA = {90: {"bs_bwd_dkdv_hopper_kernel", "dilated_bwd_dkdv_hopper_kernel", "dilated_fwd_hopper_kernel",
-              "bs_fwd_hopper_kernel", "dilated_bwd_dq_hopper_kernel"}, 80: set()}
+              "bs_fwd_hopper_kernel", "dilated_bwd_dq_hopper_kernel"}, 80: set(), 89: set()}
 
 
 def _ptxas_missing() -> str | None:
@@ -69,7 +69,7 @@ def _ptxas_missing() -> str | None:
     return None if os.path.exists(path) else f"no ptxas in the Triton wheel ({path})"
 
 
-@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("arch", [90, 80, 89])  # 89: ~100 KB of shared memory a program (RTX 40xx, L4, L40S)
 def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
     """Every kernel the launch paths use (dilated forward, backward, decode; block-sparse) compiles for sm_90 with
     the Hopper configs and TMA, and for sm_80 without, within the GPU's shared memory: a kernel change that only
@@ -128,6 +128,25 @@ def test_head_dim_256_runs_the_gluon_kernels_on_hopper(tmp_path):
     bs = [k for k in kernels if k["kernel"] == "bs_bwd_dkdv_kernel"]
     assert bs and all(k["config"]["num_warps"] == 8 and not k["wgmma_serialized"] for k in bs), bs
     assert not [k for k in kernels if k["wgmma_serialized"]], [k for k in kernels if k["wgmma_serialized"]]
+
+
+def test_head_dim_256_fits_gpus_with_100_kb_of_shared_memory(tmp_path):
+    """On sm_89 (and sm_86 / sm_120, the same ~100 KB a program) every kernel of Gemma-style heads fits: the
+    block-sparse dK/dV there once asked for 112 KB (an OutOfResources at its first launch on those GPUs)."""
+    pytest.importorskip("triton")
+    reason = _ptxas_missing()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "resources.json"
+    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "HOME": str(tmp_path), "TRITON_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--quick", "--arch", "89",
+                          "--shapes", "8/2/256", "--n", "512", "--json", str(out)],
+                         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    kernels = json.loads(out.read_text())["kernels"]
+    assert {"bs_bwd_dkdv_kernel", "bs_fwd_kernel", "dilated_bwd_dkdv_kernel"} <= {k["kernel"] for k in kernels}
+    assert all(k["error"] is None and k["shared"] <= 99 * 1024 for k in kernels), [
+        (k["kernel"], k["config"], k["shared"], k["error"]) for k in kernels if k["error"] or k["shared"] > 99 * 1024]
 
 
 def test_timeline_splits_wall_time_into_busy_idle_and_overlap(tmp_path):

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import block_sparse_hopper
-from .configs import _hopper, descriptor_scratch, dot_mode, interpreting, use_tma
+from .configs import _hopper, descriptor_scratch, dot_mode, interpreting, small_shared_memory, use_tma
 from .launch import _constant, cdiv, forked, row_deltas, rowmajor
 from .tiles import LOG2E, LOG2E_F, finish, mm, row_desc, softmax_step
 
@@ -343,7 +343,8 @@ def _fwd_config(block: int, d: int, dtype: torch.dtype, nq: int, tma: bool = Fal
         return dict(BLOCK_M=m, BLOCK_N=n, num_warps=8 if m * n >= 16384 else 4, num_stages=3)
     m = min(block, 64 if wide else 128)
     n = min(block, 32 if wide else 64)
-    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=8 if m * n >= 8192 else 4, num_stages=2 if wide else 3)
+    cfg = dict(BLOCK_M=m, BLOCK_N=n, num_warps=8 if m * n >= 8192 else 4, num_stages=2 if wide else 3)
+    return _fit_small_shared_memory("fwd", cfg, block, d, dtype) if small_shared_memory() else cfg
 
 
 def _bwd_config(block: int, d: int, dtype: torch.dtype, tma: bool = False) -> tuple[dict, dict]:
@@ -375,7 +376,31 @@ def _bwd_config(block: int, d: int, dtype: torch.dtype, tma: bool = False) -> tu
         dkdv = dict(BLOCK_M=min(block, 32), BLOCK_N=min(block, 64), num_warps=8, num_stages=1)
     else:
         dkdv = dict(BLOCK_M=min(block, 64), BLOCK_N=min(block, 128), num_warps=8, num_stages=2)
+    if small_shared_memory():
+        dq = _fit_small_shared_memory("dq", dq, block, d, dtype)
+        dkdv = _fit_small_shared_memory("dkdv", dkdv, block, d, dtype)
     return dq, dkdv
+
+
+def _fit_small_shared_memory(kernel: str, cfg: dict, block: int, d: int, dtype: torch.dtype) -> dict:
+    """``cfg`` for a GPU with about 100 KB of shared memory per program (``configs.small_shared_memory``), where these
+    asked for 112-288 KB: fewer stages, or smaller tiles for float32 and head dim 256. Each fits sm_86 / 89 / 120
+    (``benchmarks/kernel_resources.py --arch 89``); not timed (no such GPU was at hand)."""
+    f32, d256 = dtype == torch.float32, d > 128
+    if kernel == "fwd":
+        if f32:  # 64 x 32 tiles, two stages: 112 KB at head dim 128
+            return dict(BLOCK_M=min(block, 32 if d256 else 64), BLOCK_N=min(block, 32), num_warps=4, num_stages=1)
+        return dict(cfg, num_stages=min(cfg["num_stages"], 2))  # 128 x 64 tiles, three stages: 112 KB
+    if kernel == "dq":
+        if f32:  # 64 x 32 tiles: 144 KB at head dim 128, 288 KB at 256
+            return dict(BLOCK_M=min(block, 16), BLOCK_N=min(block, 32), num_warps=4, num_stages=1)
+        return cfg
+    if f32:  # dK/dV: 32 x 64 tiles needed 160 KB at head dim 128
+        return (dict(BLOCK_M=min(block, 16), BLOCK_N=min(block, 16), num_warps=4, num_stages=1) if d256
+                else dict(BLOCK_M=min(block, 16), BLOCK_N=min(block, 32), num_warps=8, num_stages=1))
+    if d256:  # 32 x 64 tiles: 112 KB
+        return dict(BLOCK_M=min(block, 32), BLOCK_N=min(block, 32), num_warps=8, num_stages=1)
+    return cfg
 
 
 def _tma(tensors, q_offset: int) -> bool:

@@ -32,6 +32,23 @@ def _hopper() -> bool:
     return _capability_major() >= 9
 
 
+@functools.lru_cache(maxsize=None)
+def shared_memory_limit() -> int:
+    """Shared memory one program may use on the current CUDA device (bytes, the opt-in maximum, as Triton checks it
+    at launch), read once; unbounded without a GPU."""
+    if not torch.cuda.is_available():
+        return 1 << 30
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(torch.cuda.current_device())["max_shared_mem"])
+
+
+def small_shared_memory() -> bool:
+    """A GPU with about 100 KB of shared memory per program (sm_86 / 89 / 120: RTX 30 / 40 / 50 series, L4, L40S),
+    where configs sized for the A100 (163 KB) or Hopper (227 KB) can fail to launch (``OutOfResources``)."""
+    return shared_memory_limit() < 128 * 1024
+
+
 def wgmma() -> bool:
     """Whether the GPU has Hopper's warpgroup MMA (sm_90 only: Blackwell's tensor cores take other instructions),
     which the Gluon kernels (``hopper.py``, ``backward_hopper.py``, ``block_sparse_hopper.py``) are written for."""
@@ -127,7 +144,9 @@ def bwd_config(d: int, dtype: torch.dtype) -> tuple[dict, dict]:
 def decode_config(d: int, dtype: torch.dtype) -> dict:
     if interpreting():
         return _cfg((16, 16, 4, 1))
-    return _cfg((16, 64 if d <= 128 else 32, 4, 2))
+    # float32 at head dim 256 needs 100 KB with two stages: one on ~100 KB GPUs (kernel_resources.py --arch 89)
+    stages = 1 if dtype == torch.float32 and d > 128 and small_shared_memory() else 2
+    return _cfg((16, 64 if d <= 128 else 32, 4, stages))
 
 
 def use_tma(tensors, padded_head_dim: bool, holes: bool) -> bool:
