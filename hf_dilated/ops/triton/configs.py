@@ -34,13 +34,17 @@ def _hopper() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def shared_memory_limit() -> int:
-    """Shared memory one program may use on the current CUDA device (bytes, the opt-in maximum, as Triton checks it
-    at launch), read once; unbounded without a GPU."""
+    """Shared memory one program may use on the current CUDA device (bytes, the opt-in maximum: the number Triton
+    checks at launch), read once; unbounded without a GPU, or where this Triton's driver does not say (then the
+    configs are those of the large-memory GPUs, as before this was read)."""
     if not torch.cuda.is_available():
         return 1 << 30
-    from triton.runtime import driver
+    try:
+        from triton.runtime import driver
 
-    return int(driver.active.utils.get_device_properties(torch.cuda.current_device())["max_shared_mem"])
+        return int(driver.active.utils.get_device_properties(torch.cuda.current_device())["max_shared_mem"])
+    except Exception:  # pragma: no cover - another Triton's driver API
+        return 1 << 30
 
 
 def small_shared_memory() -> bool:
