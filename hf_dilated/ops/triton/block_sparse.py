@@ -354,10 +354,10 @@ def _bwd_config(block: int, d: int, dtype: torch.dtype, tma: bool = False) -> tu
         return c, dict(c)
     wide = dtype == torch.float32 or d > 128
     if _hopper() and not wide:  # benchmarks/tune_block_sparse.py, H100, 64K: backward 16.3 ms, 25.4 with (64, 64, 8, 2)
-        # (that one serialized, below). 64-blocks: 64 x 64 tiles on one warpgroup, two stages (96 KB: two programs per SM). On two warpgroups
-        # ptxas serialized every product of the kernel (`kernel_resources.py`, column "wgmma"; Triton 3.6 and 3.9):
-        # the backward ran 1.44 / 1.54 / 1.20x faster with this at 64K (H 16 D 128 / GQA 32/8 / 9/3 D 64, H100,
-        # round 2 session 21), 1.36x with three stages (128 KB, one program per SM)
+        # (that one serialized, below). 64-blocks: 64 x 64 tiles on one warpgroup, two stages (96 KB: two programs
+        # per SM). On two warpgroups ptxas serialized every product of the kernel (`kernel_resources.py`, column
+        # "wgmma"; Triton 3.6 and 3.9): the backward ran 1.44 / 1.54 / 1.20x faster with this at 64K (H 16 D 128 /
+        # GQA 32/8 / 9/3 D 64, H100, round 2 session 21), 1.36x with three stages (128 KB, one program per SM)
         dq = (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3) if block >= 128
               else dict(BLOCK_M=block, BLOCK_N=block, num_warps=4, num_stages=2))
     else:
