@@ -29,7 +29,11 @@ def _capability_major() -> int:
 
 
 def _hopper() -> bool:
-    return _capability_major() >= 9
+    """Hopper-class kernels and configs (tensor-descriptor loads, tiles sized for 227 KB of shared memory): compute
+    capability 9 or newer with that memory (H100 / H200, B200). sm_120 (RTX 50 series: ~100 KB) runs what the other
+    GPUs run; with the Hopper configs 55 of its kernels needed more shared memory than it has
+    (``kernel_resources.py --arch 120``)."""
+    return _capability_major() >= 9 and not small_shared_memory()
 
 
 @functools.lru_cache(maxsize=None)
