@@ -69,23 +69,27 @@ def _ptxas_missing() -> str | None:
     return None if os.path.exists(path) else f"no ptxas in the Triton wheel ({path})"
 
 
-@pytest.mark.parametrize("arch", [90, 80, 89])  # 89: ~100 KB of shared memory a program (RTX 40xx, L4, L40S)
-def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
-    """Every kernel the launch paths use (dilated forward, backward, decode; block-sparse) compiles for sm_90 with
-    the Hopper configs and TMA, and for sm_80 without, within the GPU's shared memory: a kernel change that only
-    the interpreter has run cannot break the GPU build unseen."""
+def _compiled_kernels(tmp_path, *argv: str) -> list[dict]:
+    """The kernels of ``benchmarks/kernel_resources.py``'s report for ``argv`` (on a 512-token driving problem), run
+    in a clean environment, which must exit 0; skips where this Triton cannot compile for a GPU here."""
     pytest.importorskip("triton")
     reason = _ptxas_missing()
     if reason:
         pytest.skip(reason)
     out = tmp_path / "resources.json"
     env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "HOME": str(tmp_path), "TRITON_CACHE_DIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--quick", "--arch",
-                          str(arch), "--n", "512", "--json", str(out)],
-                         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), *argv, "--n", "512",
+                          "--json", str(out)], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    report = json.loads(out.read_text())
-    kernels = report["kernels"]
+    return json.loads(out.read_text())["kernels"]
+
+
+@pytest.mark.parametrize("arch", [90, 80, 89])  # 89: ~100 KB of shared memory a program (RTX 40xx, L4, L40S)
+def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
+    """Every kernel the launch paths use (dilated forward, backward, decode; block-sparse) compiles for sm_90 with
+    the Hopper configs and TMA, and for sm_80 without, within the GPU's shared memory: a kernel change that only
+    the interpreter has run cannot break the GPU build unseen."""
+    kernels = _compiled_kernels(tmp_path, "--quick", "--arch", str(arch))
     assert {k["kernel"] for k in kernels} == KERNELS | EXTRA[arch]
     for k in kernels:
         assert k["error"] is None, k
@@ -105,20 +109,12 @@ def test_head_dim_256_runs_the_gluon_kernels_on_hopper(tmp_path):
     """Gemma-style heads (8 / 2, D 256) on sm_90: the Gluon forward and dQ compile, and the Gluon dK/dV as its two
     launches (dV without V in shared memory, 100 KB; dK, 132 KB), under this Triton (the GPU image's may differ)."""
     pytest.importorskip("triton")
-    reason = _ptxas_missing()
-    if reason:
-        pytest.skip(reason)
     from hf_dilated.ops.triton import hopper
 
     if not hopper.available():
         pytest.skip("this Triton has no Gluon Hopper API (3.6 or newer)")
-    out = tmp_path / "resources.json"
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "HOME": str(tmp_path), "TRITON_CACHE_DIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--quick", "--arch", "90",
-                          "--shapes", "8/2/256", "--n", "512", "--json", str(out)],
-                         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    kernels = [k for k in json.loads(out.read_text())["kernels"] if k["case"].startswith("8/2/256")]
+    kernels = [k for k in _compiled_kernels(tmp_path, "--quick", "--arch", "90", "--shapes", "8/2/256")
+               if k["case"].startswith("8/2/256")]
     assert all(k["error"] is None for k in kernels), [k for k in kernels if k["error"]]
     names = {k["kernel"] for k in kernels}
     assert {"dilated_fwd_hopper_kernel", "dilated_bwd_dq_hopper_kernel", "dilated_bwd_dkdv_hopper_kernel"} <= names
@@ -133,17 +129,7 @@ def test_head_dim_256_runs_the_gluon_kernels_on_hopper(tmp_path):
 def test_head_dim_256_fits_gpus_with_100_kb_of_shared_memory(tmp_path):
     """On sm_89 (and sm_86 / sm_120, the same ~100 KB a program) every kernel of Gemma-style heads fits: the
     block-sparse dK/dV there once asked for 112 KB (an OutOfResources at its first launch on those GPUs)."""
-    pytest.importorskip("triton")
-    reason = _ptxas_missing()
-    if reason:
-        pytest.skip(reason)
-    out = tmp_path / "resources.json"
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "HOME": str(tmp_path), "TRITON_CACHE_DIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--quick", "--arch", "89",
-                          "--shapes", "8/2/256", "--n", "512", "--json", str(out)],
-                         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    kernels = json.loads(out.read_text())["kernels"]
+    kernels = _compiled_kernels(tmp_path, "--quick", "--arch", "89", "--shapes", "8/2/256")
     assert {"bs_bwd_dkdv_kernel", "bs_fwd_kernel", "dilated_bwd_dkdv_kernel"} <= {k["kernel"] for k in kernels}
     assert all(k["error"] is None and k["shared"] <= 99 * 1024 for k in kernels), [
         (k["kernel"], k["config"], k["shared"], k["error"]) for k in kernels if k["error"] or k["shared"] > 99 * 1024]
