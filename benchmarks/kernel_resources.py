@@ -1,6 +1,6 @@
 """Compile every Triton kernel of the package for a GPU on a machine without one, and report what each compiled
 kernel needs: registers, spills (and whether they sit in a hot loop), shared memory, the warps an SM can hold, and
-whether ptxas serialized its tensor-core products (column ``wgmma``).
+whether ptxas serialized its tensor-core products (column ``wgmma``; ptxas's reason in the JSON and the summary).
 
 Why: the interpreter (the CPU tests) runs the kernels' Python, not Triton's compiler, so a kernel change can pass
 every CPU test and still fail to compile for a GPU, or ask for more shared memory than the GPU has (an
@@ -18,6 +18,7 @@ assembled by the ptxas that ships with Triton (``-v``: registers, spills) and di
     python benchmarks/kernel_resources.py --arch 80 --dtypes bfloat16 float32 --json out.json
     python benchmarks/kernel_resources.py --quick                # one shape, one dtype: what the CPU test runs
     python benchmarks/kernel_resources.py --quick --json new.json --compare old.json   # did a change alter the code?
+    python benchmarks/kernel_resources.py --quick --kernels bs_bwd_dkdv   # one kernel's launches only (seconds)
     python benchmarks/kernel_resources.py --candidates --shapes 8/2/256    # hf-dilated tune's candidates, every path
 
 ``KERNEL_RESOURCES_FULL_ERRORS=1`` (or ``true`` / ``on`` / ``yes``; unset: off) prints a failed compile's whole
@@ -101,6 +102,7 @@ class Resources:
     leanest_loop_instructions: int | None = None
     leanest_loop_mma: int | None = None
     wgmma_serialized: bool | None = None
+    wgmma_reason: str | None = None
     ptx_sha: str | None = None
     launch_key: str = ""
     cases: list = field(default_factory=list)
@@ -208,13 +210,26 @@ def _ptxas_report(ptx: str, arch: int) -> dict:
     log = run.stdout + run.stderr
     if run.returncode:
         raise RuntimeError(f"ptxas failed: {log[-2000:]}")
+    reason = serialization_reason(log)
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return dict(registers=int(regs.group(1)) if regs else None,
                 stack=int(spill.group(1)) if spill else None,
                 spill_stores=int(spill.group(2)) if spill else None,
                 spill_loads=int(spill.group(3)) if spill else None,
-                wgmma_serialized="wgmma.mma_async instructions are serialized" in log)
+                wgmma_serialized=reason is not None, wgmma_reason=reason)
+
+
+def serialization_reason(log: str) -> str | None:
+    """Why ptxas serialized the ``wgmma``s, from its C75xx message in ``log`` (the words after "serialized due to",
+    e.g. "non wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline
+    stage": spill reloads or other writes into an in-flight product's registers; "insufficient register resources");
+    ``None`` where it did not."""
+    m = re.search(r"wgmma\.mma_async instructions are serialized(?: due to (.*))?$", log, flags=re.MULTILINE)
+    if m is None:
+        return None
+    reason = re.sub(r"\s*(?:in|for) the function '[^']*'\s*$", "", m.group(1) or "").strip()
+    return reason or "no reason given"
 
 
 def ptx_fingerprint(ptx: str) -> str:
@@ -414,6 +429,9 @@ def main(argv=None) -> int:
                     help="instead: every candidate config of `hf-dilated tune` (ops/triton/tuning.py) for the dilated "
                          "forward, dK/dV and dQ, each compiled on every path (padding, window, dropout, "
                          "bidirectional, GQA) of the first shape: the tuner times candidates on one path only")
+    ap.add_argument("--kernels", nargs="+", metavar="NAME",
+                    help="compile only the launches of kernels whose name contains one of these (the paths still run "
+                         "whole; compiling is the slow part): a change to one kernel checked in seconds")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--compare", help="a report of another checkout (--json, same arguments): list the kernels whose "
                                       "code differs, with their registers and spills before and after")
@@ -436,6 +454,11 @@ def main(argv=None) -> int:
             for shape in shapes:
                 for dtype in args.dtypes:
                     drive(shape, getattr(torch, dtype), args.n, args.quick, case)
+    if args.kernels:
+        names = sorted({launch.fn.__name__ for launch in launches})
+        launches = [launch for launch in launches if any(k in launch.fn.__name__ for k in args.kernels)]
+        if not launches:
+            ap.error(f"--kernels {' '.join(args.kernels)} matched none of the kernels launched: {', '.join(names)}")
     unique: dict[tuple, Resources] = {}
     for launch in tqdm(launches, desc=f"compiling for sm_{args.arch}", unit="launch", file=sys.stderr):
         key, flags = specialisation(launch, args.arch)
@@ -466,7 +489,7 @@ def main(argv=None) -> int:
     serial = [r for r in rows if r.wgmma_serialized]
     if serial:  # a performance finding, not a failure: the kernel runs, its products one at a time
         print(f"{len(serial)} kernel(s) with wgmma serialized by ptxas (column 'wgmma'): "
-              + ", ".join(sorted({f'{r.kernel} {r.config}' for r in serial})))
+              + ", ".join(sorted({f'{r.kernel} {r.config} ({r.wgmma_reason})' for r in serial})))
     if args.candidates:
         print(candidate_summary(rows))
     if args.compare:

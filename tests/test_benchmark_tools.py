@@ -219,3 +219,37 @@ def test_kernel_resources_refuses_a_bad_full_errors_switch():
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--quick"],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert run.returncode == 2 and "KERNEL_RESOURCES_FULL_ERRORS must be one of" in run.stderr, run.stderr[-2000:]
+
+
+def test_kernel_resources_reads_why_ptxas_serialized():
+    """ptxas's C7515 message gives its reason after "serialized due to": the report keeps it; a log without the
+    message reads as not serialized. (In a process of its own: the tool restarts itself outside the interpreter.)"""
+    pytest.importorskip("triton")
+    check = r"""
+from kernel_resources import serialization_reason
+log = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non "
+       "wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline stage "
+       "in the function 'bs_bwd_dkdv_hopper_kernel'\nptxas info    : Used 255 registers\n")
+assert serialization_reason(log) == ("non wgmma instructions defining accumulator registers of a wgmma between "
+                                     "start and end of the pipeline stage"), serialization_reason(log)
+assert serialization_reason("ptxas info : wgmma.mma_async instructions are serialized due to insufficient register "
+                            "resources for the function 'k'\n") == "insufficient register resources"
+assert serialization_reason("ptxas info : wgmma.mma_async instructions are serialized\n") == "no reason given"
+assert serialization_reason("ptxas info    : Used 128 registers, used 1 barriers\n") is None
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "benchmarks")))
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_kernel_resources_compiles_only_the_kernels_asked_for(tmp_path):
+    """``--kernels`` compiles the launches of the named kernels alone (a one-kernel change checked in seconds), and a
+    name that matches no launched kernel is refused with the names that would."""
+    kernels = _compiled_kernels(tmp_path, "--quick", "--arch", "80", "--kernels", "bs_bwd_dq")
+    assert kernels and {k["kernel"] for k in kernels} == {"bs_bwd_dq_kernel"}, kernels
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--quick", "--n", "512",
+                          "--kernels", "no_such_kernel"], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TRITON_INTERPRET="0"), cwd=ROOT)
+    assert run.returncode == 2 and "--kernels no_such_kernel matched none" in run.stderr, run.stderr[-2000:]
+    assert "bs_bwd_dq_kernel" in run.stderr
