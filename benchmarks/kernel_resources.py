@@ -254,6 +254,11 @@ def resident_warps(arch: int, registers: int | None, shared: int, warps: int) ->
     return blocks * warps
 
 
+# A branch and its target: ``BRA 0x1ab0``, ``@P0 BRA 0x1ab0`` and, from sm_100 / 120 ptxas on, ``BRA.U !UP0, 0x1ab0``
+# (a branch on a uniform predicate, given as an operand).
+BACK_BRANCH = re.compile(r"\bBRA(?:\.[A-Z0-9]+)*\s+(?:!?U?P[T0-9]+\s*,\s*)?0x([0-9a-f]+)")
+
+
 def sass_summary(cubin: bytes) -> dict:
     """What the kernel's SASS (``cuobjdump -sass``) says about its hot path. A spill in a loop over tiles costs on
     every iteration, one before or after it once per program: ``spill_instructions`` counts the local-memory
@@ -274,7 +279,7 @@ def sass_summary(cubin: bytes) -> dict:
     # those branches are not loops.
     end = max((at for at, ins in code if re.match(r"EXIT\b", ins.strip())), default=max(at for at, _ in code))
     loops = [(int(t.group(1), 16), at) for at, ins in code
-             if at < end and (t := re.search(r"\bBRA\s+0x([0-9a-f]+)", ins)) and int(t.group(1), 16) < at]
+             if at < end and (t := BACK_BRANCH.search(ins)) and int(t.group(1), 16) < at]
     mma = [at for at, ins in code if re.search(r"\b(HGMMA|HMMA)\b", ins)]
     tile_loops = [a for a in loops if any(a[0] <= at <= a[1] for at in mma)]
     innermost = [a for a in tile_loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in tile_loops)]

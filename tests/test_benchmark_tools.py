@@ -55,7 +55,7 @@ KERNELS = {"dilated_fwd_branch_kernel", "delta_kernel", "dilated_bwd_dkdv_kernel
 # sm_90 also runs the dilated and block-sparse forward and dK/dV, and the dilated dQ at head dim 128 / 256, in Gluon
 # (the portable ones with HF_DILATED_GLUON=0, driven too).
 EXTRA = {90: {"bs_bwd_dkdv_hopper_kernel", "dilated_bwd_dkdv_hopper_kernel", "dilated_fwd_hopper_kernel",
-              "bs_fwd_hopper_kernel", "dilated_bwd_dq_hopper_kernel"}, 80: set(), 89: set()}
+              "bs_fwd_hopper_kernel", "dilated_bwd_dq_hopper_kernel"}, 80: set(), 89: set(), 120: set()}
 
 
 def _ptxas_missing() -> str | None:
@@ -84,11 +84,12 @@ def _compiled_kernels(tmp_path, *argv: str) -> list[dict]:
     return json.loads(out.read_text())["kernels"]
 
 
-@pytest.mark.parametrize("arch", [90, 80, 89])  # 89: ~100 KB of shared memory a program (RTX 40xx, L4, L40S)
+# 89 / 120: ~100 KB of shared memory a program (RTX 40xx, L4, L40S / RTX 50xx: what sm_80 runs, in configs that fit)
+@pytest.mark.parametrize("arch", [90, 80, 89, 120])
 def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
     """Every kernel the launch paths use (dilated forward, backward, decode; block-sparse) compiles for sm_90 with
-    the Hopper configs and TMA, and for sm_80 without, within the GPU's shared memory: a kernel change that only
-    the interpreter has run cannot break the GPU build unseen."""
+    the Hopper configs and TMA, and for sm_80 / 89 / 120 without, within the GPU's shared memory: a kernel change that
+    only the interpreter has run cannot break the GPU build unseen."""
     kernels = _compiled_kernels(tmp_path, "--quick", "--arch", str(arch))
     assert {k["kernel"] for k in kernels} == KERNELS | EXTRA[arch]
     for k in kernels:
@@ -102,7 +103,7 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
         # ptxas did not serialize the tensor-core products (the block-sparse dQ on two warpgroups once had them so)
         assert k["wgmma_serialized"] is False, k
     tma = {k["config"].get("TMA") for k in kernels if "TMA" in k["config"]}
-    assert tma == ({True} if arch >= 90 else {False})
+    assert tma == ({True} if arch == 90 else {False})  # sm_120: Hopper's configs need Hopper's shared memory
 
 
 def test_head_dim_256_runs_the_gluon_kernels_on_hopper(tmp_path):
