@@ -10,7 +10,9 @@ class (the portable kernel's grid and contract):
   shared memory, the A operand of ``K Q^T`` / ``V dO^T``;
 - 64-query steps over the query heads of the class, Q and dO double-buffered by TMA (descriptors over each head's
   dilated query rows, zeros past the last), lse and delta read a step ahead into registers;
-- ``P^T`` / ``dS^T`` through shared memory to asynchronous dV / dK products that overlap the next step's scores;
+- ``P^T`` / ``dS^T`` as the register A operands of the asynchronous dV / dK products (``hopper.dkdv_products``),
+  retired within the step (through shared memory until session 23: the register operands made the D = 64 backward
+  1.07x faster, D = 256's 1.01-1.02x, bit-identical); the fused dQ step below keeps them in shared memory;
 - only steps on the causal diagonal are masked (rows past an item's end read as zeros and add nothing);
 - the branch's share is added to the float32 sums of the earlier launches (read, add, write the rows they wrote: no
   two programs write one key row); the ``LAST`` launch writes the final dK / dV in their dtype (``launch.backward``).
@@ -33,8 +35,8 @@ at D = 64, where the portable one stays
 bit-identical, ``results/ab_gluon_backward-dilated-d256-session19-*``).
 
 dK/dV at D = 256: 64 keys of dK and dV would be 256 float32 registers per thread of one warpgroup, so each branch
-runs the kernel twice, ``PART`` 1 for dV (``S^T``, ``dV += P^T dO``; no V in shared memory, 100 KB at 32-query steps:
-two programs per SM) and ``PART`` 2 for dK (``S^T``, ``dP^T``, ``dK += dS^T Q``; 132 KB), five products per tile pair
+runs the kernel twice, ``PART`` 1 for dV (``S^T``, ``dV += P^T dO``; no V in shared memory, 96 KB at 32-query steps:
+two programs per SM) and ``PART`` 2 for dK (``S^T``, ``dP^T``, ``dK += dS^T Q``; 128 KB), five products per tile pair
 instead of four, where the portable kernel spilled 560-744 bytes (103-334 spill loads in its loops). With both Gluon
 kernels the D = 256 backward runs 1.39x / 1.46x faster than the portable one at 16K / 64K, bit-identical
 (``results/ab_gluon_backward-dilated-d256-split-dkdv-session19-*``; 16-query steps for dK, 98 KB and two programs per
@@ -66,10 +68,10 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, fence_async_shared,
+    dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
     first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows, query_tile_buffers,
-    query_tile_keys, release_barriers, row_desc, runnable, switch, tma, tma_load, warpgroup_mma,
-    warpgroup_mma_init, warpgroup_mma_wait, written_before,
+    query_tile_keys, register_product, release_barriers, row_desc, runnable, score_buffers, switch, tma, tma_load,
+    warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
 from .tiles import LOG2E
 
@@ -82,7 +84,7 @@ DQ_STEPS = {128: (64, 64, 3, 2, 4), 256: (64, 32, 2, 1, 4)}
 
 # dK/dV: (PART, query rows per step) of each launch per branch, by head dim. At D = 256, dK and dV of 64 keys would
 # take 256 float32 registers per thread of one warpgroup: one launch computes dV (2 products per tile pair, no V in
-# shared memory: 100 KB at 32-query steps) and one dK (3 products), 5 products where D <= 128 runs 4 in one launch.
+# shared memory: 96 KB at 32-query steps) and one dK (3 products), 5 products where D <= 128 runs 4 in one launch.
 DKDV_STEPS = {64: ((0, BLOCK_Q),), 128: ((0, BLOCK_Q),), 256: ((1, 32), (2, 32))}  # measured (H100): the docstring
 DKDV_HEAD_DIMS = tuple(DKDV_STEPS)
 # dK/dV with the step's dQ (``FUSED_DQ``): (key rows per program, query rows per step, warps) by head dim. 128 keys on
@@ -144,6 +146,7 @@ if gluon is not None:
         p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
         key_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_axis: gl.constexpr = gl.SliceLayout(0, s_layout)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)  # P^T, dS^T
         # dQ's step tile (queries x head dim): its columns split over the warpgroups, each one m64 instruction
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, HEAD_DIM // (num_warps // 4), 16])
@@ -171,9 +174,10 @@ if gluon is not None:
         start_q = (j0 // BLOCK_Q) * BLOCK_Q
         n_steps = gl.where(j_first < n_k, gl.maximum(n_q - start_q + BLOCK_Q - 1, 0) // BLOCK_Q, 0)  # 0: no keys
 
-        k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready = dkdv_buffers(
-            dtype, kv_smem_layout, q_smem_layout, p_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM, PART)
+        k_smem, v_smem, q_smem, do_smem, kv_bar, ready = dkdv_buffers(
+            dtype, kv_smem_layout, q_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM, PART)
         if FUSED_DQ:
+            p_smem, ds_smem = score_buffers(dtype, p_smem_layout, BLOCK_N, BLOCK_Q)
             dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q, HEAD_DIM], dq_smem_layout)
 
         # K and V: the item's dilated key rows (row stride r rows, zeros past the last), read once.
@@ -256,10 +260,10 @@ if gluon is not None:
                 dos = do_smem.index(buf)
                 if PART == 0:
                     sT, dpT, dk, dv = dkdv_scores(k_smem, v_smem, qs, dos, s_zero, dk, dv)
-                elif PART == 1:  # S^T alone; waiting for it also retires the last step's dV (its buffers refill)
+                elif PART == 1:  # S^T alone
                     sT = warpgroup_mma(k_smem, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     sT, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sT, acc))
-                else:  # S^T and dP^T; waiting for S^T also retires the last step's dK
+                else:  # S^T and dP^T
                     sT = warpgroup_mma(k_smem, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     dpT = warpgroup_mma(v_smem, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     sT, acc = warpgroup_mma_wait(num_outstanding=1, deps=(sT, acc))
@@ -280,16 +284,12 @@ if gluon is not None:
                     dk, dv = dkdv_dq_products(pT, dpT, delta, qs, dos, k_smem, p_smem, ds_smem, dq_smem, dq_desc,
                                               dk, dv, q_step, scale, dtype, dq_layout, BLOCK_Q, HEAD_DIM)
                 elif PART == 0:
-                    dk, dv = dkdv_products(pT, dpT, delta, qs, dos, p_smem, ds_smem, dk, dv, dtype)
-                elif PART == 1:  # dV += P^T dO, left in flight
-                    p_smem.store(pT.to(dtype))
-                    fence_async_shared()
-                    acc = warpgroup_mma(p_smem, dos, acc, is_async=True)
-                else:  # dK += dS^T Q, left in flight
+                    dk, dv = dkdv_products(pT, dpT, delta, qs, dos, dk, dv, dtype, a_layout)
+                elif PART == 1:  # dV += P^T dO
+                    acc = register_product(pT, dos, acc, dtype, a_layout)
+                else:  # dK += dS^T Q
                     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dpT,))
-                    ds_smem.store((pT * (dpT - delta[None, :])).to(dtype))
-                    fence_async_shared()
-                    acc = warpgroup_mma(ds_smem, qs, acc, is_async=True)
+                    acc = register_product(pT * (dpT - delta[None, :]), qs, acc, dtype, a_layout)
                 it += 1
         if PART == 0:
             dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))

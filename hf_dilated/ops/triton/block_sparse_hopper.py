@@ -12,10 +12,12 @@ product against dq's 1.8 ms (Nsight, 64K, benchmarks/NOTES_triton.md). Here, one
   thread), so that no step waits on a global load (Nsight of the version without this: a third of the cycles
   between issues waited on global or local loads; reading lse / delta ahead made it 2-56% faster, most with GQA
   and at D = 64);
-- ``P^T`` and ``dS^T`` reach the dV / dK products through shared memory, and the products are asynchronous
-  ``wgmma``s: ``V dO^T`` runs while the softmax of ``K Q^T`` is computed, this step's dV runs while ``dS`` is
-  computed, and this step's dV / dK run until the next step's scores are issued;
-- 112 KB of shared memory and 255 registers per 128 threads: two programs share an SM and cover each other's
+- ``P^T`` and ``dS^T`` are the register A operands of the dV / dK products (``hopper.dkdv_products``), and the
+  products are asynchronous ``wgmma``s: ``V dO^T`` runs while the softmax of ``K Q^T`` is computed, this step's dV
+  while ``dS`` is. Through shared memory (until session 23) they cost a fifth of the step's shared-memory traffic,
+  the resource this kernel is bound by: the register operands made the backward 1.06-1.11x faster at H 16 / D 128
+  and with GQA, bit-identical;
+- 96 KB of shared memory and 255 registers per 128 threads: two programs share an SM and cover each other's
   latencies. (128-key tiles on two warpgroups, one program per SM, and a producer warp with register reallocation
   (FA3's arrangement) both measured slower: benchmarks/NOTES_triton.md. So did adding dQ here, on 128-key tiles as the
   dilated backward does (``hopper.dkdv_dq_products``), with no dQ kernel: 236 bytes of spills, 43 stores and 85 loads
@@ -111,7 +113,7 @@ if gluon is not None:
                                                            instr_shape=[16, HEAD_DIM, 16])
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
-        p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)  # P^T, dS^T
         key_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_axis: gl.constexpr = gl.SliceLayout(0, s_layout)
         STEPS_PER_BLOCK: gl.constexpr = BLOCK // BLOCK_Q
@@ -127,8 +129,8 @@ if gluon is not None:
         j = k_first // BLOCK
 
         # K and V: read once, kept in shared memory for the whole program.
-        k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready = dkdv_buffers(
-            dtype, kv_smem_layout, q_smem_layout, p_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM)
+        k_smem, v_smem, q_smem, do_smem, kv_bar, ready = dkdv_buffers(
+            dtype, kv_smem_layout, q_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM)
 
         k_desc = row_desc(K + b * stride_kb + kvh64 * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM, kv_smem_layout)
         v_desc = row_desc(V + b * stride_vb + kvh64 * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM, kv_smem_layout)
@@ -141,7 +143,7 @@ if gluon is not None:
         rows = gl.arange(0, BLOCK_Q, layout=query_axis)
         vrows = gl.arange(0, BLOCK_Q, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
         s_zero = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=s_layout)
-        # The accumulators travel through the loops as in-flight wgmma results (retired at the next step's wait).
+        # The accumulators travel through the loops as wgmma accumulators (each step retires its products).
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
         dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
         mbarrier.wait(kv_bar, 0)
@@ -202,7 +204,7 @@ if gluon is not None:
                     ok = _pair_ok(kc, qc, Nk, Nq, KPOS, KSEQ, KOK, QPOS, QSEQ, QOK, b * Nk, b * Nq,
                                   IS_CAUSAL, CONTIG)
                     pT = gl.where(ok, pT, 0.0)
-                dk, dv = dkdv_products(pT, dpT, delta, qs, dos, p_smem, ds_smem, dk, dv, dtype)
+                dk, dv = dkdv_products(pT, dpT, delta, qs, dos, dk, dv, dtype, a_layout)
                 it += 1
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.invalidate(kv_bar)

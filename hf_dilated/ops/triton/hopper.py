@@ -372,12 +372,11 @@ if gluon is not None:
         return dq
 
     @gluon.jit
-    def dkdv_buffers(dtype: gl.constexpr, kv_layout: gl.constexpr, q_layout: gl.constexpr, p_layout: gl.constexpr,
-                     BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr, PART: gl.constexpr = 0):
-        """The shared memory of a dK/dV program: ``(K, V, Q[2], dO[2], P^T, dS^T, the K/V copy's barrier, a barrier
-        per Q/dO buffer)``, barriers initialised: K and V read once, Q and dO double-buffered. A program that computes
-        dV alone (``PART`` 1) or dK alone (2) has one score tile (``dS^T`` is ``P^T``'s buffer), and dV no V (``V``
-        is K's buffer, never loaded)."""
+    def dkdv_buffers(dtype: gl.constexpr, kv_layout: gl.constexpr, q_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr, PART: gl.constexpr = 0):
+        """The shared memory of a dK/dV program: ``(K, V, Q[2], dO[2], the K/V copy's barrier, a barrier per Q/dO
+        buffer)``, barriers initialised: K and V read once, Q and dO double-buffered. A program that computes dV alone
+        (``PART`` 1) has no V (``V`` is K's buffer, never loaded)."""
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
         if PART == 1:
             v_smem = k_smem
@@ -385,61 +384,78 @@ if gluon is not None:
             v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
         q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_layout)
         do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_layout)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_layout)
-        if PART == 0:
-            ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_layout)
-        else:
-            ds_smem = p_smem
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         mbarrier.init(ready.index(0), count=1)
         mbarrier.init(ready.index(1), count=1)
         fence_async_shared()
-        return k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, kv_bar, ready
+        return k_smem, v_smem, q_smem, do_smem, kv_bar, ready
 
     @gluon.jit
     def dkdv_scores(k_smem, v_smem, qs, dos, s_zero, dk, dv):
         """A dK/dV step's transposed products, ``S^T = K Q^T`` and ``dP^T = V dO^T`` (K, V, Q, dO in shared memory),
-        issued asynchronously: ``(S^T, dP^T in flight, dk, dv)``. In flight before them are the last step's dV / dK
-        products; leaving only dP^T outstanding also retires those, whose buffers the next tile's copy overwrites."""
+        issued asynchronously: ``(S^T, dP^T in flight, dk, dv)``. Products of the last step still in flight (the
+        fused dQ step leaves dK so) are issued before them; leaving only dP^T outstanding also retires those, whose
+        buffers the next tile's copy overwrites."""
         sT = warpgroup_mma(k_smem, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpT = warpgroup_mma(v_smem, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sT, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv))
         return sT, dpT, dk, dv
 
-    @gluon.jit
-    def dkdv_products(pT, dpT, delta, qs, dos, p_smem, ds_smem, dk, dv, dtype: gl.constexpr):
-        """The rest of a dK/dV step: ``dV += P^T dO`` issued while ``dS^T = P^T (dP^T - delta)`` is computed, then
-        ``dK += dS^T Q``, both left in flight. ``P^T`` and ``dS^T`` go to the products through shared memory, so that
-        no register stays locked under an in-flight product."""
-        dv = _dv_and_ds(pT, dpT, delta, dos, p_smem, ds_smem, dv, dtype)
-        dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
-        return dk, dv
+    # The dV / dK products of a step read ``P^T`` and ``dS^T`` from registers, as the A operand (``a_layout``: the
+    # dot-operand layout of the gradient tile's ``wgmma``, which the score tile's accumulator converts to without
+    # shared memory). Through shared memory each would be stored and read back: 32 of the step's 160 KB of
+    # shared-memory traffic at 64 x 64 x 128, the resource the block-sparse dK/dV kernel is bound by (Nsight: 73%).
+    # A register operand stays locked until its product retires, so both are retired within the step: carried into
+    # the next step's wait, they spilled (60-136 bytes) and ran slower (benchmarks/NOTES_triton.md, session 23).
 
     @gluon.jit
-    def _dv_and_ds(pT, dpT, delta, dos, p_smem, ds_smem, dv, dtype: gl.constexpr):
-        """``P^T`` to shared memory and ``dV += P^T dO`` issued (left in flight), then ``dS^T = P^T (dP^T - delta)``
-        to shared memory, ready for the products that read it."""
-        p_smem.store(pT.to(dtype))
-        fence_async_shared()
-        dv = warpgroup_mma(p_smem, dos, dv, is_async=True)
+    def dkdv_products(pT, dpT, delta, qs, dos, dk, dv, dtype: gl.constexpr, a_layout: gl.constexpr):
+        """The rest of a dK/dV step: ``dV += P^T dO`` issued while ``dS^T = P^T (dP^T - delta)`` is computed, then
+        ``dK += dS^T Q``; both waited for, ``(dk, dv)`` as accumulators of the next step's products."""
+        pa = gl.convert_layout(pT.to(dtype), a_layout)
+        dv = warpgroup_mma(pa, dos, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-        dsT = pT * (dpT - delta[None, :])
-        ds_smem.store(dsT.to(dtype))
-        fence_async_shared()
-        return dv
+        da = gl.convert_layout((pT * (dpT - delta[None, :])).to(dtype), a_layout)
+        dk = warpgroup_mma(da, qs, dk, is_async=True)
+        dk, dv, pa, da = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, pa, da))
+        return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
+
+    @gluon.jit
+    def register_product(a, b_smem, acc, dtype: gl.constexpr, a_layout: gl.constexpr):
+        """``acc += a @ b_smem`` with ``a`` (float32 scores) as the register A operand, waited for: the one gradient
+        product of a program that computes dV alone (``P^T dO``) or dK alone (``dS^T Q``)."""
+        a = gl.convert_layout(a.to(dtype), a_layout)
+        acc = warpgroup_mma(a, b_smem, acc, is_async=True)
+        acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+        return warpgroup_mma_init(acc)
+
+    @gluon.jit
+    def score_buffers(dtype: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr):
+        """``(P^T, dS^T)`` in shared memory, for :func:`dkdv_dq_products` (the ``dS K`` product reads ``dS^T``
+        transposed, which only shared memory gives)."""
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_layout)
+        return p_smem, ds_smem
 
     @gluon.jit
     def dkdv_dq_products(pT, dpT, delta, qs, dos, k_smem, p_smem, ds_smem, dq_smem, dq_desc, dk, dv, q_row, scale,
                          dtype: gl.constexpr, dq_layout: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr):
-        """:func:`dkdv_products` with the step's dQ: ``dV += P^T dO`` issued while ``dS^T`` is computed, then
-        ``dS K`` (the step's queries' share of dQ) and ``dK += dS^T Q``; waiting for ``dS K`` leaves ``dK`` in flight
+        """:func:`dkdv_products` with the step's dQ, ``P^T`` and ``dS^T`` through shared memory (``p_smem``,
+        ``ds_smem``; as register operands here they spilled 50-70 bytes and ran no faster): ``dV += P^T dO`` issued
+        while ``dS^T`` is computed, then ``dS K`` (the step's queries' share of dQ) and ``dK += dS^T Q``; waiting
+        for ``dS K`` leaves ``dK`` in flight
         while the share goes through shared memory to a TMA reduce-add into the float32 sums (rows ``q_row ..`` of
         the head's dilated rows; rows past the item's last query lie outside the descriptor and are dropped).
         ``dq_layout``: the share's register layout (its columns split over the warpgroups); ``BLOCK_Q`` x
         ``HEAD_DIM``: its shape."""
-        dv = _dv_and_ds(pT, dpT, delta, dos, p_smem, ds_smem, dv, dtype)
+        p_smem.store(pT.to(dtype))
+        fence_async_shared()
+        dv = warpgroup_mma(p_smem, dos, dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+        ds_smem.store((pT * (dpT - delta[None, :])).to(dtype))
+        fence_async_shared()
         dq_zero = gl.zeros([BLOCK_Q, HEAD_DIM], gl.float32, layout=dq_layout)  # made here: no live registers
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dk = warpgroup_mma(ds_smem, qs, dk, is_async=True)
@@ -452,7 +468,7 @@ if gluon is not None:
 
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
     query_tile_keys = row_desc = dkdv_buffers = dkdv_scores = dkdv_products = first_selected = n_rows = None
-    dkdv_dq_products = None
+    dkdv_dq_products = register_product = score_buffers = None
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
     dq_first = dq_step = dq_last = None
