@@ -445,11 +445,10 @@ if gluon is not None:
         """:func:`dkdv_products` with the step's dQ, ``P^T`` and ``dS^T`` through shared memory (``p_smem``,
         ``ds_smem``; as register operands here they spilled 50-70 bytes and ran no faster): ``dV += P^T dO`` issued
         while ``dS^T`` is computed, then ``dS K`` (the step's queries' share of dQ) and ``dK += dS^T Q``; waiting
-        for ``dS K`` leaves ``dK`` in flight
-        while the share goes through shared memory to a TMA reduce-add into the float32 sums (rows ``q_row ..`` of
-        the head's dilated rows; rows past the item's last query lie outside the descriptor and are dropped).
-        ``dq_layout``: the share's register layout (its columns split over the warpgroups); ``BLOCK_Q`` x
-        ``HEAD_DIM``: its shape."""
+        for ``dS K`` leaves ``dK`` in flight while the share goes through shared memory to a TMA reduce-add into the
+        float32 sums (rows ``q_row ..`` of the head's dilated rows; rows past the item's last query lie outside the
+        descriptor and are dropped). ``dq_layout``: the share's register layout (its columns split over the
+        warpgroups); ``BLOCK_Q`` x ``HEAD_DIM``: its shape."""
         p_smem.store(pT.to(dtype))
         fence_async_shared()
         dv = warpgroup_mma(p_smem, dos, dv, is_async=True)
