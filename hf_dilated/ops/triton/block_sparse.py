@@ -510,12 +510,22 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
                 *dkdv_args, q_offset, group, ratio, scale, scale * LOG2E_F, **portable, **kv_cfg,
             )
         with beside():
-            bs_bwd_dq_kernel[(cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)](
-                q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta,
-                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
-                *dq.stride()[:3], *_layout_strides(kv_count, kv_index, B),
-                Nq, Nk, q_offset, tile0, group, ratio, scale, scale * LOG2E_F, **portable, **q_cfg,
-            )
+            if block_sparse_hopper.dq_applies(q, block, q_offset, tma, contiguous):  # Gluon, sm_90
+                block_sparse_hopper.bs_bwd_dq_hopper_kernel[(cdiv(Nq, block), H, B)](
+                    q, k, v, do, lse, delta, dq, kv_count, kv_index,
+                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
+                    *dq.stride()[:3], *_layout_strides(kv_count, kv_index, B),
+                    Nq, Nk, group, ratio, scale, scale * LOG2E_F, HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal,
+                    **block_sparse_hopper.dq_config(),
+                )
+                LAUNCHES["dq_hopper"] += 1
+            else:
+                bs_bwd_dq_kernel[(cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)](
+                    q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta,
+                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
+                    *dq.stride()[:3], *_layout_strides(kv_count, kv_index, B),
+                    Nq, Nk, q_offset, tile0, group, ratio, scale, scale * LOG2E_F, **portable, **q_cfg,
+                )
     LAUNCHES["backward"] += 1
     return dq, dk, dv
 

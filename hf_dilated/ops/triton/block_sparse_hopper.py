@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_first, fwd_last, fwd_step, gl, gluon, mbarrier,
-    query_tile_buffers, release_barriers, row_desc, runnable, tile_copy, tma_load, warpgroup_mma_init,
-    warpgroup_mma_wait,
+    available, dkdv_buffers, dkdv_products, dkdv_scores, fence_async_shared, fwd_first, fwd_last, fwd_step, gl,
+    gluon, mbarrier, query_tile_buffers, release_barriers, row_desc, runnable, switch, tile_copy, tma_load,
+    warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
 )
 from .tiles import LOG2E
 
@@ -322,6 +322,182 @@ if gluon is not None:
         gl.store(L + b * stride_lb + h64 * stride_lh + qr64, lse, mask=qmask)
 
 
+    # ---- dQ: a producer warp and two consumer warpgroups ----------------------------------------------------------
+    # One program per 128 query rows (one layout block) of one head. The producer warp reads Q and dO once, then
+    # streams the block's active key tiles (64 keys: K and V) through ``STAGES`` buffers; each consumer warpgroup owns
+    # 64 of the rows and walks every key tile on its own, releasing a buffer (``empty`` takes two arrivals) once its
+    # ``dQ += dS K`` has read it. The consumers drift apart by up to ``STAGES`` tiles, so one's exponentials run under
+    # the other's products with no CTA barrier: the portable kernel's 8 warps wait at one before every refill
+    # (Nsight's top stall there, benchmarks/NOTES_triton.md session 22). ``dS`` is its product's register A operand;
+    # lse and delta are per row (queries are the rows), two values a thread. Against the portable dq (128 x 64 tiles,
+    # 8 warps; H100, 128-block bench layout): the dq kernel 1.08-1.21x, the backward 1.04 / 1.13 / 1.06x at 16K /
+    # 64K / 256K (session 24); at head dim 64 the dq ran 0.92x, so it is used at 128 only.
+
+    @gluon.jit
+    def _dq_probabilities(s, lse, qk_scale, k0, qw, qc, qmask, kidx, Nq, Nk, IS_CAUSAL: gl.constexpr):
+        """``P = exp2(S - lse)`` of a consumer's 64 rows and the 64 keys from ``k0``, zero where a key is past the last
+        or (causal) after the query: masked only on tiles that cross the diagonal or the last key or row."""
+        p = gl.exp2(s * qk_scale - lse[:, None])
+        edge = (k0 + 64 > Nk) | (qw + 64 > Nq)
+        if IS_CAUSAL:
+            edge = edge | (k0 + 63 > qw)
+        if edge:
+            kc = k0 + kidx
+            ok = (kc < Nk)[None, :] & qmask[:, None]
+            if IS_CAUSAL:
+                ok = ok & (kc[None, :] <= qc[:, None])
+            p = gl.where(ok, p, 0.0)
+        return p
+
+    @gluon.jit
+    def _dq_walk(qs, dos, k_smem, v_smem, ready, empty, dq, s_zero, lse, delta, qk_scale, n_kt, idx_row, qw, qc,
+                 qmask, kidx, Nq, Nk, ds_layout: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr):
+        """A consumer's walk over the key tiles, ``hopper.dq_step``'s order: tile ``t``'s ``S`` and ``dP`` issued
+        before tile ``t - 1``'s ``dQ += dS K``, so that its exponentials run while ``dP`` and that product are on the
+        tensor cores; tile ``t - 1``'s buffer released once its product is done."""
+        dtype: gl.constexpr = qs.dtype
+        if n_kt > 0:
+            k0 = _key_row(idx_row, 0, n_kt, BLOCK, 64)
+            mbarrier.wait(ready.index(0), 0)
+            s = warpgroup_mma(qs, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(dos, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            p = _dq_probabilities(s, lse, qk_scale, k0, qw, qc, qmask, kidx, Nq, Nk, IS_CAUSAL)
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+            ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
+            for t in range(1, n_kt):
+                k0 = _key_row(idx_row, t, n_kt, BLOCK, 64)
+                st = t % STAGES
+                pst = (t - 1) % STAGES
+                mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+                s = warpgroup_mma(qs, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dp = warpgroup_mma(dos, v_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds, k_smem.index(pst), dq, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
+                p = _dq_probabilities(s, lse, qk_scale, k0, qw, qc, qmask, kidx, Nq, Nk, IS_CAUSAL)
+                dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
+                ds_t = (p * (dp - delta[:, None])).to(dtype)
+                dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds))
+                dq = warpgroup_mma_init(dq)
+                mbarrier.arrive(empty.index(pst), count=1)
+                ds = gl.convert_layout(ds_t, ds_layout)
+            last = (n_kt - 1) % STAGES
+            dq = warpgroup_mma(ds, k_smem.index(last), dq, is_async=True)
+            dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds))
+            dq = warpgroup_mma_init(dq)
+            mbarrier.arrive(empty.index(last), count=1)
+        return dq
+
+    @gluon.jit
+    def _dq_consumer(a, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                     WG: gl.constexpr):
+        """dQ of rows ``q0 + 64 WG ..`` over the query block's key tiles, stored scaled."""
+        (Q, K, V, DO, L, Delta, DQ, CNT, IDX, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk, b, h,
+         blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty) = a
+        BLOCK_N: gl.constexpr = 64
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+        row_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
+        qw = q0 + WG * 64  # this warpgroup's first row
+        qc = qw + gl.arange(0, 64, layout=row_axis)
+        qmask = qc < Nq
+        h64 = h.to(gl.int64)
+        l_rows = b * stride_lb + h64 * stride_lh + qc
+        lse = gl.load(L + l_rows, mask=qmask, other=0.0)
+        lse = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+        delta = gl.load(Delta + l_rows, mask=qmask, other=0.0)
+        kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+        dq = warpgroup_mma_init(gl.zeros([64, HEAD_DIM], gl.float32, layout=g_layout))
+        qs = q_smem.index(WG)
+        dos = do_smem.index(WG)
+        mbarrier.wait(q_bar, 0)
+        dq = _dq_walk(qs, dos, k_smem, v_smem, ready, empty, dq, s_zero, lse, delta, qk_scale, n_kt, idx_row, qw, qc,
+                      qmask, kidx, Nq, Nk, ds_layout, BLOCK, STAGES, IS_CAUSAL)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        qr = qw + gl.arange(0, 64, layout=gl.SliceLayout(1, g_layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
+        gl.store(DQ + b * stride_dqb + h64 * stride_dqh + qr.to(gl.int64)[:, None] * stride_dqn + d[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty), mask=(qr < Nq)[:, None])
+
+    @gluon.jit
+    def _dq_producer(a, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, q_desc, do_desc, k_desc,
+                     v_desc):
+        """Q and dO of the program's rows, then each key tile's K and V into buffer ``t % STAGES`` once both
+        consumers released it."""
+        (Q, K, V, DO, L, Delta, DQ, CNT, IDX, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk, b, h,
+         blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty) = a
+        dtype: gl.constexpr = q_smem.dtype
+        BLOCK_N: gl.constexpr = 64
+        ROW_BYTES: gl.constexpr = 64 * HEAD_DIM * dtype.primitive_bitwidth // 8
+        mbarrier.expect(q_bar, 4 * ROW_BYTES)
+        tma_load(q_desc, [q0, 0], q_bar, q_smem.index(0))
+        tma_load(q_desc, [q0 + 64, 0], q_bar, q_smem.index(1))
+        tma_load(do_desc, [q0, 0], q_bar, do_smem.index(0))
+        tma_load(do_desc, [q0 + 64, 0], q_bar, do_smem.index(1))
+        for t in range(0, n_kt):
+            k0 = _key_row(idx_row, t, n_kt, BLOCK, BLOCK_N)
+            st = t % STAGES
+            mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(st), 2 * ROW_BYTES)
+            tma_load(k_desc, [k0, 0], ready.index(st), k_smem.index(st))
+            tma_load(v_desc, [k0, 0], ready.index(st), v_smem.index(st))
+
+    @gluon.jit
+    def bs_bwd_dq_hopper_kernel(
+        Q, K, V, DO, L, Delta, DQ, CNT, IDX,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_db, stride_dh, stride_dn,
+        stride_lb, stride_lh,
+        stride_dqb, stride_dqh, stride_dqn,
+        stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+        Nq, Nk, group, ratio, scale, qk_scale,
+        HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """``bs_bwd_dq_kernel``'s contract on a contiguous layout of 128-blocks, queries and keys the same rows: dQ of
+        one layout block of one head (``_dq_producer`` and two ``_dq_consumer`` s)."""
+        dtype: gl.constexpr = Q.dtype.element_ty
+        rows_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+        blk = gl.program_id(0)
+        h = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        q0 = blk * BLOCK
+        lh = h // ratio
+        kvh = (h // group).to(gl.int64)
+        h64 = h.to(gl.int64)
+        n_kt = gl.load(CNT + b * stride_cb + lh * stride_ch + blk) * (BLOCK // 64)
+        idx_row = IDX + b * stride_ib + lh * stride_ih + blk * stride_iq
+        q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, 64, HEAD_DIM, rows_layout)
+        do_desc = row_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, 64, HEAD_DIM, rows_layout)
+        k_desc = row_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, 64, HEAD_DIM, rows_layout)
+        v_desc = row_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, 64, HEAD_DIM, rows_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], rows_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], rows_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], rows_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], rows_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        fence_async_shared()
+        a = (Q, K, V, DO, L, Delta, DQ, CNT, IDX, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk,
+             b, h, blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty)
+        gl.warp_specialize([(_dq_consumer, (a, HEAD_DIM, BLOCK, STAGES, IS_CAUSAL, 0)),
+                            (_dq_consumer, (a, HEAD_DIM, BLOCK, STAGES, IS_CAUSAL, 1)),
+                            (_dq_producer, (a, HEAD_DIM, BLOCK, STAGES, q_desc, do_desc, k_desc, v_desc))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 def launch_config() -> dict:
     """64 queries x 64 keys per step on one warpgroup (a key tile lies within one layout block of 64 or 128)."""
     return dict(BLOCK_N=64, BLOCK_Q=BLOCK_Q, num_warps=4)
@@ -342,3 +518,18 @@ def forward_config(block: int, head_dim: int) -> dict:
     n = min(block, 128 if head_dim == 128 else 64)
     k_stages, v_stages = FWD_STEPS[n]
     return dict(BLOCK_M=64, BLOCK_N=n, K_STAGES=k_stages, V_STAGES=v_stages, num_warps=4)
+
+
+def dq_applies(q: torch.Tensor, block: int, q_offset: int, tma: bool, contiguous: bool) -> bool:
+    """Whether the backward's dQ runs :func:`bs_bwd_dq_hopper_kernel`: as :func:`forward_applies`, at head dim 128,
+    on 128-blocks (a program's rows are one layout block, so both consumers walk the same key tiles), and with
+    ``HF_DILATED_WS_DQ`` on (the default; ``0`` / ``false`` / ``off`` / ``no`` keep the portable dq kernel)."""
+    return (forward_applies(q, block, q_offset, tma, contiguous) and block == 128 and q.shape[-1] == 128
+            and switch("HF_DILATED_WS_DQ"))
+
+
+def dq_config() -> dict:
+    """Three K / V buffers (160 KB: one program per SM; two, 128 KB, ran the backward 0.86-0.97x) and the partitions'
+    registers: the consumer warpgroups 240 and the producer warp 24 (``setmaxnreg``), under a launch cap of 168 that
+    fits the 9 warps in the register file."""
+    return dict(STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168)
