@@ -122,14 +122,14 @@ def check(q, k, v, layout, block_mask, rng, backend, *, causal=True, attention_m
                 assert LAUNCHES["dkdv_hopper"] > before.get("dkdv_hopper", 0)  # Hopper: the Gluon dK/dV kernel ran
             elif q.is_cuda:
                 assert LAUNCHES["dkdv_hopper"] == before.get("dkdv_hopper", 0)  # the portable kernel ran
-            gluon_fwd = q.is_cuda and block_sparse_hopper.forward_applies(
-                q, layout.block_size, 0, True, attention_mask is None and position_ids is None)
-            # Hopper, contiguous layouts: the Gluon forward ran; elsewhere the portable one
-            assert (LAUNCHES["forward_hopper"] > before.get("forward_hopper", 0)) == gluon_fwd
-            gluon_dq = q.is_cuda and block_sparse_hopper.dq_applies(
-                q, layout.block_size, 0, True, attention_mask is None and position_ids is None)
-            # Hopper, contiguous 128-block layouts: the warp-specialized dQ ran; elsewhere the portable one
-            assert (LAUNCHES["dq_hopper"] > before.get("dq_hopper", 0)) == gluon_dq
+            contiguous = attention_mask is None and position_ids is None
+            gluon_fwd = q.is_cuda and block_sparse_hopper.forward_applies(q, layout.block_size, 0, True, contiguous)
+            ws = q.is_cuda and block_sparse_hopper.ws_applies(q, layout.block_size, 0, True, contiguous)
+            # Hopper, contiguous layouts: a Gluon forward ran (warp-specialized at head dim 128 on 128-blocks, with
+            # the warp-specialized dQ); elsewhere the portable kernels
+            assert (LAUNCHES["forward_hopper"] > before.get("forward_hopper", 0)) == (gluon_fwd and not ws)
+            assert (LAUNCHES["forward_ws"] > before.get("forward_ws", 0)) == ws
+            assert (LAUNCHES["dq_ws"] > before.get("dq_ws", 0)) == ws
 
 
 # ---- patterns against their definitions ------------------------------------------------------------------------------
@@ -619,17 +619,18 @@ def test_gpu_kernels_realistic(rng, b, dtype, D):
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("gluon", ["1", "0"])
-def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon):
-    """On sm_90 the Gluon dK/dV and dQ kernels are there and run (``check`` asserts it), and with
-    ``HF_DILATED_GLUON=0`` the portable ones do, both against float64: non-causal, D 64, two batch rows, a last
-    64-row step wholly past the queries."""
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_dkdv_kernels_on_hopper(rng, monkeypatch, gluon, D):
+    """On sm_90 the Gluon kernels are there and run (``check`` asserts which: at D 128 the warp-specialized forward
+    and dQ too), and with ``HF_DILATED_GLUON=0`` the portable ones do, all against float64: non-causal, two batch
+    rows, a last 64-row step wholly past the queries."""
     from hf_dilated.ops.triton.configs import wgmma
 
     if not wgmma():
         pytest.skip("the Gluon kernel is for sm_90")
     assert block_sparse_hopper.available(), "sm_90 with a Triton whose Gluon API the kernel does not know"
     monkeypatch.setenv("HF_DILATED_GLUON", gluon)
-    B, H, Hk, N, D, b = 2, 4, 2, 2048 + 40, 64, 128
+    B, H, Hk, N, b = 2, 4, 2, 2048 + 40, 128
     n = math.ceil(N / b)
     lay = union(local_blocks(n, b, 3), global_blocks(n, b, 1), random_blocks(n, b, 2, seed=5)).to("cuda")
     q, k, v = (t.detach().cuda().requires_grad_() for t in qkv(rng, B, H, Hk, N, N, D, torch.bfloat16))

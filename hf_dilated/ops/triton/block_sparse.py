@@ -448,6 +448,17 @@ def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, i
         return o, lse
     q_offset = Nk - Nq
     tma = _tma((q, k, v), q_offset)
+    if block_sparse_hopper.ws_applies(q, block, q_offset, tma, contiguous):  # Gluon, sm_90, warp-specialized
+        block_sparse_hopper.bs_fwd_ws_kernel[(cdiv(Nq, block), H, B)](
+            q, k, v, o, lse, kv_count, kv_index,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+            *_layout_strides(kv_count, kv_index, B),
+            Nq, Nk, H // k.shape[1], H // kv_index.shape[1], scale * LOG2E_F,
+            HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal, **block_sparse_hopper.ws_forward_config(),
+        )
+        LAUNCHES["forward"] += 1
+        LAUNCHES["forward_ws"] += 1
+        return o, lse
     if block_sparse_hopper.forward_applies(q, block, q_offset, tma, contiguous):  # Gluon, sm_90
         hcfg = block_sparse_hopper.forward_config(block, D)
         block_sparse_hopper.bs_fwd_hopper_kernel[(cdiv(Nq, hcfg["BLOCK_M"]), H, B)](
@@ -510,7 +521,7 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
                 *dkdv_args, q_offset, group, ratio, scale, scale * LOG2E_F, **portable, **kv_cfg,
             )
         with beside():
-            if block_sparse_hopper.dq_applies(q, block, q_offset, tma, contiguous):  # Gluon, sm_90
+            if block_sparse_hopper.ws_applies(q, block, q_offset, tma, contiguous):  # Gluon, sm_90, warp-specialized
                 block_sparse_hopper.bs_bwd_dq_hopper_kernel[(cdiv(Nq, block), H, B)](
                     q, k, v, do, lse, delta, dq, kv_count, kv_index,
                     *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
@@ -518,7 +529,7 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
                     Nq, Nk, group, ratio, scale, scale * LOG2E_F, HEAD_DIM=D, BLOCK=block, IS_CAUSAL=is_causal,
                     **block_sparse_hopper.dq_config(),
                 )
-                LAUNCHES["dq_hopper"] += 1
+                LAUNCHES["dq_ws"] += 1
             else:
                 bs_bwd_dq_kernel[(cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)](
                     q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta,

@@ -37,8 +37,8 @@ import torch
 
 from .hopper import (
     available, dkdv_buffers, dkdv_products, dkdv_scores, fence_async_shared, fwd_first, fwd_last, fwd_step, gl,
-    gluon, mbarrier, query_tile_buffers, release_barriers, row_desc, runnable, switch, tile_copy, tma_load,
-    warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
+    gluon, masked_scores, mbarrier, query_tile_buffers, release_barriers, row_desc, runnable, softmax_first,
+    softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
 )
 from .tiles import LOG2E
 
@@ -228,6 +228,15 @@ if gluon is not None:
         return active * BLOCK + (s % (BLOCK // BLOCK_N)) * BLOCK_N
 
     @gluon.jit
+    def _edge(k0, q_first, q_edge, Nk, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """Whether the key tile from ``k0`` needs the mask for the query rows from ``q_first`` (64 of them; ``q_edge``:
+        some row is past the last key): some key past the last or, causal, after some row."""
+        edge = q_edge | (k0 + BLOCK_N > Nk)
+        if IS_CAUSAL:
+            edge = edge | (k0 + BLOCK_N - 1 > q_first)
+        return edge
+
+    @gluon.jit
     def bs_fwd_hopper_kernel(
         Q, K, V, O, L, CNT, IDX,
         stride_qb, stride_qh, stride_qn,
@@ -294,17 +303,13 @@ if gluon is not None:
         mbarrier.wait(q_bar, 0)
         if n_kt > 0:
             k0 = _key_row(idx_row, 0, n_kt, BLOCK, BLOCK_N)
-            edge = q_edge | (k0 + BLOCK_N > Nk)
-            if IS_CAUSAL:
-                edge = edge | (k0 + BLOCK_N - 1 > q0)
+            edge = _edge(k0, q0, q_edge, Nk, BLOCK_N, IS_CAUSAL)
             k_next = _key_row(idx_row, K_STAGES, n_kt, BLOCK, BLOCK_N)
             p, m_i, l_i = fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, k_next, s_zero, qk_scale, edge, k0, Nk, q0,
                                     qidx, kidx, p_layout, K_STAGES, NBYTES, IS_CAUSAL)
             for j in range(1, n_kt):
                 k0 = _key_row(idx_row, j, n_kt, BLOCK, BLOCK_N)
-                edge = q_edge | (k0 + BLOCK_N > Nk)
-                if IS_CAUSAL:
-                    edge = edge | (k0 + BLOCK_N - 1 > q0)
+                edge = _edge(k0, q0, q_edge, Nk, BLOCK_N, IS_CAUSAL)
                 k_next = _key_row(idx_row, j + K_STAGES, n_kt, BLOCK, BLOCK_N)
                 v_next = _key_row(idx_row, j - 1 + V_STAGES, n_kt, BLOCK, BLOCK_N)
                 acc, p, m_i, l_i = fwd_step(
@@ -322,26 +327,166 @@ if gluon is not None:
         gl.store(L + b * stride_lb + h64 * stride_lh + qr64, lse, mask=qmask)
 
 
-    # ---- dQ: a producer warp and two consumer warpgroups ----------------------------------------------------------
-    # One program per 128 query rows (one layout block) of one head. The producer warp reads Q and dO once, then
-    # streams the block's active key tiles (64 keys: K and V) through ``STAGES`` buffers; each consumer warpgroup owns
-    # 64 of the rows and walks every key tile on its own, releasing a buffer (``empty`` takes two arrivals) once its
-    # ``dQ += dS K`` has read it. The consumers drift apart by up to ``STAGES`` tiles, so one's exponentials run under
-    # the other's products with no CTA barrier: the portable kernel's 8 warps wait at one before every refill
-    # (Nsight's top stall there, benchmarks/NOTES_triton.md session 22). ``dS`` is its product's register A operand;
-    # lse and delta are per row (queries are the rows), two values a thread. Against the portable dq (128 x 64 tiles,
-    # 8 warps; H100, 128-block bench layout): the dq kernel 1.08-1.21x, the backward 1.04 / 1.13 / 1.06x at 16K /
-    # 64K / 256K (session 24); at head dim 64 the dq ran 0.92x, so it is used at 128 only.
+    # ---- the forward and dQ with a producer warp and two consumer warpgroups ---------------------------------------
+    # One program per 128 query rows (one layout block of 128) of one head, ``gl.warp_specialize``d: a producer warp
+    # reads Q (and dO) once and streams the block's active key tiles (K and V) through ``STAGES`` buffers; each
+    # consumer warpgroup owns 64 of the rows and walks every key tile on its own, releasing a buffer (``empty`` takes
+    # one arrival per consumer) once its last product has read it. Both consumers read each K / V tile from one copy,
+    # half the L2 traffic of one-warpgroup programs (the forward's L2 was 82% busy, Nsight, session 22), and they drift
+    # apart by up to ``STAGES`` tiles, so one's exponentials run under the other's products with no CTA barrier (the
+    # portable dq kernel's 8 warps wait at one before every refill: its top stall). One program per SM (9 warps at
+    # 168 registers; the consumers take 240 by ``setmaxnreg``, the producer 24). H100, 128-block bench layout, against
+    # the one-warpgroup kernels (session 24): forward 1.11 / 1.14 / 1.20x at 16K / 64K / 256K, dq kernel 1.08-1.21x;
+    # at head dim 64 both ran slower (0.87-0.92x), so they serve head dim 128.
+
+    @gluon.jit
+    def _ws_barriers(STAGES: gl.constexpr):
+        """A warp-specialized program's barriers, initialised: ``(Q's (and dO's), K ready[STAGES], V ready[STAGES],
+        empty[STAGES])``. The producer's ``expect`` completes a ready barrier with its copy; an empty one takes an
+        arrival from each consumer."""
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        fence_async_shared()
+        return q_bar, k_ready, v_ready, empty
+
+    @gluon.jit
+    def _fwd_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                      WG: gl.constexpr):
+        """Output and lse of rows ``q0 + 64 WG ..``: ``hopper.fwd_step``'s order (tile ``t``'s scores issued before
+        tile ``t - 1``'s ``P V``, the softmax of ``t`` while that product runs), buffers released once ``P V`` is
+        done."""
+        (O, L, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, Nq, Nk, b, h, q0, n_kt, idx_row, qk_scale,
+         q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BLOCK) = a
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        qw = q0 + WG * 64
+        qs = q_smem.index(WG)
+        qidx = gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+        acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
+        out = acc
+        lse = gl.full([64], float("-inf"), gl.float32, layout=o_rows)
+        q_edge = qw + 64 > Nk
+        mbarrier.wait(q_bar, 0)
+        if n_kt > 0:
+            k0 = _key_row(idx_row, 0, n_kt, BLOCK, BLOCK_N)
+            mbarrier.wait(k_ready.index(0), 0)
+            sc = warpgroup_mma(qs, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            if _edge(k0, qw, q_edge, Nk, BLOCK_N, IS_CAUSAL):
+                sc = masked_scores(sc, k0, Nk, qw, qidx, kidx, IS_CAUSAL)
+            pf, m_i, l_i = softmax_first(sc, qk_scale)
+            p = gl.convert_layout(pf.to(dtype), p_layout)
+            for t in range(1, n_kt):
+                k0 = _key_row(idx_row, t, n_kt, BLOCK, BLOCK_N)
+                st = t % STAGES
+                pst = (t - 1) % STAGES
+                mbarrier.wait(k_ready.index(st), (t // STAGES) & 1)
+                sc = warpgroup_mma(qs, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(pst), ((t - 1) // STAGES) & 1)
+                o = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
+                if _edge(k0, qw, q_edge, Nk, BLOCK_N, IS_CAUSAL):
+                    sc = masked_scores(sc, k0, Nk, qw, qidx, kidx, IS_CAUSAL)
+                pf, alpha, m_i, l_i = softmax_step(sc, m_i, l_i, qk_scale)
+                acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+                mbarrier.arrive(empty.index(pst), count=1)
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                p = gl.convert_layout(pf.to(dtype), p_layout)
+            out, lse = fwd_last(p, v_smem, v_ready, acc, n_kt, m_i, l_i, o_rows, STAGES)
+            mbarrier.arrive(empty.index((n_kt - 1) % STAGES), count=1)
+        qr = qw + gl.arange(0, 64, layout=o_rows)
+        qmask = qr < Nq
+        qr64 = qr.to(gl.int64)
+        h64 = h.to(gl.int64)
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(O + b * stride_ob + h64 * stride_oh + qr64[:, None] * stride_on + d[None, :],
+                 out.to(O.dtype.element_ty), mask=qmask[:, None])
+        gl.store(L + b * stride_lb + h64 * stride_lh + qr64, lse, mask=qmask)
+
+    @gluon.jit
+    def _fwd_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, q_desc, k_desc, v_desc):
+        """Q of the program's rows, then each key tile's K and V into buffer ``t % STAGES`` (a barrier each, so the
+        scores need not wait for V) once both consumers released it."""
+        (O, L, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, Nq, Nk, b, h, q0, n_kt, idx_row, qk_scale,
+         q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BLOCK) = a
+        dtype: gl.constexpr = q_smem.dtype
+        Q_BYTES: gl.constexpr = 64 * HEAD_DIM * dtype.primitive_bitwidth // 8
+        KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
+        mbarrier.expect(q_bar, 2 * Q_BYTES)
+        tma_load(q_desc, [q0, 0], q_bar, q_smem.index(0))
+        tma_load(q_desc, [q0 + 64, 0], q_bar, q_smem.index(1))
+        for t in range(0, n_kt):
+            k0 = _key_row(idx_row, t, n_kt, BLOCK, BLOCK_N)
+            st = t % STAGES
+            mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(st), KV_BYTES)
+            tma_load(k_desc, [k0, 0], k_ready.index(st), k_smem.index(st))
+            mbarrier.expect(v_ready.index(st), KV_BYTES)
+            tma_load(v_desc, [k0, 0], v_ready.index(st), v_smem.index(st))
+
+    @gluon.jit
+    def bs_fwd_ws_kernel(
+        Q, K, V, O, L, CNT, IDX,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_on,
+        stride_lb, stride_lh,
+        stride_cb, stride_ch, stride_ib, stride_ih, stride_iq,
+        Nq, Nk, group, ratio, qk_scale,
+        HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """``bs_fwd_hopper_kernel``'s contract for one layout block of 128 query rows of one head
+        (``_fwd_producer`` and two ``_fwd_consumer`` s); the same products in the same order, so the same bits."""
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        t = gl.program_id(0)
+        if IS_CAUSAL:  # last-first: the blocks with the most active key blocks start first
+            t = gl.num_programs(0) - 1 - t
+        h = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        q0 = t * BLOCK
+        lh = h // ratio
+        kvh = (h // group).to(gl.int64)
+        h64 = h.to(gl.int64)
+        n_kt = gl.load(CNT + b * stride_cb + lh * stride_ch + t) * (BLOCK // BLOCK_N)
+        idx_row = IDX + b * stride_ib + lh * stride_ih + t * stride_iq
+        q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, 64, HEAD_DIM, q_layout)
+        k_desc = row_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM, kv_layout)
+        v_desc = row_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM, kv_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_bar, k_ready, v_ready, empty = _ws_barriers(STAGES)
+        a = (O, L, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, Nq, Nk, b, h, q0, n_kt, idx_row, qk_scale,
+             q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BLOCK)
+        gl.warp_specialize([(_fwd_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, 0)),
+                            (_fwd_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, 1)),
+                            (_fwd_producer, (a, HEAD_DIM, BLOCK_N, STAGES, q_desc, k_desc, v_desc))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     @gluon.jit
     def _dq_probabilities(s, lse, qk_scale, k0, qw, qc, qmask, kidx, Nq, Nk, IS_CAUSAL: gl.constexpr):
         """``P = exp2(S - lse)`` of a consumer's 64 rows and the 64 keys from ``k0``, zero where a key is past the last
         or (causal) after the query: masked only on tiles that cross the diagonal or the last key or row."""
         p = gl.exp2(s * qk_scale - lse[:, None])
-        edge = (k0 + 64 > Nk) | (qw + 64 > Nq)
-        if IS_CAUSAL:
-            edge = edge | (k0 + 63 > qw)
-        if edge:
+        if _edge(k0, qw, qw + 64 > Nq, Nk, 64, IS_CAUSAL):
             kc = k0 + kidx
             ok = (kc < Nk)[None, :] & qmask[:, None]
             if IS_CAUSAL:
@@ -350,8 +495,8 @@ if gluon is not None:
         return p
 
     @gluon.jit
-    def _dq_walk(qs, dos, k_smem, v_smem, ready, empty, dq, s_zero, lse, delta, qk_scale, n_kt, idx_row, qw, qc,
-                 qmask, kidx, Nq, Nk, ds_layout: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+    def _dq_walk(qs, dos, k_smem, v_smem, k_ready, v_ready, empty, dq, s_zero, lse, delta, qk_scale, n_kt, idx_row,
+                 qw, qc, qmask, kidx, Nq, Nk, ds_layout: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr):
         """A consumer's walk over the key tiles, ``hopper.dq_step``'s order: tile ``t``'s ``S`` and ``dP`` issued
         before tile ``t - 1``'s ``dQ += dS K``, so that its exponentials run while ``dP`` and that product are on the
@@ -359,8 +504,9 @@ if gluon is not None:
         dtype: gl.constexpr = qs.dtype
         if n_kt > 0:
             k0 = _key_row(idx_row, 0, n_kt, BLOCK, 64)
-            mbarrier.wait(ready.index(0), 0)
+            mbarrier.wait(k_ready.index(0), 0)
             s = warpgroup_mma(qs, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(0), 0)
             dp = warpgroup_mma(dos, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
             p = _dq_probabilities(s, lse, qk_scale, k0, qw, qc, qmask, kidx, Nq, Nk, IS_CAUSAL)
@@ -370,8 +516,9 @@ if gluon is not None:
                 k0 = _key_row(idx_row, t, n_kt, BLOCK, 64)
                 st = t % STAGES
                 pst = (t - 1) % STAGES
-                mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+                mbarrier.wait(k_ready.index(st), (t // STAGES) & 1)
                 s = warpgroup_mma(qs, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(st), (t // STAGES) & 1)
                 dp = warpgroup_mma(dos, v_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 dq = warpgroup_mma(ds, k_smem.index(pst), dq, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
@@ -394,7 +541,8 @@ if gluon is not None:
                      WG: gl.constexpr):
         """dQ of rows ``q0 + 64 WG ..`` over the query block's key tiles, stored scaled."""
         (Q, K, V, DO, L, Delta, DQ, CNT, IDX, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk, b, h,
-         blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty) = a
+         blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+         empty) = a
         BLOCK_N: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -416,8 +564,8 @@ if gluon is not None:
         qs = q_smem.index(WG)
         dos = do_smem.index(WG)
         mbarrier.wait(q_bar, 0)
-        dq = _dq_walk(qs, dos, k_smem, v_smem, ready, empty, dq, s_zero, lse, delta, qk_scale, n_kt, idx_row, qw, qc,
-                      qmask, kidx, Nq, Nk, ds_layout, BLOCK, STAGES, IS_CAUSAL)
+        dq = _dq_walk(qs, dos, k_smem, v_smem, k_ready, v_ready, empty, dq, s_zero, lse, delta, qk_scale, n_kt,
+                      idx_row, qw, qc, qmask, kidx, Nq, Nk, ds_layout, BLOCK, STAGES, IS_CAUSAL)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         qr = qw + gl.arange(0, 64, layout=gl.SliceLayout(1, g_layout))
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
@@ -430,7 +578,8 @@ if gluon is not None:
         """Q and dO of the program's rows, then each key tile's K and V into buffer ``t % STAGES`` once both
         consumers released it."""
         (Q, K, V, DO, L, Delta, DQ, CNT, IDX, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk, b, h,
-         blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty) = a
+         blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+         empty) = a
         dtype: gl.constexpr = q_smem.dtype
         BLOCK_N: gl.constexpr = 64
         ROW_BYTES: gl.constexpr = 64 * HEAD_DIM * dtype.primitive_bitwidth // 8
@@ -443,9 +592,10 @@ if gluon is not None:
             k0 = _key_row(idx_row, t, n_kt, BLOCK, BLOCK_N)
             st = t % STAGES
             mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(st), 2 * ROW_BYTES)
-            tma_load(k_desc, [k0, 0], ready.index(st), k_smem.index(st))
-            tma_load(v_desc, [k0, 0], ready.index(st), v_smem.index(st))
+            mbarrier.expect(k_ready.index(st), ROW_BYTES)
+            tma_load(k_desc, [k0, 0], k_ready.index(st), k_smem.index(st))
+            mbarrier.expect(v_ready.index(st), ROW_BYTES)
+            tma_load(v_desc, [k0, 0], v_ready.index(st), v_smem.index(st))
 
     @gluon.jit
     def bs_bwd_dq_hopper_kernel(
@@ -482,16 +632,10 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], rows_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], rows_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], rows_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
-        fence_async_shared()
+        q_bar, k_ready, v_ready, empty = _ws_barriers(STAGES)
         a = (Q, K, V, DO, L, Delta, DQ, CNT, IDX, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk,
-             b, h, blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty)
+             b, h, blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+             empty)
         gl.warp_specialize([(_dq_consumer, (a, HEAD_DIM, BLOCK, STAGES, IS_CAUSAL, 0)),
                             (_dq_consumer, (a, HEAD_DIM, BLOCK, STAGES, IS_CAUSAL, 1)),
                             (_dq_producer, (a, HEAD_DIM, BLOCK, STAGES, q_desc, do_desc, k_desc, v_desc))],
@@ -520,16 +664,27 @@ def forward_config(block: int, head_dim: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=n, K_STAGES=k_stages, V_STAGES=v_stages, num_warps=4)
 
 
-def dq_applies(q: torch.Tensor, block: int, q_offset: int, tma: bool, contiguous: bool) -> bool:
-    """Whether the backward's dQ runs :func:`bs_bwd_dq_hopper_kernel`: as :func:`forward_applies`, at head dim 128,
-    on 128-blocks (a program's rows are one layout block, so both consumers walk the same key tiles), and with
-    ``HF_DILATED_WS_DQ`` on (the default; ``0`` / ``false`` / ``off`` / ``no`` keep the portable dq kernel)."""
+def ws_applies(q: torch.Tensor, block: int, q_offset: int, tma: bool, contiguous: bool) -> bool:
+    """Whether the forward and the backward's dQ run the warp-specialized kernels (:func:`bs_fwd_ws_kernel`,
+    :func:`bs_bwd_dq_hopper_kernel`): as :func:`forward_applies`, at head dim 128 (at 64 both ran slower), on
+    128-blocks (a program's rows are one layout block, so both consumers walk the same key tiles), and with
+    ``HF_DILATED_WS`` on (the default; ``0`` / ``false`` / ``off`` / ``no`` keep the one-warpgroup Gluon forward and
+    the portable dq kernel)."""
     return (forward_applies(q, block, q_offset, tma, contiguous) and block == 128 and q.shape[-1] == 128
-            and switch("HF_DILATED_WS_DQ"))
+            and switch("HF_DILATED_WS"))
+
+
+# The warp-specialized launches: 9 warps (two consumer warpgroups and the producer warp) at 168 registers fill the
+# register file; ``setmaxnreg`` then gives the consumers 240 and the producer 24.
+_WS_LAUNCH = dict(CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168)
+
+
+def ws_forward_config() -> dict:
+    """128-key steps through three K / V buffers (224 KB; two buffers ran 0.90-0.95x of three, 64-key steps
+    0.86-0.91x; session 24)."""
+    return dict(BLOCK_N=128, STAGES=3, **_WS_LAUNCH)
 
 
 def dq_config() -> dict:
-    """Three K / V buffers (160 KB: one program per SM; two, 128 KB, ran the backward 0.86-0.97x) and the partitions'
-    registers: the consumer warpgroups 240 and the producer warp 24 (``setmaxnreg``), under a launch cap of 168 that
-    fits the 9 warps in the register file."""
-    return dict(STAGES=3, CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168)
+    """64-key tiles through three K / V buffers (160 KB; two ran the backward 0.86-0.97x; session 24)."""
+    return dict(STAGES=3, **_WS_LAUNCH)

@@ -244,6 +244,25 @@ if gluon is not None:
             ok = ok & (kj[None, :] <= (qidx + shift)[:, None])
         return gl.where(ok, s, float("-inf"))
 
+    # The online softmax of the forwards (base 2, ``qk_scale`` = scale x log2 e): a row's running maximum ``m_i`` and
+    # sum ``l_i``; the first tile starts them (a row with no key yet keeps -1e30, so exp2 of -inf scores stays 0).
+
+    @gluon.jit
+    def softmax_first(s, qk_scale):
+        """``(p, m_i, l_i)`` of a row block's first score tile."""
+        m_i = gl.maximum(gl.max(s, 1) * qk_scale, -1.0e30)
+        p = gl.exp2(s * qk_scale - m_i[:, None])
+        return p, m_i, gl.sum(p, 1)
+
+    @gluon.jit
+    def softmax_step(s, m_i, l_i, qk_scale):
+        """``(p, alpha, m_new, l_new)`` of a further score tile: its probabilities against the new maximum, and the
+        factor ``alpha`` that rescales what was summed before."""
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
     @gluon.jit
     def fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, k_next, s_zero, qk_scale, mask, key0, n_k, shift, qidx, kidx,
                   p_layout: gl.constexpr, K_STAGES: gl.constexpr, NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr):
@@ -256,9 +275,8 @@ if gluon is not None:
             tile_copy(k_desc, k_smem, k_bar, K_STAGES, k_next, K_STAGES, NBYTES)
         if mask:
             s = masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL)
-        m_i = gl.maximum(gl.max(s, 1) * qk_scale, -1.0e30)
-        p = gl.exp2(s * qk_scale - m_i[:, None])
-        return gl.convert_layout(p.to(q_smem.dtype), p_layout), m_i, gl.sum(p, 1)
+        p, m_i, l_i = softmax_first(s, qk_scale)
+        return gl.convert_layout(p.to(q_smem.dtype), p_layout), m_i, l_i
 
     @gluon.jit
     def fwd_step(j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, k_next, v_next, acc, p, m_i, l_i,
@@ -282,10 +300,7 @@ if gluon is not None:
         if MASKABLE:
             if mask:
                 s = masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL)
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        pj = gl.exp2(s * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(pj, 1)
+        pj, alpha, m_new, l_i = softmax_step(s, m_i, l_i, qk_scale)
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         if j - 1 + V_STAGES < n_kt:
             tile_copy(v_desc, v_smem, v_bar, j - 1 + V_STAGES, v_next, V_STAGES, NBYTES)
@@ -470,4 +485,5 @@ else:  # pragma: no cover - a Triton without Gluon: the kernel modules import th
     dkdv_dq_products = register_product = score_buffers = None
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
+    softmax_first = softmax_step = None
     dq_first = dq_step = dq_last = None
