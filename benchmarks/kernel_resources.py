@@ -335,7 +335,8 @@ def compile_launch(launch: Launch, arch: int, full_errors: bool = False) -> Reso
             setattr(res, name, value)
         for name, value in _ptxas_report(compiled.asm["ptx"], arch).items():
             setattr(res, name, value)
-        res.warps_per_sm = resident_warps(arch, res.registers, res.shared, launch.kwargs.get("num_warps", 4))
+        # the compiled count: a warp-specialized kernel adds its partitions' warps to the launch's num_warps
+        res.warps_per_sm = resident_warps(arch, res.registers, res.shared, compiled.metadata.num_warps)
         limit = SHARED_LIMIT.get(arch)
         if limit is not None and res.shared > limit:
             res.error = f"needs {res.shared} bytes of shared memory, sm_{arch} has {limit}"

@@ -214,10 +214,10 @@ def test_random_block_mask_gqa(rng, backend, causal):
 
 
 def test_gluon_dkdv_coverage_and_switch(monkeypatch):
-    """The Gluon dK/dV and forward kernels (sm_90; compiled on the CPU by test_benchmark_tools, run by the GPU tests)
-    cover
-    bf16 / fp16, head dim 64 / 128, layout blocks 64 / 128, queries = keys; ``HF_DILATED_GLUON=0`` (or ``off``)
-    turns it off; never under the interpreter or off sm_90."""
+    """The Gluon kernels (sm_90; compiled on the CPU by test_benchmark_tools, run by the GPU tests) cover bf16 / fp16,
+    head dim 64 / 128, layout blocks 64 / 128, queries = keys, the warp-specialized ones head dim 128 on 128-blocks;
+    ``HF_DILATED_GLUON=0`` (or ``off``) turns them off, ``HF_DILATED_WS=0`` the warp-specialized ones; never under
+    the interpreter or off sm_90."""
     if not block_sparse_hopper.available():
         pytest.skip("this Triton has no Gluon Hopper API (3.6 or newer)")
     q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
@@ -239,6 +239,19 @@ def test_gluon_dkdv_coverage_and_switch(monkeypatch):
     assert block_sparse_hopper.forward_config(128, 128)["BLOCK_N"] == 128  # 128-key steps: D 128 on 128-blocks
     assert block_sparse_hopper.forward_config(64, 128)["BLOCK_N"] == block_sparse_hopper.forward_config(128, 64)[
         "BLOCK_N"] == 64
+    # the warp-specialized forward and dQ: head dim 128 on 128-blocks, contiguous; HF_DILATED_WS=0 turns them off
+    assert block_sparse_hopper.ws_applies(q, 128, 0, True, True)
+    assert not block_sparse_hopper.ws_applies(q, 64, 0, True, True)  # 64-blocks
+    assert not block_sparse_hopper.ws_applies(q[..., :64], 128, 0, True, True)  # head dim 64 ran slower
+    assert not block_sparse_hopper.ws_applies(q, 128, 0, True, False)  # per-token masks
+    assert not block_sparse_hopper.ws_applies(q, 128, 3, True, True)  # decoding
+    monkeypatch.setenv("HF_DILATED_WS", "off")
+    assert not block_sparse_hopper.ws_applies(q, 128, 0, True, True)
+    assert block_sparse_hopper.forward_applies(q, 128, 0, True, True)  # the one-warpgroup forward instead
+    monkeypatch.setenv("HF_DILATED_WS", "sometimes")
+    with pytest.raises(ValueError, match="HF_DILATED_WS must be one of"):
+        block_sparse_hopper.ws_applies(q, 128, 0, True, True)
+    monkeypatch.delenv("HF_DILATED_WS")
     monkeypatch.setattr(configs, "_capability_major", lambda: 10)  # Blackwell: no wgmma
     assert not block_sparse_hopper.applies(q, 128, 0, True)
     monkeypatch.setattr(configs, "_capability_major", lambda: 9)

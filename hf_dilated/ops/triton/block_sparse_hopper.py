@@ -1,7 +1,9 @@
-"""Block-sparse dK/dV on Hopper, written in Gluon: the operand placement and load schedule that Triton's compiler
-does not choose for this loop.
+"""Block-sparse kernels for Hopper, written in Gluon: the operand placement, load schedule and warp roles that
+Triton's compiler does not choose for these loops. The forward (``bs_fwd_hopper_kernel``: one warpgroup, 64 query
+rows), and at head dim 128 on 128-blocks the warp-specialized forward and dQ (``bs_fwd_ws_kernel``,
+``bs_bwd_dq_hopper_kernel``: a producer warp streams K / V to two consumer warpgroups, section below); then the dK/dV.
 
-The portable kernel (``block_sparse.bs_bwd_dkdv_kernel``) runs 32-query x 64-key tiles with K and V in registers;
+The dK/dV. The portable kernel (``block_sparse.bs_bwd_dkdv_kernel``) runs 32-query x 64-key tiles with K and V in registers;
 its two transposed products (``K Q^T``, ``V dO^T``) are then m64 n32 tensor-core instructions, and it took 2.7 ms per
 product against dq's 1.8 ms (Nsight, 64K, benchmarks/NOTES_triton.md). Here, one warpgroup per 64-key tile:
 
@@ -24,11 +26,11 @@ product against dq's 1.8 ms (Nsight, 64K, benchmarks/NOTES_triton.md). Here, one
   of them in the step loop; backward 0.73x at 64K, forward+backward 310 / 304 against 392 / 380 useful TFLOP/s at 64K
   / 256K, ``results/*block_sparse*fused-dq*session20*``.)
 
-Same contract as the portable kernel (masks, GQA without repeating K / V, one program per key tile writes its rows, no
-atomics), and bit-identical gradients (the same products summed in the same order); used for bf16 / fp16, head dim 64
-or 128, queries and keys the same rows (``q_offset == 0``) on sm_90 (``applies``). Gluon has no interpreter: the
-CPU tests compile it for sm_90 (``benchmarks/kernel_resources.py``), the GPU tests check it against the float64
-reference.
+Every kernel here keeps its portable twin's contract (masks, GQA without repeating K / V, each program writes its own
+rows, no atomics) and its bits (the same products summed in the same order); bf16 / fp16, head dim 64 or 128, queries
+and keys the same rows (``q_offset == 0``) on sm_90 (``applies``; the forwards on contiguous layouts,
+``forward_applies`` / ``ws_applies``). Gluon has no interpreter: the CPU tests compile the kernels for sm_90
+(``benchmarks/kernel_resources.py``), the GPU tests check them against the float64 reference and assert which ran.
 """
 
 from __future__ import annotations
