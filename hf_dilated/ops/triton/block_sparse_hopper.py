@@ -359,6 +359,20 @@ if gluon is not None:
         return q_bar, k_ready, v_ready, empty
 
     @gluon.jit
+    def _stream_key_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, idx_row, n_kt, BLOCK: gl.constexpr,
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NBYTES: gl.constexpr):
+        """A producer's loop: key tile ``t``'s K and V (``NBYTES`` each) into buffer ``t % STAGES`` once both
+        consumers released its last use, each copy under its own ready barrier (so the scores need not wait for V)."""
+        for t in range(0, n_kt):
+            k0 = _key_row(idx_row, t, n_kt, BLOCK, BLOCK_N)
+            st = t % STAGES
+            mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(st), NBYTES)
+            tma_load(k_desc, [k0, 0], k_ready.index(st), k_smem.index(st))
+            mbarrier.expect(v_ready.index(st), NBYTES)
+            tma_load(v_desc, [k0, 0], v_ready.index(st), v_smem.index(st))
+
+    @gluon.jit
     def _fwd_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                       WG: gl.constexpr):
         """Output and lse of rows ``q0 + 64 WG ..``: ``hopper.fwd_step``'s order (tile ``t``'s scores issued before
@@ -421,8 +435,7 @@ if gluon is not None:
 
     @gluon.jit
     def _fwd_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, q_desc, k_desc, v_desc):
-        """Q of the program's rows, then each key tile's K and V into buffer ``t % STAGES`` (a barrier each, so the
-        scores need not wait for V) once both consumers released it."""
+        """Q of the program's rows, then the key tiles (:func:`_stream_key_tiles`)."""
         (O, L, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, Nq, Nk, b, h, q0, n_kt, idx_row, qk_scale,
          q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BLOCK) = a
         dtype: gl.constexpr = q_smem.dtype
@@ -431,14 +444,8 @@ if gluon is not None:
         mbarrier.expect(q_bar, 2 * Q_BYTES)
         tma_load(q_desc, [q0, 0], q_bar, q_smem.index(0))
         tma_load(q_desc, [q0 + 64, 0], q_bar, q_smem.index(1))
-        for t in range(0, n_kt):
-            k0 = _key_row(idx_row, t, n_kt, BLOCK, BLOCK_N)
-            st = t % STAGES
-            mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(st), KV_BYTES)
-            tma_load(k_desc, [k0, 0], k_ready.index(st), k_smem.index(st))
-            mbarrier.expect(v_ready.index(st), KV_BYTES)
-            tma_load(v_desc, [k0, 0], v_ready.index(st), v_smem.index(st))
+        _stream_key_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, idx_row, n_kt, BLOCK, BLOCK_N,
+                          STAGES, KV_BYTES)
 
     @gluon.jit
     def bs_fwd_ws_kernel(
@@ -577,27 +584,19 @@ if gluon is not None:
     @gluon.jit
     def _dq_producer(a, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, q_desc, do_desc, k_desc,
                      v_desc):
-        """Q and dO of the program's rows, then each key tile's K and V into buffer ``t % STAGES`` once both
-        consumers released it."""
+        """Q and dO of the program's rows, then the key tiles (:func:`_stream_key_tiles`)."""
         (Q, K, V, DO, L, Delta, DQ, CNT, IDX, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk, b, h,
          blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
          empty) = a
         dtype: gl.constexpr = q_smem.dtype
-        BLOCK_N: gl.constexpr = 64
         ROW_BYTES: gl.constexpr = 64 * HEAD_DIM * dtype.primitive_bitwidth // 8
         mbarrier.expect(q_bar, 4 * ROW_BYTES)
         tma_load(q_desc, [q0, 0], q_bar, q_smem.index(0))
         tma_load(q_desc, [q0 + 64, 0], q_bar, q_smem.index(1))
         tma_load(do_desc, [q0, 0], q_bar, do_smem.index(0))
         tma_load(do_desc, [q0 + 64, 0], q_bar, do_smem.index(1))
-        for t in range(0, n_kt):
-            k0 = _key_row(idx_row, t, n_kt, BLOCK, BLOCK_N)
-            st = t % STAGES
-            mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(st), ROW_BYTES)
-            tma_load(k_desc, [k0, 0], k_ready.index(st), k_smem.index(st))
-            mbarrier.expect(v_ready.index(st), ROW_BYTES)
-            tma_load(v_desc, [k0, 0], v_ready.index(st), v_smem.index(st))
+        _stream_key_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, idx_row, n_kt, BLOCK, 64, STAGES,
+                          ROW_BYTES)
 
     @gluon.jit
     def bs_bwd_dq_hopper_kernel(
