@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 BRANCHES = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 
@@ -62,7 +61,7 @@ def main() -> None:
     # the GPU monitor and warm-up from this checkout's scripts (the timed checkout's may predate them)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     from gpu_monitor import GpuMonitor
-    from timing import warm
+    from timing import timed_on_gpu
 
     sys.path.insert(0, args.root)
     sys.path.insert(0, os.path.join(args.root, "scripts"))
@@ -75,13 +74,8 @@ def main() -> None:
 
     def timed(fn, rep: int) -> tuple[float, dict]:
         """``(median ms, the GPU's clock / power meanwhile, with the energy of one call in mJ)``."""
-        if args.warm_s > 0:
-            warm(fn, args.warm_s)
-        t0 = time.monotonic()
-        ms = do_bench(fn, warmup=50, rep=rep, return_mode="median")
-        gpu = monitor.window(t0, time.monotonic())
-        if "gpu_power_w" in gpu:
-            gpu["mj"] = round(gpu["gpu_power_w"] * ms, 1)
+        ms, gpu, _ = timed_on_gpu(fn, lambda f: do_bench(f, warmup=50, rep=rep, return_mode="median"), monitor,
+                                  args.warm_s)
         return ms, gpu
 
     ws, rs = [w for w, _ in BRANCHES], [r for _, r in BRANCHES]

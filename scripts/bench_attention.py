@@ -39,12 +39,12 @@ try:
     from .gpu_monitor import GpuMonitor
     from .timing import cuda_graph_median_ms as graph_bench
     from .timing import cuda_median_ms as bench
-    from .timing import warm
+    from .timing import timed_on_gpu
 except ImportError:  # run as a file: python scripts/<name>.py
     from gpu_monitor import GpuMonitor  # noqa: E402
     from timing import cuda_graph_median_ms as graph_bench  # noqa: E402
     from timing import cuda_median_ms as bench  # noqa: E402
-    from timing import warm  # noqa: E402
+    from timing import timed_on_gpu  # noqa: E402
 import hf_dilated  # noqa: E402
 
 LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
@@ -333,11 +333,11 @@ def main():
                 guess = (time.time() - t1) * 1e3
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                row["ms"], gpu_window, warm_calls = timed_on_gpu(
+                    fn, lambda f: bench(f, reps_for(guess), warmup=0 if guess > 500 else 1), monitor, args.warm_s)
                 if args.warm_s > 0:
-                    row["warm_calls"] = warm(fn, args.warm_s)
-                t_timed = time.monotonic()
-                row["ms"] = bench(fn, reps_for(guess), warmup=0 if guess > 500 else 1)
-                row.update(monitor.window(t_timed, time.monotonic()))
+                    row["warm_calls"] = warm_calls
+                row.update(gpu_window)
                 if args.graph_timing and guess < args.graph_max_ms and method != "reference":
                     try:  # the GPU's time alone: the same call replayed from a CUDA graph, no host work
                         t_graph = time.monotonic()

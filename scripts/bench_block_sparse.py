@@ -30,10 +30,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 try:
     from .gpu_monitor import GpuMonitor
-    from .timing import cuda_median_ms, warm
+    from .timing import cuda_median_ms, timed_on_gpu
 except ImportError:  # run as a file: python scripts/<name>.py
     from gpu_monitor import GpuMonitor  # noqa: E402
-    from timing import cuda_median_ms, warm  # noqa: E402
+    from timing import cuda_median_ms, timed_on_gpu  # noqa: E402
 from hf_dilated.ops.block_sparse import (  # noqa: E402
     BlockLayout,
     adaptive_blocks,
@@ -206,11 +206,8 @@ def main():
 
     def timed(fn, reps):
         """``(median ms of fn(), the GPU's clock / power / temperature meanwhile)`` after ``--warm-s`` of warm-up."""
-        if args.warm_s > 0:
-            warm(fn, args.warm_s)
-        t0 = time.monotonic()
-        ms = cuda_median_ms(fn, reps)
-        return ms, monitor.window(t0, time.monotonic())
+        ms, gpu, _ = timed_on_gpu(fn, lambda f: cuda_median_ms(f, reps), monitor, args.warm_s)
+        return ms, gpu
 
     def bench(fn, reps):
         return timed(fn, reps)[0]

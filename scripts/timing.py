@@ -1,5 +1,6 @@
-"""The benchmarks' GPU timer: the median of CUDA-event times over repetitions, after warm-up (one implementation
-for ``bench_attention`` and ``bench_block_sparse``)."""
+"""The benchmarks' GPU timer: the median of CUDA-event times over repetitions, after warm-up, and the timing step
+with the GPU's clock and power beside it (one implementation for ``bench_attention``, ``bench_block_sparse`` and
+``benchmarks/compare_checkouts.py``)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,24 @@ def warm(fn: Callable[[], object], seconds: float) -> int:
         torch.cuda.synchronize()
         calls += 1
     return calls
+
+
+def timed_on_gpu(fn: Callable[[], object], timer: Callable[[Callable[[], object]], float], monitor,
+                 warm_s: float = 0.0) -> tuple[float, dict, int]:
+    """``(ms, gpu, warm_calls)``: ``timer(fn)``'s milliseconds after ``warm_s`` seconds of :func:`warm`, the GPU's
+    mean clock / power / temperature while the timer ran (``monitor.window``: ``gpu_monitor.GpuMonitor``), with
+    ``mj``, the energy of one call (mean power x the time), where the power was read, and the warm-up's call count.
+    The one timing step of ``bench_attention``, ``bench_block_sparse`` and ``benchmarks/compare_checkouts.py``,
+    whatever their timers (``cuda_median_ms``, ``triton.testing.do_bench``)."""
+    import time
+
+    calls = warm(fn, warm_s) if warm_s > 0 else 0
+    start = time.monotonic()
+    ms = timer(fn)
+    gpu = dict(monitor.window(start, time.monotonic()))
+    if "gpu_power_w" in gpu:
+        gpu["mj"] = round(gpu["gpu_power_w"] * ms, 1)
+    return ms, gpu, calls
 
 
 def captured(fn: Callable[[], object], warmup: int = 3):

@@ -91,6 +91,35 @@ def test_gpu_monitor_summarises_the_samples_of_each_window():
     assert mon.errors >= 1 and mon.samples == [] and mon.window(0, time.monotonic()) == {}
 
 
+def test_timed_on_gpu_reads_the_monitor_over_the_timed_calls_only():
+    """The benchmarks' one timing step: the timer's milliseconds, the monitor's window from just before the timer to
+    just after it (not the warm-up), the energy of one call from its mean power, and no energy where no power was
+    read; the monitor's own summary is not changed."""
+    from gpu_monitor import GpuMonitor
+    from timing import timed_on_gpu
+
+    windows = []
+
+    class Monitor(GpuMonitor):
+        def __init__(self, reading):
+            self.reading = reading
+
+        def window(self, start, end):
+            windows.append((start, end))
+            return self.reading
+
+    calls = []
+    reading = {"gpu_clock_mhz": 1500.0, "gpu_power_w": 700.0}
+    ms, gpu, warm_calls = timed_on_gpu(lambda: calls.append(1), lambda f: (f(), 2.5)[1], Monitor(reading))
+    assert (ms, warm_calls, len(calls)) == (2.5, 0, 1)
+    assert gpu == {"gpu_clock_mhz": 1500.0, "gpu_power_w": 700.0, "mj": 1750.0}
+    assert reading == {"gpu_clock_mhz": 1500.0, "gpu_power_w": 700.0}  # a copy was extended
+    (start, end), = windows
+    assert start <= end
+    ms, gpu, _ = timed_on_gpu(lambda: None, lambda f: 1.0, Monitor({}))
+    assert gpu == {} and ms == 1.0
+
+
 def test_table_shows_the_clock_and_power_of_each_timing(capsys):
     rows = [dict(mode="fwd", N=1024, D=64, H=9, Hk=3, method="triton", ms=1.0, tflops=100.0, gpu_clock_mhz=1770.4,
                  gpu_power_w=690.0),
