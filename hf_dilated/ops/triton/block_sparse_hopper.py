@@ -230,6 +230,14 @@ if gluon is not None:
         return active * BLOCK + (s % (BLOCK // BLOCK_N)) * BLOCK_N
 
     @gluon.jit
+    def _block_keys(CNT, IDX, b, lh, blk, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, BLOCK: gl.constexpr,
+                    BLOCK_N: gl.constexpr):
+        """``(n_kt, idx_row)`` of query block ``blk`` under layout head ``lh``: how many ``BLOCK_N``-key tiles its
+        active key blocks make, and its row of the layout's index (what :func:`_key_row` reads)."""
+        n_kt = gl.load(CNT + b * stride_cb + lh * stride_ch + blk) * (BLOCK // BLOCK_N)
+        return n_kt, IDX + b * stride_ib + lh * stride_ih + blk * stride_iq
+
+    @gluon.jit
     def _edge(k0, q_first, q_edge, Nk, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """Whether the key tile from ``k0`` needs the mask for the query rows from ``q_first`` (64 of them; ``q_edge``:
         some row is past the last key): some key past the last or, causal, after some row."""
@@ -277,8 +285,8 @@ if gluon is not None:
         lh = h // ratio
         kvh = (h // group).to(gl.int64)
         h64 = h.to(gl.int64)
-        n_kt = gl.load(CNT + b * stride_cb + lh * stride_ch + blk) * (BLOCK // BLOCK_N)
-        idx_row = IDX + b * stride_ib + lh * stride_ih + blk * stride_iq
+        n_kt, idx_row = _block_keys(CNT, IDX, b, lh, blk, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, BLOCK,
+                                    BLOCK_N)
         q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, BLOCK_M, HEAD_DIM, q_smem_layout)
         k_desc = row_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM, kv_smem_layout)
         v_desc = row_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM, kv_smem_layout)
@@ -474,8 +482,8 @@ if gluon is not None:
         lh = h // ratio
         kvh = (h // group).to(gl.int64)
         h64 = h.to(gl.int64)
-        n_kt = gl.load(CNT + b * stride_cb + lh * stride_ch + t) * (BLOCK // BLOCK_N)
-        idx_row = IDX + b * stride_ib + lh * stride_ih + t * stride_iq
+        n_kt, idx_row = _block_keys(CNT, IDX, b, lh, t, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, BLOCK,
+                                    BLOCK_N)
         q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, 64, HEAD_DIM, q_layout)
         k_desc = row_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, BLOCK_N, HEAD_DIM, kv_layout)
         v_desc = row_desc(V + b * stride_vb + kvh * stride_vh, Nk, stride_vn, BLOCK_N, HEAD_DIM, kv_layout)
@@ -549,9 +557,8 @@ if gluon is not None:
     def _dq_consumer(a, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                      WG: gl.constexpr):
         """dQ of rows ``q0 + 64 WG ..`` over the query block's key tiles, stored scaled."""
-        (Q, K, V, DO, L, Delta, DQ, CNT, IDX, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk, b, h,
-         blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-         empty) = a
+        (L, Delta, DQ, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk, b, h, q0, n_kt, idx_row,
+         qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty) = a
         BLOCK_N: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -585,9 +592,8 @@ if gluon is not None:
     def _dq_producer(a, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr, q_desc, do_desc, k_desc,
                      v_desc):
         """Q and dO of the program's rows, then the key tiles (:func:`_stream_key_tiles`)."""
-        (Q, K, V, DO, L, Delta, DQ, CNT, IDX, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk, b, h,
-         blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-         empty) = a
+        (L, Delta, DQ, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk, b, h, q0, n_kt, idx_row,
+         qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty) = a
         dtype: gl.constexpr = q_smem.dtype
         ROW_BYTES: gl.constexpr = 64 * HEAD_DIM * dtype.primitive_bitwidth // 8
         mbarrier.expect(q_bar, 4 * ROW_BYTES)
@@ -623,8 +629,8 @@ if gluon is not None:
         lh = h // ratio
         kvh = (h // group).to(gl.int64)
         h64 = h.to(gl.int64)
-        n_kt = gl.load(CNT + b * stride_cb + lh * stride_ch + blk) * (BLOCK // 64)
-        idx_row = IDX + b * stride_ib + lh * stride_ih + blk * stride_iq
+        n_kt, idx_row = _block_keys(CNT, IDX, b, lh, blk, stride_cb, stride_ch, stride_ib, stride_ih, stride_iq, BLOCK,
+                                    64)
         q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh, Nq, stride_qn, 64, HEAD_DIM, rows_layout)
         do_desc = row_desc(DO + b * stride_db + h64 * stride_dh, Nq, stride_dn, 64, HEAD_DIM, rows_layout)
         k_desc = row_desc(K + b * stride_kb + kvh * stride_kh, Nk, stride_kn, 64, HEAD_DIM, rows_layout)
@@ -634,9 +640,8 @@ if gluon is not None:
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], rows_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], rows_layout)
         q_bar, k_ready, v_ready, empty = _ws_barriers(STAGES)
-        a = (Q, K, V, DO, L, Delta, DQ, CNT, IDX, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk,
-             b, h, blk, q0, n_kt, idx_row, qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-             empty)
+        a = (L, Delta, DQ, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk, b, h, q0, n_kt, idx_row,
+             qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty)
         gl.warp_specialize([(_dq_consumer, (a, HEAD_DIM, BLOCK, STAGES, IS_CAUSAL, 0)),
                             (_dq_consumer, (a, HEAD_DIM, BLOCK, STAGES, IS_CAUSAL, 1)),
                             (_dq_producer, (a, HEAD_DIM, BLOCK, STAGES, q_desc, do_desc, k_desc, v_desc))],
