@@ -1,6 +1,8 @@
 """A/B of a Gluon kernel on one Hopper GPU against the portable Triton one, in one process, interleaved over rounds
 (``HF_DILATED_GLUON=0`` selects the portable kernels; everything else is the same code). ``--switch fused_dq``: the
 dilated backward's dK/dV launch that adds dQ (``HF_DILATED_FUSED_DQ=1``) against the Gluon dK/dV and dQ kernels.
+``--switch ws``: the warp-specialized kernels (``HF_DILATED_WS=1``: the forward at head dim 128, the block-sparse dQ)
+against the one-warpgroup Gluon forward and the portable block-sparse dq.
 
 - ``--op dilated``: ``launch.forward`` / ``launch.backward`` (``ops/triton/forward_hopper.py``,
   ``backward_hopper.py``), LongNet branches w = 2048..32768, r = 1..16 (the attention benchmark's), causal.
@@ -104,7 +106,11 @@ OPS = {("dilated", "backward"): dilated_backward, ("block_sparse", "backward"): 
 # "1" side ran (per pass), and whether the two sides must agree bit for bit in the backward.
 SWITCHES = {
     "gluon": ("HF_DILATED_GLUON", ("portable", "gluon"),
-              {"forward": ("forward_hopper",), "backward": ("dkdv_hopper", "dq_hopper")}, True),
+              {"forward": ("forward_hopper", "forward_ws"), "backward": ("dkdv_hopper", "dq_hopper")}, True),
+    # the warp-specialized kernels (forward; block-sparse dQ) against the one-warpgroup Gluon forward (and the
+    # portable block-sparse dq): the same products in the same order
+    "ws": ("HF_DILATED_WS", ("one_warpgroup", "warp_specialized"), {"forward": ("forward_ws",), "backward": ("dq_ws",)},
+           True),
     # dQ summed by reduce-adds in no fixed order: equal to SPEC's tolerance, not bit for bit (dK, dV are)
     "fused_dq": ("HF_DILATED_FUSED_DQ", ("separate_dq", "fused_dq"), {"backward": ("dq_fused",)}, False),
 }
@@ -159,10 +165,12 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", metavar="H/Hk/D", help="head shapes to run at --seqlens instead of the cases")
     ap.add_argument("--switch", choices=tuple(SWITCHES), default="gluon",
                     help="gluon: Gluon against portable kernels; fused_dq: the dK/dV launch that adds dQ against the "
-                         "Gluon dK/dV and dQ kernels (dilated backward)")
+                         "Gluon dK/dV and dQ kernels (dilated backward); ws: the warp-specialized kernels (forward "
+                         "at head dim 128, block-sparse dQ) against the one-warpgroup ones")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    if args.which not in SWITCHES[args.switch][2] or (args.switch == "fused_dq" and args.op != "dilated"):
+    if args.which not in SWITCHES[args.switch][2] or (args.switch == "fused_dq" and args.op != "dilated") or (
+            args.switch == "ws" and args.op == "dilated" and args.which == "backward"):
         ap.error(f"--switch {args.switch} has no --op {args.op} --pass {args.which}")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -190,7 +198,7 @@ def main() -> int:
     with open(path, "w") as f:
         json.dump(dict(meta=meta, command=" ".join(sys.argv), rows=rows), f, indent=1)
     print("wrote", path)
-    if args.which == "backward" and SWITCHES[args.switch][3]:  # same products, same order: a difference is a bug
+    if (args.which == "backward" or args.switch == "ws") and SWITCHES[args.switch][3]:  # same products, same order
         differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows if not all(r["identical"].values())]
     else:  # the forward (and the fused dQ) may differ in the last bf16 bits, not more (a NaN is a difference)
         differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows

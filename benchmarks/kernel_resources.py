@@ -180,9 +180,11 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
     fwd_bwd("block-sparse local, 128-blocks", lambda: block_sparse_attention(
         q, k, v, BlockSparseConfig(pattern="local", block_size=128), backend="triton"))
     # The Gluon dK/dV and dQ launches where one dK/dV launch adds dQ (sm_90, head dim 128): HF_DILATED_FUSED_DQ=0 and
-    # torch.use_deterministic_algorithms(True) run them.
-    with mock.patch.dict(os.environ, {"HF_DILATED_FUSED_DQ": "0"}):
-        fwd_bwd("longnet causal, separate dQ", lambda: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton"))
+    # torch.use_deterministic_algorithms(True) run them; and the one-warpgroup Gluon forward where the
+    # warp-specialized one would run (HF_DILATED_WS=0; head dims 64 and 256 run it).
+    with mock.patch.dict(os.environ, {"HF_DILATED_FUSED_DQ": "0", "HF_DILATED_WS": "0"}):
+        fwd_bwd("longnet causal, separate dQ, one-warpgroup forward",
+                lambda: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton"))
     # The portable dK/dV where the Gluon one would run (sm_90): what HF_DILATED_GLUON=0, other head dims and
     # other Tritons launch there.
     with hopper.portable():

@@ -788,6 +788,18 @@ def test_gluon_kernels_coverage(monkeypatch, which):
             assert kernel.fused_dq_launch_config(128) is None
         finally:
             torch.use_deterministic_algorithms(deterministic)
+    if which == "forward_hopper":  # at head dim 128 the warp-specialized kernel, unless HF_DILATED_WS is off
+        assert kernel.ws_applies(q, plain, True) and kernel.ws_applies(q.half(), plain, True)
+        assert not kernel.ws_applies(q[..., :64], plain, True)
+        assert not kernel.ws_applies(torch.empty(1, 2, 256, 256, dtype=torch.bfloat16), plain, True)
+        assert not kernel.ws_applies(q, dict(plain, WINDOW=True), True)
+        assert kernel.ws_launch_config()["BLOCK_M"] == 128 and kernel.ws_launch_config()["maxnreg"] == 168
+        monkeypatch.setenv("HF_DILATED_WS", "off")
+        assert not kernel.ws_applies(q, plain, True) and kernel.applies(q, plain, True)
+        monkeypatch.setenv("HF_DILATED_WS", "sometimes")
+        with pytest.raises(ValueError, match="HF_DILATED_WS must be one of"):
+            kernel.ws_applies(q, plain, True)
+        monkeypatch.delenv("HF_DILATED_WS")
     assert not kernel.applies(q, plain, False)  # pointer loads (unaligned strides, padded head dim)
     for flag in ("WINDOW", "HOLES", "DROPOUT"):
         assert not kernel.applies(q, dict(plain, **{flag: True}), True), flag
@@ -801,11 +813,12 @@ def test_gluon_kernels_coverage(monkeypatch, which):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gluon, fused_dq", [("1", "1"), ("1", "0"), ("0", "1")])
-def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq):
+@pytest.mark.parametrize("gluon, fused_dq, ws", [("1", "1", "1"), ("1", "0", "0"), ("0", "1", "1")])
+def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws):
     """On sm_90 the dilated forward, dK/dV (head dim 64 / 128 in one launch, 256 in two) and dQ (128 / 256) run in
-    Gluon where they apply, at head dim 128 dQ from the dK/dV launch unless ``HF_DILATED_FUSED_DQ=0``, and the
-    portable kernels with ``HF_DILATED_GLUON=0``; all against the float64 oracle: GQA
+    Gluon where they apply, at head dim 128 dQ from the dK/dV launch unless ``HF_DILATED_FUSED_DQ=0`` and the
+    warp-specialized forward unless ``HF_DILATED_WS=0``, and the portable kernels with ``HF_DILATED_GLUON=0``; all
+    against the float64 oracle: GQA
     with several offset classes, ragged segments, bidirectional, padding, packed sequences, fewer queries than keys
     (queries and keys of a segment at different rows), global tokens, a dense layer (one launch, which writes the
     gradients with no float32 buffer), the backward's head chunks, and Gemma-style head dim 256."""
@@ -817,18 +830,20 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq):
     assert hopper.available(), "sm_90 with a Triton whose Gluon API the kernel does not know"
     monkeypatch.setenv("HF_DILATED_GLUON", gluon)
     monkeypatch.setenv("HF_DILATED_FUSED_DQ", fused_dq)
+    monkeypatch.setenv("HF_DILATED_WS", ws)
     bf16, fp16 = torch.bfloat16, torch.float16
 
     def run(q, k, v, branches=LONGNET_SMALL, **kw):
         before = dict(launch.LAUNCHES)
         check(q, k, v, branches, TOL[q.dtype], use_naive=False, **kw)
-        kinds = ("dkdv_hopper", "dq_hopper", "dq_fused", "forward_hopper")
+        kinds = ("dkdv_hopper", "dq_hopper", "dq_fused", "forward_hopper", "forward_ws")
         ran = {kind: launch.LAUNCHES[kind] > before.get(kind, 0) for kind in kinds}
         on = gluon == "1"
         d = q.shape[-1]
         fused = on and fused_dq == "1" and d == 128
+        specialized = on and ws == "1" and d == 128
         assert ran == {"dkdv_hopper": on, "dq_hopper": on and d in (128, 256) and not fused, "dq_fused": fused,
-                       "forward_hopper": on}, ran
+                       "forward_hopper": on and not specialized, "forward_ws": specialized}, ran
 
     run(*make_qkv(rng, 2, 16, 4, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
     run(*make_qkv(rng, 1, 8, 8, 2500, 2500, 64, fp16, "cuda"), is_causal=False, head_offset=1)

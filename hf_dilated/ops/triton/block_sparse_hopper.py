@@ -40,7 +40,8 @@ import torch
 from .hopper import (
     available, dkdv_buffers, dkdv_products, dkdv_scores, fence_async_shared, fwd_first, fwd_last, fwd_step, gl,
     gluon, masked_scores, mbarrier, query_tile_buffers, release_barriers, row_desc, runnable, softmax_first,
-    softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
+    softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, WS_LAUNCH,
+    ws_barriers, ws_copy_kv,
 )
 from .tiles import LOG2E
 
@@ -336,7 +337,6 @@ if gluon is not None:
                  out.to(O.dtype.element_ty), mask=qmask[:, None])
         gl.store(L + b * stride_lb + h64 * stride_lh + qr64, lse, mask=qmask)
 
-
     # ---- the forward and dQ with a producer warp and two consumer warpgroups ---------------------------------------
     # One program per 128 query rows (one layout block of 128) of one head, ``gl.warp_specialize``d: a producer warp
     # reads Q (and dO) once and streams the block's active key tiles (K and V) through ``STAGES`` buffers; each
@@ -350,35 +350,12 @@ if gluon is not None:
     # at head dim 64 both ran slower (0.87-0.92x), so they serve head dim 128.
 
     @gluon.jit
-    def _ws_barriers(STAGES: gl.constexpr):
-        """A warp-specialized program's barriers, initialised: ``(Q's (and dO's), K ready[STAGES], V ready[STAGES],
-        empty[STAGES])``. The producer's ``expect`` completes a ready barrier with its copy; an empty one takes an
-        arrival from each consumer."""
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
-        fence_async_shared()
-        return q_bar, k_ready, v_ready, empty
-
-    @gluon.jit
     def _stream_key_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, idx_row, n_kt, BLOCK: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NBYTES: gl.constexpr):
-        """A producer's loop: key tile ``t``'s K and V (``NBYTES`` each) into buffer ``t % STAGES`` once both
-        consumers released its last use, each copy under its own ready barrier (so the scores need not wait for V)."""
+        """A producer's loop over the query block's active key tiles (``hopper.ws_copy_kv``)."""
         for t in range(0, n_kt):
-            k0 = _key_row(idx_row, t, n_kt, BLOCK, BLOCK_N)
-            st = t % STAGES
-            mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(st), NBYTES)
-            tma_load(k_desc, [k0, 0], k_ready.index(st), k_smem.index(st))
-            mbarrier.expect(v_ready.index(st), NBYTES)
-            tma_load(v_desc, [k0, 0], v_ready.index(st), v_smem.index(st))
+            ws_copy_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, t,
+                       _key_row(idx_row, t, n_kt, BLOCK, BLOCK_N), STAGES, NBYTES)
 
     @gluon.jit
     def _fwd_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -490,7 +467,7 @@ if gluon is not None:
         q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        q_bar, k_ready, v_ready, empty = _ws_barriers(STAGES)
+        q_bar, k_ready, v_ready, empty = ws_barriers(STAGES)
         a = (O, L, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, Nq, Nk, b, h, q0, n_kt, idx_row, qk_scale,
              q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BLOCK)
         gl.warp_specialize([(_fwd_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, 0)),
@@ -639,7 +616,7 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], rows_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], rows_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_DIM], rows_layout)
-        q_bar, k_ready, v_ready, empty = _ws_barriers(STAGES)
+        q_bar, k_ready, v_ready, empty = ws_barriers(STAGES)
         a = (L, Delta, DQ, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk, b, h, q0, n_kt, idx_row,
              qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty)
         gl.warp_specialize([(_dq_consumer, (a, HEAD_DIM, BLOCK, STAGES, IS_CAUSAL, 0)),
@@ -680,17 +657,14 @@ def ws_applies(q: torch.Tensor, block: int, q_offset: int, tma: bool, contiguous
             and switch("HF_DILATED_WS"))
 
 
-# The warp-specialized launches: 9 warps (two consumer warpgroups and the producer warp) at 168 registers fill the
-# register file; ``setmaxnreg`` then gives the consumers 240 and the producer 24.
-_WS_LAUNCH = dict(CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168)
 
 
 def ws_forward_config() -> dict:
     """128-key steps through three K / V buffers (224 KB; two buffers ran 0.90-0.95x of three, 64-key steps
     0.86-0.91x; session 24)."""
-    return dict(BLOCK_N=128, STAGES=3, **_WS_LAUNCH)
+    return dict(BLOCK_N=128, STAGES=3, **WS_LAUNCH)
 
 
 def dq_config() -> dict:
     """64-key tiles through three K / V buffers (160 KB; two ran the backward 0.86-0.97x; session 24)."""
-    return dict(STAGES=3, **_WS_LAUNCH)
+    return dict(STAGES=3, **WS_LAUNCH)

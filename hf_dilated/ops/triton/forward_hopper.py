@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile, kv_descs, kv_prefetch, mbarrier, n_rows,
-    query_tile_buffers, query_tile_keys, release_barriers, row_desc, runnable, tma_load, written_before,
+    WS_LAUNCH, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile, kv_descs, kv_prefetch, masked_scores,
+    mbarrier, n_rows, query_tile_buffers, query_tile_keys, release_barriers, row_desc, runnable, softmax_first,
+    softmax_step, switch, tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
 )
 
 BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
@@ -56,7 +57,58 @@ def launch_config(head_dim: int) -> dict:
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=n, K_STAGES=k_stages, V_STAGES=v_stages, num_warps=4)
 
 
+def ws_applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
+    """Whether the forward runs the warp-specialized kernel (``dilated_fwd_ws_kernel``): as :func:`applies`, at head
+    dim 128, with ``HF_DILATED_WS`` on (the default; ``0`` / ``false`` / ``off`` / ``no`` keep
+    ``dilated_fwd_hopper_kernel``)."""
+    return applies(q, flags, tma) and q.shape[-1] == 128 and switch("HF_DILATED_WS")
+
+
+def ws_launch_config() -> dict:
+    """128 dilated query rows on two consumer warpgroups, 128-key steps through three K / V buffers (224 KB, one
+    program per SM)."""
+    return dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, **WS_LAUNCH)
+
+
 if gluon is not None:
+
+    @gluon.jit
+    def store_rows(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
+                   stride_oh, stride_on, stride_lb, stride_lh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   ROWS: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr):
+        """The portable kernel's epilogue for ``ROWS`` dilated query rows from position ``p_min`` (those below
+        ``q_hi``): this branch's output ``o_b`` and lse ``lse_b`` merged with the rows earlier launches wrote
+        (``MERGE``), stored to ``O`` / ``L`` or, ``LAST``, the output in its dtype to ``OUT`` (``O``'s strides)."""
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
+        in_range = qp < q_hi
+        qc64 = (qbase + qp).to(gl.int64)
+        h64 = h.to(gl.int64)
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = O + b * stride_ob + h64 * stride_oh + qc64[:, None] * stride_on + d[None, :]
+        l_ptrs = L + b * stride_lb + h64 * stride_lh + qc64
+        if MERGE:  # rows an earlier launch wrote (the others read as no output, lse -inf)
+            seen = in_range & written_before(qp, h, head_offset, PREV, n_prev, 1)
+            old_lse = gl.load(l_ptrs, mask=seen, other=float("-inf"))
+            old_o = gl.load(o_ptrs, mask=seen[:, None], other=0.0).to(gl.float32)
+            m = gl.maximum(old_lse, lse_b)
+            m = gl.where(m == float("-inf"), 0.0, m)
+            a = gl.exp(old_lse - m)
+            c = gl.exp(lse_b - m)
+            tot = a + c
+            reached = tot > 0
+            tot_safe = gl.where(reached, tot, 1.0)
+            out = (old_o * a[:, None] + o_b * c[:, None]) / tot_safe[:, None]
+            lse = gl.where(reached, m + gl.log(tot_safe), float("-inf"))
+        else:
+            out = o_b
+            lse = lse_b
+        if LAST:
+            out_ptrs = OUT + b * stride_ob + h64 * stride_oh + qc64[:, None] * stride_on + d[None, :]
+            gl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=in_range[:, None])
+        else:
+            gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_range[:, None])
+        gl.store(l_ptrs, lse, mask=in_range)
 
     @gluon.jit
     def dilated_fwd_hopper_kernel(
@@ -127,33 +179,142 @@ if gluon is not None:
                         shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL)
                 o_b, lse_b = fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows, V_STAGES)
 
-            # The portable kernel's epilogue: merge with the rows earlier launches wrote, store.
-            qp = p_min + gl.arange(0, BLOCK_M, layout=o_rows) * r
-            in_range = qp < q_hi
-            qc64 = (qbase + qp).to(gl.int64)
-            d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            o_ptrs = O + b * stride_ob + h64 * stride_oh + qc64[:, None] * stride_on + d[None, :]
-            l_ptrs = L + b * stride_lb + h64 * stride_lh + qc64
-            if MERGE:  # rows an earlier launch wrote (the others read as no output, lse -inf)
-                seen = in_range & written_before(qp, h, head_offset, PREV, n_prev, 1)
-                old_lse = gl.load(l_ptrs, mask=seen, other=float("-inf"))
-                old_o = gl.load(o_ptrs, mask=seen[:, None], other=0.0).to(gl.float32)
-                m = gl.maximum(old_lse, lse_b)
-                m = gl.where(m == float("-inf"), 0.0, m)
-                a = gl.exp(old_lse - m)
-                c = gl.exp(lse_b - m)
-                tot = a + c
-                reached = tot > 0
-                tot_safe = gl.where(reached, tot, 1.0)
-                out = (old_o * a[:, None] + o_b * c[:, None]) / tot_safe[:, None]
-                lse = gl.where(reached, m + gl.log(tot_safe), float("-inf"))
-            else:
-                out = o_b
-                lse = lse_b
-            if LAST:  # the final output, in its dtype (OUT has O's strides)
-                out_ptrs = OUT + b * stride_ob + h64 * stride_oh + qc64[:, None] * stride_on + d[None, :]
-                gl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=in_range[:, None])
-            else:
-                gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_range[:, None])
-            gl.store(l_ptrs, lse, mask=in_range)
+            store_rows(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
+                       stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, BLOCK_M, MERGE, LAST)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
+
+    # ---- the warp-specialized forward (head dim 128) --------------------------------------------------------------
+    # One program per 128 dilated query rows of one segment item and head: a producer warp reads Q once and streams
+    # the tile's K / V tiles (128 keys) through ``WS_STAGES`` buffers (``hopper.ws_copy_kv``); each of two consumer
+    # warpgroups owns 64 of the rows and walks the key tiles its rows see with ``hopper.fwd_step``'s order (tile ``t``'s
+    # scores issued before tile ``t - 1``'s ``P V``, the softmax of ``t`` while that product runs), then merges and
+    # stores its rows as the one-warpgroup kernel does. Both consumers read each K / V tile from one copy (half the
+    # shared-memory fills and L2 reads of two one-warpgroup programs) and drift apart by up to ``WS_STAGES`` tiles, so
+    # one's softmax runs under the other's products. Causal, the first consumer's rows may see one tile fewer: it
+    # releases the tiles it skips once they arrived (an early release would count for the buffer's previous tile).
+
+    @gluon.jit
+    def _ws_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr):
+        """Output and lse of the program's rows ``64 WG ..`` (positions from ``p_min + 64 WG r``)."""
+        (O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, b, h, head_offset, r,
+         qk_scale, p_min, q_hi, k_lo, k_hi, off, qbase, n_kt, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+         empty) = a
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        p_w = p_min + WG * 64 * r
+        k_first, n_k, n_plain, n_own, shift = query_tile_keys(p_w, q_hi, k_lo, k_hi, off, r, 64, BLOCK_N, IS_CAUSAL)
+        if p_w >= q_hi:  # no rows here (the item's last tile)
+            n_own = 0
+        qs = q_smem.index(WG)
+        qidx = gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+        acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
+        out = acc
+        lse = gl.full([64], float("-inf"), gl.float32, layout=o_rows)
+        if n_own > 0:
+            mbarrier.wait(q_bar, 0)
+            mbarrier.wait(k_ready.index(0), 0)
+            sc = warpgroup_mma(qs, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            if n_plain == 0:
+                sc = masked_scores(sc, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
+            pf, m_i, l_i = softmax_first(sc, qk_scale)
+            p = gl.convert_layout(pf.to(dtype), p_layout)
+            for t in range(1, n_own):
+                acc, p, m_i, l_i = _ws_step(t, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i, l_i, s_zero,
+                                            qk_scale, n_k, n_plain, shift, qidx, kidx, o_rows, p_layout, STAGES,
+                                            BLOCK_N, IS_CAUSAL)
+            out, lse = fwd_last(p, v_smem, v_ready, acc, n_own, m_i, l_i, o_rows, STAGES)
+            mbarrier.arrive(empty.index((n_own - 1) % STAGES), count=1)
+        for t in range(n_own, n_kt):  # tiles only the other consumer's rows see
+            mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
+            mbarrier.arrive(empty.index(t % STAGES), count=1)
+        if p_w < q_hi:
+            store_rows(out, lse, p_w, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
+                       stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, 64, MERGE, LAST)
+
+    @gluon.jit
+    def _ws_step(t, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i, l_i, s_zero, qk_scale, n_k, n_plain,
+                 shift, qidx, kidx, o_rows: gl.constexpr, p_layout: gl.constexpr, STAGES: gl.constexpr,
+                 BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """A consumer's key tile ``t >= 1``: ``hopper.fwd_step``'s order from the producer's buffers, tile ``t - 1``'s
+        buffer released once its ``P V`` is done; scores masked from tile ``n_plain`` on. ``(acc, p, m_i, l_i)``."""
+        st = t % STAGES
+        pst = (t - 1) % STAGES
+        mbarrier.wait(k_ready.index(st), (t // STAGES) & 1)
+        sc = warpgroup_mma(qs, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(pst), ((t - 1) // STAGES) & 1)
+        o = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
+        if t >= n_plain:
+            sc = masked_scores(sc, t * BLOCK_N, n_k, shift, qidx, kidx, IS_CAUSAL)
+        pf, alpha, m_i, l_i = softmax_step(sc, m_i, l_i, qk_scale)
+        acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+        mbarrier.arrive(empty.index(pst), count=1)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        return acc, gl.convert_layout(pf.to(p.dtype), p_layout), m_i, l_i
+
+    @gluon.jit
+    def _ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, q_desc, k_desc,
+                     v_desc, row0):
+        """Q of the program's 128 rows (two 64-row tiles), then its key tiles."""
+        (O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, b, h, head_offset, r,
+         qk_scale, p_min, q_hi, k_lo, k_hi, off, qbase, n_kt, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+         empty) = a
+        dtype: gl.constexpr = q_smem.dtype
+        Q_BYTES: gl.constexpr = 64 * HEAD_DIM * dtype.primitive_bitwidth // 8
+        KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
+        if n_kt > 0:
+            mbarrier.expect(q_bar, 2 * Q_BYTES)
+            tma_load(q_desc, [row0, 0], q_bar, q_smem.index(0))
+            tma_load(q_desc, [row0 + 64, 0], q_bar, q_smem.index(1))
+        for t in range(0, n_kt):
+            ws_copy_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, t, t * BLOCK_N, STAGES, KV_BYTES)
+
+    @gluon.jit
+    def dilated_fwd_ws_kernel(
+        Q, K, V, O, L, OUT, PREV, T,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_ob, stride_oh, stride_on,
+        stride_lb, stride_lh,
+        head_offset, group, r, qk_scale, n_tiles, n_prev,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """``dilated_fwd_hopper_kernel``'s contract for a tile of ``BLOCK_M`` = 128 dilated query rows (``_ws_producer``
+        and two ``_ws_consumer`` s)."""
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
+            T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)
+        k_first, n_k, n_plain, n_kt, shift = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, BLOCK_N,
+                                                             IS_CAUSAL)
+        if p_min >= q_hi:  # no rows: the item's tiles past its last
+            n_kt = 0
+        kvh = (h // group).to(gl.int64)
+        q_desc = row_desc(Q + b * stride_qb + h.to(gl.int64) * stride_qh + (qbase + q_first).to(gl.int64) * stride_qn,
+                          gl.maximum(n_rows(q_first, q_hi, r), 1), r * stride_qn, 64, HEAD_DIM, q_layout)
+        k_desc, v_desc = kv_descs(K, V, b, kvh, kbase, k_first, n_k, stride_kb, stride_kh, stride_kn, stride_vb,
+                                  stride_vh, stride_vn, r, BLOCK_N, HEAD_DIM, kv_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_bar, k_ready, v_ready, empty = ws_barriers(STAGES)
+        a = (O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, b, h, head_offset, r,
+             qk_scale, p_min, q_hi, k_lo, k_hi, off, qbase, n_kt, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+             empty)
+        gl.warp_specialize([(_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, MERGE, LAST, 0)),
+                            (_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, MERGE, LAST, 1)),
+                            (_ws_producer, (a, HEAD_DIM, BLOCK_N, STAGES, q_desc, k_desc, v_desc, row0))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

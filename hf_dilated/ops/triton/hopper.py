@@ -83,6 +83,11 @@ def portable():
         yield
 
 
+# The warp-specialized launches (:func:`ws_barriers`): 9 warps (two consumer warpgroups and the producer warp) at 168
+# registers fill the register file; ``setmaxnreg`` then gives the consumers 240 and the producer 24.
+WS_LAUNCH = dict(CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168)
+
+
 def runnable(tma_path: bool) -> bool:
     """Whether a Gluon kernel may run on this call's device: :func:`enabled` (read first, so that a bad
     ``HF_DILATED_GLUON`` is refused on any machine), the tensor-descriptor path on (``tma_path``), not under Triton's
@@ -321,6 +326,40 @@ if gluon is not None:
         l_safe = gl.where(has, l_o, 1.0)
         return acc / l_safe[:, None], gl.where(has, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 
+    # Warp-specialized programs (``forward_hopper.dilated_fwd_ws_kernel``, ``block_sparse_hopper.bs_fwd_ws_kernel`` /
+    # ``bs_bwd_dq_hopper_kernel``): a producer warp streams K / V tiles through ``STAGES`` buffers to two consumer
+    # warpgroups, each owning 64 of the program's 128 query rows; a buffer is refilled once both consumers released it.
+
+    @gluon.jit
+    def ws_barriers(STAGES: gl.constexpr):
+        """A warp-specialized program's barriers, initialised: ``(Q's (and dO's), K ready[STAGES], V ready[STAGES],
+        empty[STAGES])``. The producer's ``expect`` completes a ready barrier with its copy; an empty one takes an
+        arrival from each consumer."""
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        fence_async_shared()
+        return q_bar, k_ready, v_ready, empty
+
+    @gluon.jit
+    def ws_copy_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, t, row, STAGES: gl.constexpr,
+                   NBYTES: gl.constexpr):
+        """The producer's step: key tile ``t``'s K and V (``NBYTES`` each, from row ``row`` of the descriptors) into
+        buffer ``t % STAGES`` once both consumers released its last use, each copy under its own ready barrier (so
+        the scores need not wait for V)."""
+        st = t % STAGES
+        mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(st), NBYTES)
+        tma_load(k_desc, [row, 0], k_ready.index(st), k_smem.index(st))
+        mbarrier.expect(v_ready.index(st), NBYTES)
+        tma_load(v_desc, [row, 0], v_ready.index(st), v_smem.index(st))
+
     # The dQ pipeline (``backward_hopper.dilated_bwd_dq_hopper_kernel``): per key tile, ``S = Q K^T`` and
     # ``dP = dO V^T`` are issued, then the previous tile's ``dQ += dS K``; the exponentials of this tile run while
     # ``dP`` and that product are on the tensor cores, ``dS`` while the product is. The portable dq kernel waits for
@@ -486,4 +525,4 @@ else:  # pragma: no cover - a Triton without Gluon: the kernel modules import th
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
     softmax_first = softmax_step = None
-    dq_first = dq_step = dq_last = None
+    dq_first = dq_step = dq_last = ws_barriers = ws_copy_kv = None

@@ -248,17 +248,20 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
         descriptor_scratch(q.device)
         LAUNCHES["forward_tma"] += 1
     gluon = forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
-    gcfg = forward_hopper.launch_config(D) if gluon else None
+    ws = gluon and forward_hopper.ws_applies(q, flags, tma)  # warp-specialized, head dim 128
+    if gluon:
+        gcfg = forward_hopper.ws_launch_config() if ws else forward_hopper.launch_config(D)
+        gkernel = forward_hopper.dilated_fwd_ws_kernel if ws else forward_hopper.dilated_fwd_hopper_kernel
     per_branch = streams if flags["DROPOUT"] else _branch_views(streams)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2])
     for j, (i, r, it) in enumerate(order):
         if gluon:
             grid, n_tiles = items_grid(it.n_items, it.max_q_rows, gcfg["BLOCK_M"], H)
-            forward_hopper.dilated_fwd_hopper_kernel[grid](
+            gkernel[grid](
                 q, k, v, o, lse, out, rates, it.items, *strides, pb.head_offset, group, r, pb.scale * LOG2E, n_tiles,
                 j, HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=j > 0, LAST=i == last, **gcfg,
             )
-            LAUNCHES["forward_hopper"] += 1
+            LAUNCHES["forward_ws" if ws else "forward_hopper"] += 1
             continue
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], H)
         dilated_fwd_branch_kernel[grid](
