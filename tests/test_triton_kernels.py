@@ -794,6 +794,10 @@ def test_gluon_kernels_coverage(monkeypatch, which):
         assert not kernel.ws_applies(torch.empty(1, 2, 256, 256, dtype=torch.bfloat16), plain, True)
         assert not kernel.ws_applies(q, dict(plain, WINDOW=True), True)
         assert kernel.ws_launch_config()["BLOCK_M"] == 128 and kernel.ws_launch_config()["maxnreg"] == 168
+        # programs per item and head: few (long programs) where there is work for WS_WAVES per SM, else one per tile
+        assert kernel.ws_groups(128, 16, 16, 132) == 1  # 256K, w 2048: each program walks an item's 16 tiles
+        assert kernel.ws_groups(32, 16, 16, 132) == 2  # 64K: 8 tiles each, 1024 programs
+        assert kernel.ws_groups(1, 8, 16, 132) == 8  # one item of 8 tiles a head: one tile per program
         monkeypatch.setenv("HF_DILATED_WS", "off")
         assert not kernel.ws_applies(q, plain, True) and kernel.applies(q, plain, True)
         monkeypatch.setenv("HF_DILATED_WS", "sometimes")
@@ -858,6 +862,13 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws):
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
     run(*make_qkv(rng, 1, 8, 4, sum(lengths), sum(lengths), 128, fp16, "cuda"), cu_seqlens_q=cu, cu_seqlens_k=cu)
     run(*make_qkv(rng, 1, 8, 2, 2000, 2000, 128, bf16, "cuda"), global_tokens=5, head_offset=1)  # keys below g
+    from hf_dilated.ops.triton import forward_hopper
+
+    for groups in (1, 3):  # warp-specialized programs that walk all of an item's query tiles, or a third of them
+        with monkeypatch.context() as patch:
+            patch.setattr(forward_hopper, "ws_groups", lambda *args: groups)
+            run(*make_qkv(rng, 1, 8, 4, 4500, 4500, 128, bf16, "cuda"), branches=[(1024, 1), (4096, 2)],
+                head_offset=1)
     run(*make_qkv(rng, 1, 4, 4, 1500, 1500, 128, bf16, "cuda"), branches=[(DENSE_SEGMENT, 1)])  # one launch
     monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head at a time: heads from h0 > 0 in the kernels
     monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    available, dkdv_buffers, dkdv_products, dkdv_scores, fence_async_shared, fwd_first, fwd_last, fwd_step, gl,
+    available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_first, fwd_last, fwd_step, gl,
     gluon, masked_scores, mbarrier, query_tile_buffers, release_barriers, row_desc, runnable, softmax_first,
     softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, WS_LAUNCH,
     ws_barriers, ws_copy_kv,

@@ -51,6 +51,14 @@ def shared_memory_limit() -> int:
         return 1 << 30
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on the H100 SXM), read once per device; 1 elsewhere."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def small_shared_memory() -> bool:
     """A GPU with about 100 KB of shared memory per program (sm_86 / 89 / 120: RTX 30 / 40 / 50 series, L4, L40S),
     where configs sized for the A100 (163 KB) or Hopper (227 KB) can fail to launch (``OutOfResources``)."""

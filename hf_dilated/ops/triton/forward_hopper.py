@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    WS_LAUNCH, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile, kv_descs, kv_prefetch, masked_scores,
-    mbarrier, n_rows, query_tile_buffers, query_tile_keys, release_barriers, row_desc, runnable, softmax_first,
+    WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile,
+    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, n_rows, query_tile_buffers, query_tile_keys, release_barriers, row_desc, runnable, softmax_first,
     softmax_step, switch, tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
 )
 
@@ -62,6 +62,17 @@ def ws_applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
     dim 128, with ``HF_DILATED_WS`` on (the default; ``0`` / ``false`` / ``off`` / ``no`` keep
     ``dilated_fwd_hopper_kernel``)."""
     return applies(q, flags, tma) and q.shape[-1] == 128 and switch("HF_DILATED_WS")
+
+
+WS_WAVES = 4  # programs the warp-specialized launch aims at, per SM (fewer, longer programs hide more loads)
+
+
+def ws_groups(n_items: int, n_tiles: int, heads: int, sms: int) -> int:
+    """How many programs share a segment item's ``n_tiles`` query tiles (per head) in the warp-specialized forward:
+    as few as keep ``WS_WAVES`` programs per SM, so that each program's first loads and last epilogue, which nothing
+    hides, are paid for few tiles."""
+    per_program = max(1, min(n_tiles, n_items * n_tiles * heads // (WS_WAVES * sms)))
+    return -(-n_tiles // per_program)
 
 
 def ws_launch_config() -> dict:
@@ -184,22 +195,35 @@ if gluon is not None:
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
     # ---- the warp-specialized forward (head dim 128) --------------------------------------------------------------
-    # One program per 128 dilated query rows of one segment item and head: a producer warp reads Q once and streams
-    # the tile's K / V tiles (128 keys) through ``WS_STAGES`` buffers (``hopper.ws_copy_kv``); each of two consumer
-    # warpgroups owns 64 of the rows and walks the key tiles its rows see with ``hopper.fwd_step``'s order (tile ``t``'s
-    # scores issued before tile ``t - 1``'s ``P V``, the softmax of ``t`` while that product runs), then merges and
-    # stores its rows as the one-warpgroup kernel does. Both consumers read each K / V tile from one copy (half the
-    # shared-memory fills and L2 reads of two one-warpgroup programs) and drift apart by up to ``WS_STAGES`` tiles, so
-    # one's softmax runs under the other's products. Causal, the first consumer's rows may see one tile fewer: it
+    # One program per segment item, head and group of the item's 128-row query tiles (tiles ``g, g + G, ...``: equal
+    # causal work per group), walking its tiles heaviest first. A producer warp reads each tile's Q and streams its
+    # K / V tiles (128 keys) through ``STAGES`` buffers (``hopper.ws_copy_kv``); each of two consumer warpgroups owns
+    # 64 of the tile's rows and walks the key tiles its rows see in ``hopper.fwd_step``'s order (tile ``t``'s scores
+    # issued before tile ``t - 1``'s ``P V``, the softmax of ``t`` while that product runs), then merges and stores its
+    # rows as the one-warpgroup kernel does. Both consumers read each K / V tile from one copy and drift apart by up to
+    # ``STAGES`` tiles. The producer runs on into the next query tile (its Q once both consumers issued their last
+    # scores, ``q_empty``), so that tile's loads overlap this one's last ``P V`` and epilogue: one program per SM
+    # (224 KB) leaves no second program to hide them. Causal, the first consumer's rows may see one key tile fewer: it
     # releases the tiles it skips once they arrived (an early release would count for the buffer's previous tile).
+
+    @gluon.jit
+    def _ws_tile(i, grp, n_groups, n_mine, q_first, q_hi, k_lo, k_hi, off, r, BLOCK_N: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr):
+        """``(row0, p_min, n_kt)`` of the program's ``i``-th query tile (heaviest first): its first dilated row, that
+        row's position, and how many key tiles some row of it sees."""
+        tile = grp + (n_mine - 1 - i) * n_groups
+        row0 = tile * 128
+        p_min = q_first + row0 * r
+        n_kt = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, 128, BLOCK_N, IS_CAUSAL)[3]
+        return row0, p_min, n_kt
 
     @gluon.jit
     def _ws_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr):
-        """Output and lse of the program's rows ``64 WG ..`` (positions from ``p_min + 64 WG r``)."""
+        """Output and lse of rows ``64 WG ..`` of each of the program's query tiles."""
         (O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, b, h, head_offset, r,
-         qk_scale, p_min, q_hi, k_lo, k_hi, off, qbase, n_kt, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-         empty) = a
+         qk_scale, grp, n_groups, n_mine, q_first, q_hi, k_lo, k_hi, off, qbase, q_smem, k_smem, v_smem, q_bar,
+         q_empty, k_ready, v_ready, empty) = a
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -207,50 +231,61 @@ if gluon is not None:
                                                            instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        p_w = p_min + WG * 64 * r
-        k_first, n_k, n_plain, n_own, shift = query_tile_keys(p_w, q_hi, k_lo, k_hi, off, r, 64, BLOCK_N, IS_CAUSAL)
-        if p_w >= q_hi:  # no rows here (the item's last tile)
-            n_own = 0
         qs = q_smem.index(WG)
         qidx = gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
-        acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
-        out = acc
-        lse = gl.full([64], float("-inf"), gl.float32, layout=o_rows)
-        if n_own > 0:
-            mbarrier.wait(q_bar, 0)
-            mbarrier.wait(k_ready.index(0), 0)
-            sc = warpgroup_mma(qs, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            if n_plain == 0:
-                sc = masked_scores(sc, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
-            pf, m_i, l_i = softmax_first(sc, qk_scale)
-            p = gl.convert_layout(pf.to(dtype), p_layout)
-            for t in range(1, n_own):
-                acc, p, m_i, l_i = _ws_step(t, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i, l_i, s_zero,
-                                            qk_scale, n_k, n_plain, shift, qidx, kidx, o_rows, p_layout, STAGES,
-                                            BLOCK_N, IS_CAUSAL)
-            out, lse = fwd_last(p, v_smem, v_ready, acc, n_own, m_i, l_i, o_rows, STAGES)
-            mbarrier.arrive(empty.index((n_own - 1) % STAGES), count=1)
-        for t in range(n_own, n_kt):  # tiles only the other consumer's rows see
-            mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
-            mbarrier.arrive(empty.index(t % STAGES), count=1)
-        if p_w < q_hi:
-            store_rows(out, lse, p_w, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
-                       stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, 64, MERGE, LAST)
+        c = 0  # key tiles streamed for the program's earlier query tiles
+        for i in range(n_mine):
+            row0, p_min, n_kt = _ws_tile(i, grp, n_groups, n_mine, q_first, q_hi, k_lo, k_hi, off, r, BLOCK_N,
+                                         IS_CAUSAL)
+            p_w = p_min + WG * 64 * r
+            k_first, n_k, n_plain, n_own, shift = query_tile_keys(p_w, q_hi, k_lo, k_hi, off, r, 64, BLOCK_N,
+                                                                  IS_CAUSAL)
+            if p_w >= q_hi:  # no rows here (the item's last tile)
+                n_own = 0
+            acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
+            out = acc
+            lse = gl.full([64], float("-inf"), gl.float32, layout=o_rows)
+            mbarrier.wait(q_bar, i & 1)
+            if n_own > 0:
+                mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
+                sc = warpgroup_mma(qs, k_smem.index(c % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                   is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                if n_plain == 0:
+                    sc = masked_scores(sc, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
+                pf, m_i, l_i = softmax_first(sc, qk_scale)
+                p = gl.convert_layout(pf.to(dtype), p_layout)
+                for t in range(1, n_own):
+                    acc, p, m_i, l_i = _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i, l_i,
+                                                s_zero, qk_scale, n_k, n_plain, shift, qidx, kidx, o_rows, p_layout,
+                                                STAGES, BLOCK_N, IS_CAUSAL)
+                mbarrier.arrive(q_empty, count=1)  # its last scores are in: the next tile's Q may come
+                out, lse = fwd_last(p, v_smem, v_ready, acc, c + n_own, m_i, l_i, o_rows, STAGES)
+                mbarrier.arrive(empty.index((c + n_own - 1) % STAGES), count=1)
+            else:
+                mbarrier.arrive(q_empty, count=1)
+            for t in range(n_own, n_kt):  # key tiles only the other consumer's rows see
+                mbarrier.wait(k_ready.index((c + t) % STAGES), ((c + t) // STAGES) & 1)
+                mbarrier.arrive(empty.index((c + t) % STAGES), count=1)
+            if p_w < q_hi:
+                store_rows(out, lse, p_w, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
+                           stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, 64, MERGE, LAST)
+            c += n_kt
 
     @gluon.jit
-    def _ws_step(t, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i, l_i, s_zero, qk_scale, n_k, n_plain,
-                 shift, qidx, kidx, o_rows: gl.constexpr, p_layout: gl.constexpr, STAGES: gl.constexpr,
+    def _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i, l_i, s_zero, qk_scale, n_k,
+                 n_plain, shift, qidx, kidx, o_rows: gl.constexpr, p_layout: gl.constexpr, STAGES: gl.constexpr,
                  BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """A consumer's key tile ``t >= 1``: ``hopper.fwd_step``'s order from the producer's buffers, tile ``t - 1``'s
-        buffer released once its ``P V`` is done; scores masked from tile ``n_plain`` on. ``(acc, p, m_i, l_i)``."""
-        st = t % STAGES
-        pst = (t - 1) % STAGES
-        mbarrier.wait(k_ready.index(st), (t // STAGES) & 1)
+        """A consumer's key tile ``t >= 1`` of a query tile whose first key tile is the program's ``c``-th:
+        ``hopper.fwd_step``'s order from the producer's buffers, tile ``t - 1``'s buffer released once its ``P V`` is
+        done; scores masked from tile ``n_plain`` on. ``(acc, p, m_i, l_i)``."""
+        st = (c + t) % STAGES
+        pst = (c + t - 1) % STAGES
+        mbarrier.wait(k_ready.index(st), ((c + t) // STAGES) & 1)
         sc = warpgroup_mma(qs, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(pst), ((t - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(pst), ((c + t - 1) // STAGES) & 1)
         o = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
         if t >= n_plain:
@@ -262,21 +297,27 @@ if gluon is not None:
         return acc, gl.convert_layout(pf.to(p.dtype), p_layout), m_i, l_i
 
     @gluon.jit
-    def _ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, q_desc, k_desc,
-                     v_desc, row0):
-        """Q of the program's 128 rows (two 64-row tiles), then its key tiles."""
+    def _ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     IS_CAUSAL: gl.constexpr, q_desc, k_desc, v_desc):
+        """Each query tile's Q (two 64-row tiles, once both consumers are done with the last), then its key tiles."""
         (O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, b, h, head_offset, r,
-         qk_scale, p_min, q_hi, k_lo, k_hi, off, qbase, n_kt, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-         empty) = a
+         qk_scale, grp, n_groups, n_mine, q_first, q_hi, k_lo, k_hi, off, qbase, q_smem, k_smem, v_smem, q_bar,
+         q_empty, k_ready, v_ready, empty) = a
         dtype: gl.constexpr = q_smem.dtype
         Q_BYTES: gl.constexpr = 64 * HEAD_DIM * dtype.primitive_bitwidth // 8
         KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-        if n_kt > 0:
+        c = 0
+        for i in range(n_mine):
+            row0, p_min, n_kt = _ws_tile(i, grp, n_groups, n_mine, q_first, q_hi, k_lo, k_hi, off, r, BLOCK_N,
+                                         IS_CAUSAL)
+            mbarrier.wait(q_empty, (i & 1) ^ 1)
             mbarrier.expect(q_bar, 2 * Q_BYTES)
             tma_load(q_desc, [row0, 0], q_bar, q_smem.index(0))
             tma_load(q_desc, [row0 + 64, 0], q_bar, q_smem.index(1))
-        for t in range(0, n_kt):
-            ws_copy_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, t, t * BLOCK_N, STAGES, KV_BYTES)
+            for t in range(0, n_kt):
+                ws_copy_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, c + t, t * BLOCK_N, STAGES,
+                           KV_BYTES)
+            c += n_kt
 
     @gluon.jit
     def dilated_fwd_ws_kernel(
@@ -286,35 +327,43 @@ if gluon is not None:
         stride_vb, stride_vh, stride_vn,
         stride_ob, stride_oh, stride_on,
         stride_lb, stride_lh,
-        head_offset, group, r, qk_scale, n_tiles, n_prev,
+        head_offset, group, r, qk_scale, n_groups, n_prev,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """``dilated_fwd_hopper_kernel``'s contract for a tile of ``BLOCK_M`` = 128 dilated query rows (``_ws_producer``
-        and two ``_ws_consumer`` s)."""
+        """``dilated_fwd_hopper_kernel``'s contract for the ``BLOCK_M`` = 128-row query tiles ``g, g + n_groups, ...``
+        of one segment item and head (``_ws_producer`` and two ``_ws_consumer`` s); grid ``(items x n_groups,
+        heads)``."""
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
-            T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)
-        k_first, n_k, n_plain, n_kt, shift = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, BLOCK_N,
-                                                             IS_CAUSAL)
-        if p_min >= q_hi:  # no rows: the item's tiles past its last
-            n_kt = 0
+        item = gl.program_id(0) // n_groups
+        grp = gl.program_id(0) % n_groups
+        h = gl.program_id(1)
+        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
+        off = (h + head_offset) % r
+        q_first = first_selected(q_lo, off, r)
+        k_first = first_selected(k_lo, off, r)
+        n_q = n_rows(q_first, q_hi, r)
+        n_mine = gl.maximum((n_q + BLOCK_M - 1) // BLOCK_M - grp + n_groups - 1, 0) // n_groups
         kvh = (h // group).to(gl.int64)
         q_desc = row_desc(Q + b * stride_qb + h.to(gl.int64) * stride_qh + (qbase + q_first).to(gl.int64) * stride_qn,
-                          gl.maximum(n_rows(q_first, q_hi, r), 1), r * stride_qn, 64, HEAD_DIM, q_layout)
-        k_desc, v_desc = kv_descs(K, V, b, kvh, kbase, k_first, n_k, stride_kb, stride_kh, stride_kn, stride_vb,
-                                  stride_vh, stride_vn, r, BLOCK_N, HEAD_DIM, kv_layout)
+                          gl.maximum(n_q, 1), r * stride_qn, 64, HEAD_DIM, q_layout)
+        # over all the item's keys of the offset class: each consumer masks what its rows may not see
+        k_desc, v_desc = kv_descs(K, V, b, kvh, kbase, k_first, n_rows(k_first, k_hi, r), stride_kb, stride_kh,
+                                  stride_kn, stride_vb, stride_vh, stride_vn, r, BLOCK_N, HEAD_DIM, kv_layout)
         q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         q_bar, k_ready, v_ready, empty = ws_barriers(STAGES)
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_empty, count=2)
+        fence_async_shared()
         a = (O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, b, h, head_offset, r,
-             qk_scale, p_min, q_hi, k_lo, k_hi, off, qbase, n_kt, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-             empty)
+             qk_scale, grp, n_groups, n_mine, q_first, q_hi, k_lo, k_hi, off, qbase, q_smem, k_smem, v_smem, q_bar,
+             q_empty, k_ready, v_ready, empty)
         gl.warp_specialize([(_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, MERGE, LAST, 0)),
                             (_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, MERGE, LAST, 1)),
-                            (_ws_producer, (a, HEAD_DIM, BLOCK_N, STAGES, q_desc, k_desc, v_desc, row0))],
+                            (_ws_producer, (a, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, q_desc, k_desc, v_desc))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

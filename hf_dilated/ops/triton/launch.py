@@ -16,7 +16,9 @@ from ...config import DENSE_SEGMENT
 from ..dropout import keep_threshold, stream
 from . import backward_hopper, forward_hopper
 from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kernel
-from .configs import bwd_config, decode_config, descriptor_scratch, dot_mode, fwd_config, interpreting, use_tma
+from .configs import (
+    bwd_config, decode_config, descriptor_scratch, dot_mode, fwd_config, interpreting, sm_count, use_tma,
+)
 from .decode import dilated_decode_kernel
 from .forward import dilated_fwd_branch_kernel
 from .schedule import RunPlan, branch_items
@@ -257,6 +259,9 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     for j, (i, r, it) in enumerate(order):
         if gluon:
             grid, n_tiles = items_grid(it.n_items, it.max_q_rows, gcfg["BLOCK_M"], H)
+            if ws:  # programs over groups of an item's query tiles
+                n_tiles = forward_hopper.ws_groups(it.n_items, n_tiles, H, sm_count(q.device))
+                grid = (it.n_items * n_tiles, H)
             gkernel[grid](
                 q, k, v, o, lse, out, rates, it.items, *strides, pb.head_offset, group, r, pb.scale * LOG2E, n_tiles,
                 j, HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=j > 0, LAST=i == last, **gcfg,
