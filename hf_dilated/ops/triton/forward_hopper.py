@@ -65,13 +65,17 @@ def ws_applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
 
 
 WS_WAVES = 4  # programs the warp-specialized launch aims at, per SM (fewer, longer programs hide more loads)
+WS_TILES = 2  # query tiles per program at most: programs that run at once then share their items' K / V in L2
 
 
 def ws_groups(n_items: int, n_tiles: int, heads: int, sms: int) -> int:
     """How many programs share a segment item's ``n_tiles`` query tiles (per head) in the warp-specialized forward:
     as few as keep ``WS_WAVES`` programs per SM, so that each program's first loads and last epilogue, which nothing
-    hides, are paid for few tiles."""
-    per_program = max(1, min(n_tiles, n_items * n_tiles * heads // (WS_WAVES * sms)))
+    hides, are paid for several tiles; but no fewer than leave ``WS_TILES`` tiles to a program, since the programs
+    that run at once read the K / V of as many items as there are programs over tiles per program (H100, 256K: with
+    all 16 tiles of an item in one program, 132 items of 1 MB overflowed the 50 MB L2 and the forward ran 0.81-0.85x
+    of one tile per program)."""
+    per_program = max(1, min(n_tiles, WS_TILES, n_items * n_tiles * heads // (WS_WAVES * sms)))
     return -(-n_tiles // per_program)
 
 
