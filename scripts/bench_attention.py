@@ -39,12 +39,12 @@ try:
     from .gpu_monitor import GpuMonitor
     from .timing import cuda_graph_median_ms as graph_bench
     from .timing import cuda_median_ms as bench
-    from .timing import timed_on_gpu
+    from .timing import timed_on_gpu, until_interrupted
 except ImportError:  # run as a file: python scripts/<name>.py
     from gpu_monitor import GpuMonitor  # noqa: E402
     from timing import cuda_graph_median_ms as graph_bench  # noqa: E402
     from timing import cuda_median_ms as bench  # noqa: E402
-    from timing import timed_on_gpu  # noqa: E402
+    from timing import timed_on_gpu, until_interrupted  # noqa: E402
 import hf_dilated  # noqa: E402
 
 LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
@@ -264,104 +264,110 @@ def main():
     rows = []
     bar = tqdm(bench_cases(args.modes, args.seqlens, shapes), desc="bench", file=sys.stdout, mininterval=5)
     monitor = GpuMonitor(torch.cuda.current_device()).__enter__()
-    for mode, N, D, H, Hk in bar:
-        G = H // Hk
-        if time.time() - t_start > args.budget_s:
-            print(f"time budget reached, skipping {mode} N={N} H/Hk={H}/{Hk} D={D}")
-            continue
-        gen = torch.Generator(device=dev).manual_seed(N + D + G)
-        nq = 1 if mode == "decode" else N
-        q = torch.randn(B, H, nq, D, device=dev, dtype=dtype, generator=gen)
-        k = torch.randn(B, Hk, N, D, device=dev, dtype=dtype, generator=gen)
-        v = torch.randn(B, Hk, N, D, device=dev, dtype=dtype, generator=gen)
-        do = torch.randn(B, H, nq, D, device=dev, dtype=dtype, generator=gen) if mode == "fwdbwd" else None
-        for method in args.methods:
-            row = dict(mode=mode, N=N, D=D, H=H, Hk=Hk, B=B, method=method)
-            if method in ("sdpa", "cudnn") and N > args.max_sdpa and mode != "decode":
+    with until_interrupted() as run:  # Ctrl-C or a timeout's SIGTERM: the cases measured so far are written
+        for mode, N, D, H, Hk in bar:
+            G = H // Hk
+            if time.time() - t_start > args.budget_s:
+                print(f"time budget reached, skipping {mode} N={N} H/Hk={H}/{Hk} D={D}")
                 continue
-            if method == "cudnn" and mode == "decode":
-                continue
-            if method == "flex" and (mode == "decode" or N > args.max_flex or D not in args.flex_dims
-                                     or G not in args.flex_gqa):
-                continue
-            if method == "reference" and N > args.max_reference:
-                continue
-            torch.cuda.empty_cache()
-            bar.set_postfix_str(f"{mode} N={N} D={D} G={G} {method}")
-            try:
-                if mode == "decode":
-                    if method == "sdpa":
-                        fn = lambda: F.scaled_dot_product_attention(  # noqa: E731
-                            q, k, v, enable_gqa=G > 1)
-                    elif method == "flex":
-                        continue
-                    else:
-                        fn = lambda: run_dilated(method if method == "triton" else "torch", q, k, v, branches)  # noqa: E731
-                    out = fn()
-                    if method == "sdpa":
-                        err = None
-                    else:
-                        seg = (N - 1) // max(w for w, _ in branches) * max(w for w, _ in branches)
-                        ref = run_dilated("torch", q, k[:, :, seg:].contiguous(), v[:, :, seg:].contiguous(), branches)
-                        err = rel_err(out, ref)
-                else:
-                    if method in ("sdpa", "cudnn"):
-                        fn = lambda: run_sdpa(q, k, v, do, "cudnn" if method == "cudnn" else "flash")  # noqa: E731
-                    elif method == "flex":
-                        fn = lambda: run_flex(q, k, v, branches, do)  # noqa: E731
-                    else:
-                        be = "triton" if method == "triton" else "torch"
-                        fn = lambda: run_dilated(be, q, k, v, branches, do)  # noqa: E731
-                    t0 = time.time()
-                    out = fn()  # first call: compiles / builds, checked below
-                    row["first_call_s"] = round(time.time() - t0, 3)
-                    err = (check_sdpa(out, q, k, v, do) if method in ("sdpa", "cudnn")
-                           else check_dilated(out, q, k, v, branches, do))
-                del out
-                row["rel_err"] = err
-                if err is not None and not (err < TOL):
-                    row["error"] = f"check failed: rel err {err}"
-                    print(f"CHECK FAILED {row}")
-                    rows.append(row)
+            gen = torch.Generator(device=dev).manual_seed(N + D + G)
+            nq = 1 if mode == "decode" else N
+            q = torch.randn(B, H, nq, D, device=dev, dtype=dtype, generator=gen)
+            k = torch.randn(B, Hk, N, D, device=dev, dtype=dtype, generator=gen)
+            v = torch.randn(B, Hk, N, D, device=dev, dtype=dtype, generator=gen)
+            do = torch.randn(B, H, nq, D, device=dev, dtype=dtype, generator=gen) if mode == "fwdbwd" else None
+            for method in args.methods:
+                row = dict(mode=mode, N=N, D=D, H=H, Hk=Hk, B=B, method=method)
+                if method in ("sdpa", "cudnn") and N > args.max_sdpa and mode != "decode":
                     continue
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                t1 = time.time()
-                fn()
-                torch.cuda.synchronize()
-                guess = (time.time() - t1) * 1e3
-                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-                row["ms"], gpu_window, warm_calls = timed_on_gpu(
-                    fn, lambda f: bench(f, reps_for(guess), warmup=0 if guess > 500 else 1), monitor, args.warm_s)
-                if args.warm_s > 0:
-                    row["warm_calls"] = warm_calls
-                row.update(gpu_window)
-                if args.graph_timing and guess < args.graph_max_ms and method != "reference":
-                    try:  # the GPU's time alone: the same call replayed from a CUDA graph, no host work
-                        t_graph = time.monotonic()
-                        row["graph_ms"] = graph_bench(fn, reps_for(guess))
-                        clock = monitor.window(t_graph, time.monotonic()).get("gpu_clock_mhz")
-                        if clock is not None:
-                            row["graph_gpu_clock_mhz"] = clock
-                    except Exception as e:  # reported, not fatal: the eager time stands
-                        row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                        torch.cuda.synchronize()
-            except torch.cuda.OutOfMemoryError as e:
-                row["error"] = "out of memory"
-                print(f"OOM {mode} N={N} D={D} G={G} {method}: {str(e)[:120]}")
-            except Exception as e:  # a backend that cannot run a case is reported, not fatal
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(f"ERROR {mode} N={N} D={D} G={G} {method}: {row['error']}")
-            if "ms" in row and mode != "decode":
-                fl = dense_flops(N, D, H, B) if method in ("sdpa", "cudnn") else dilated_flops(N, branches, D, H, B)
-                fl *= 3.5 if mode == "fwdbwd" else 1.0  # backward = 2.5 x forward (flash-attention convention)
-                row["tflops"] = fl / (row["ms"] * 1e-3) / 1e12
-                if "graph_ms" in row:
-                    row["graph_tflops"] = fl / (row["graph_ms"] * 1e-3) / 1e12
-            rows.append(row)
-        del q, k, v, do
+                if method == "cudnn" and mode == "decode":
+                    continue
+                if method == "flex" and (mode == "decode" or N > args.max_flex or D not in args.flex_dims
+                                         or G not in args.flex_gqa):
+                    continue
+                if method == "reference" and N > args.max_reference:
+                    continue
+                torch.cuda.empty_cache()
+                bar.set_postfix_str(f"{mode} N={N} D={D} G={G} {method}")
+                try:
+                    if mode == "decode":
+                        if method == "sdpa":
+                            fn = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                                q, k, v, enable_gqa=G > 1)
+                        elif method == "flex":
+                            continue
+                        else:
+                            be = "triton" if method == "triton" else "torch"
+                            fn = lambda: run_dilated(be, q, k, v, branches)  # noqa: E731
+                        out = fn()
+                        if method == "sdpa":
+                            err = None
+                        else:
+                            seg = (N - 1) // max(w for w, _ in branches) * max(w for w, _ in branches)
+                            tail = (k[:, :, seg:].contiguous(), v[:, :, seg:].contiguous())
+                            ref = run_dilated("torch", q, *tail, branches)
+                            err = rel_err(out, ref)
+                    else:
+                        if method in ("sdpa", "cudnn"):
+                            fn = lambda: run_sdpa(q, k, v, do, "cudnn" if method == "cudnn" else "flash")  # noqa: E731
+                        elif method == "flex":
+                            fn = lambda: run_flex(q, k, v, branches, do)  # noqa: E731
+                        else:
+                            be = "triton" if method == "triton" else "torch"
+                            fn = lambda: run_dilated(be, q, k, v, branches, do)  # noqa: E731
+                        t0 = time.time()
+                        out = fn()  # first call: compiles / builds, checked below
+                        row["first_call_s"] = round(time.time() - t0, 3)
+                        err = (check_sdpa(out, q, k, v, do) if method in ("sdpa", "cudnn")
+                               else check_dilated(out, q, k, v, branches, do))
+                    del out
+                    row["rel_err"] = err
+                    if err is not None and not (err < TOL):
+                        row["error"] = f"check failed: rel err {err}"
+                        print(f"CHECK FAILED {row}")
+                        rows.append(row)
+                        continue
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    t1 = time.time()
+                    fn()
+                    torch.cuda.synchronize()
+                    guess = (time.time() - t1) * 1e3
+                    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                    row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                    row["ms"], gpu_window, warm_calls = timed_on_gpu(
+                        fn, lambda f: bench(f, reps_for(guess), warmup=0 if guess > 500 else 1), monitor, args.warm_s)
+                    if args.warm_s > 0:
+                        row["warm_calls"] = warm_calls
+                    row.update(gpu_window)
+                    if args.graph_timing and guess < args.graph_max_ms and method != "reference":
+                        try:  # the GPU's time alone: the same call replayed from a CUDA graph, no host work
+                            t_graph = time.monotonic()
+                            row["graph_ms"] = graph_bench(fn, reps_for(guess))
+                            clock = monitor.window(t_graph, time.monotonic()).get("gpu_clock_mhz")
+                            if clock is not None:
+                                row["graph_gpu_clock_mhz"] = clock
+                        except Exception as e:  # reported, not fatal: the eager time stands
+                            row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                            torch.cuda.synchronize()
+                except torch.cuda.OutOfMemoryError as e:
+                    row["error"] = "out of memory"
+                    print(f"OOM {mode} N={N} D={D} G={G} {method}: {str(e)[:120]}")
+                except Exception as e:  # a backend that cannot run a case is reported, not fatal
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    print(f"ERROR {mode} N={N} D={D} G={G} {method}: {row['error']}")
+                if "ms" in row and mode != "decode":
+                    fl = dense_flops(N, D, H, B) if method in ("sdpa", "cudnn") else dilated_flops(N, branches, D, H, B)
+                    fl *= 3.5 if mode == "fwdbwd" else 1.0  # backward = 2.5 x forward (flash-attention convention)
+                    row["tflops"] = fl / (row["ms"] * 1e-3) / 1e12
+                    if "graph_ms" in row:
+                        row["graph_tflops"] = fl / (row["graph_ms"] * 1e-3) / 1e12
+                rows.append(row)
+            del q, k, v, do
+    if run.interrupted:
+        print(f"interrupted: writing the {len(rows)} results measured so far")
+    args.interrupted = run.interrupted
     monitor.__exit__(None, None, None)
     # ratio to SDPA at the same (mode, N, D, H, Hk); SDPA's 1M rate is taken from its largest measured N
     key = lambda r: (r["mode"], r["N"], r["D"], r["H"], r["Hk"])  # noqa: E731
@@ -438,7 +444,7 @@ def write_results(rows, args, gpu, monitor=None):
         python=platform.python_version(), command="python " + " ".join(sys.argv), branches=LONGNET,
         dtype="bfloat16", causal=True, date=datetime.datetime.now().isoformat(timespec="seconds"),
         flops="useful: 4*D per computed (query, key) pair of the dilated pattern (dense causal for SDPA); fwd+bwd = 3.5x fwd",
-        warm_s=args.warm_s,
+        warm_s=args.warm_s, interrupted=getattr(args, "interrupted", False),
         gpu_monitor=(None if monitor is None or not monitor.available
                      else f"{len(monitor.samples)} samples every {monitor.period_s} s, {monitor.errors} failed reads"),
     )

@@ -4,6 +4,9 @@ with the GPU's clock and power beside it (one implementation for ``bench_attenti
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import types
 from typing import Callable
 
 
@@ -101,3 +104,23 @@ def cuda_graph_median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -
     ms = cuda_median_ms(graph.replay, reps, warmup=1)
     del graph
     return ms
+
+
+
+@contextlib.contextmanager
+def until_interrupted():
+    """Run the block until it ends or is interrupted: by Ctrl-C or by a SIGTERM (what ``timeout`` and job schedulers
+    send, raised here as ``KeyboardInterrupt``), which ends the block quietly with ``.interrupted`` set on the object
+    it yields, so that a benchmark stopped from outside still writes the cases it measured. The previous SIGTERM
+    handler is restored on the way out."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    state = types.SimpleNamespace(interrupted=False)
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield state
+    except KeyboardInterrupt:
+        state.interrupted = True
+    finally:
+        signal.signal(signal.SIGTERM, previous)

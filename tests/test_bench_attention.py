@@ -128,3 +128,25 @@ def test_table_shows_the_clock_and_power_of_each_timing(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[-2:] == ["MHz", "W"]
     assert lines[2].split()[-2:] == ["1770", "690"] and lines[3].split()[-2:] == ["-", "-"]
+
+
+def test_a_timeout_still_leaves_the_cases_measured():
+    """``timing.until_interrupted`` (the benchmark's case loop): a SIGTERM, as ``timeout`` sends, ends the block with
+    ``interrupted`` set instead of killing the process, so the results so far are written; the previous handler comes
+    back, and a block that runs to its end is not marked."""
+    import os
+    import signal
+
+    from timing import until_interrupted
+
+    before = signal.getsignal(signal.SIGTERM)
+    measured = []
+    with until_interrupted() as run:
+        measured.append("case 1")
+        os.kill(os.getpid(), signal.SIGTERM)
+        measured.append("case 2")  # not reached: the signal ends the block
+    assert run.interrupted and measured == ["case 1"]
+    assert signal.getsignal(signal.SIGTERM) is before
+    with until_interrupted() as run:
+        measured.append("case 3")
+    assert not run.interrupted and measured == ["case 1", "case 3"]
