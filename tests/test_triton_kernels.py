@@ -794,10 +794,16 @@ def test_gluon_kernels_coverage(monkeypatch, which):
         assert not kernel.ws_applies(torch.empty(1, 2, 256, 256, dtype=torch.bfloat16), plain, True)
         assert not kernel.ws_applies(q, dict(plain, WINDOW=True), True)
         assert kernel.ws_launch_config()["BLOCK_M"] == 128 and kernel.ws_launch_config()["maxnreg"] == 168
-        # programs per item and head: few (long programs) where there is work for WS_WAVES per SM, else one per tile
-        assert kernel.ws_groups(128, 16, 16, 132) == 1  # 256K, w 2048: each program walks an item's 16 tiles
-        assert kernel.ws_groups(32, 16, 16, 132) == 2  # 64K: 8 tiles each, 1024 programs
+        # programs per item and head: WS_TILES (2) tiles each where there is work for WS_WAVES programs per SM (more
+        # would overflow L2 with the K / V of the items in flight), else one tile per program
+        assert kernel.WS_TILES == 2
+        assert kernel.ws_groups(128, 16, 16, 132) == 8  # 256K, w 2048: 16 tiles an item, 2 a program
+        assert kernel.ws_groups(32, 15, 16, 132) == 8  # an odd tile count: the last program walks one
+        assert kernel.ws_groups(8, 16, 16, 132) == 8  # 16K: 2048 tiles, still 3 per SM
         assert kernel.ws_groups(1, 8, 16, 132) == 8  # one item of 8 tiles a head: one tile per program
+        with monkeypatch.context() as patch:  # without the cap: as few programs as keep 4 per SM
+            patch.setattr(kernel, "WS_TILES", 16)
+            assert kernel.ws_groups(128, 16, 16, 132) == 1 and kernel.ws_groups(32, 16, 16, 132) == 2
         monkeypatch.setenv("HF_DILATED_WS", "off")
         assert not kernel.ws_applies(q, plain, True) and kernel.applies(q, plain, True)
         monkeypatch.setenv("HF_DILATED_WS", "sometimes")
