@@ -17,6 +17,13 @@ so that every method is timed at its own sustained clock rather than at whatever
     python scripts/bench_attention.py                  # the full sweep (about 8 minutes on an H100)
     python scripts/bench_attention.py --quick          # 16K and 64K only
     python scripts/bench_attention.py --shapes 16/16/128 32/8/128 9/3/64 8/2/256   # model-shaped heads, one run
+
+A run stopped by Ctrl-C or a timeout's SIGTERM still writes what it measured (``meta.interrupted``); ``--resume
+<that JSON>`` on the same GPU measures the rest and writes the union, so a sweep longer than one sitting (a lent GPU's
+per-command limit) still ends as one file of one GPU's numbers:
+
+    timeout 590 python scripts/bench_attention.py --seqlens 16384 65536 --out results/run
+    timeout 590 python scripts/bench_attention.py --seqlens 16384 65536 262144 --resume results/run/<gpu>-<date>.json
 """
 
 from __future__ import annotations
@@ -242,6 +249,9 @@ def main():
     ap.add_argument("--warm-s", type=float, default=1.0,
                     help="before timing a call, run it back to back for this many seconds (the sustained clock; 0: no)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--resume", metavar="JSON",
+                    help="continue an earlier run of this script on the same GPU (one that a timeout stopped, or a "
+                         "first part): its rows are kept, its measured cases skipped, and the union written")
     args = ap.parse_args()
     try:
         shapes = ([parse_shape(x) for x in args.shapes] if args.shapes
@@ -261,7 +271,13 @@ def main():
     gpu = torch.cuda.get_device_name()
     branches = LONGNET
     B = 1
-    rows = []
+    rows, args.resumed_meta = [], None
+    if args.resume:
+        try:
+            rows, args.resumed_meta = resumed_rows(args.resume, gpu)
+        except (OSError, ValueError, KeyError) as err:
+            ap.error(f"--resume {args.resume}: {err}")
+    done = {case_key(r) for r in rows}
     bar = tqdm(bench_cases(args.modes, args.seqlens, shapes), desc="bench", file=sys.stdout, mininterval=5)
     monitor = GpuMonitor(torch.cuda.current_device()).__enter__()
     with until_interrupted() as run:  # Ctrl-C or a timeout's SIGTERM: the cases measured so far are written
@@ -278,6 +294,8 @@ def main():
             do = torch.randn(B, H, nq, D, device=dev, dtype=dtype, generator=gen) if mode == "fwdbwd" else None
             for method in args.methods:
                 row = dict(mode=mode, N=N, D=D, H=H, Hk=Hk, B=B, method=method)
+                if case_key(row) in done:  # measured by the run this one resumes
+                    continue
                 if method in ("sdpa", "cudnn") and N > args.max_sdpa and mode != "decode":
                     continue
                 if method == "cudnn" and mode == "decode":
@@ -434,10 +452,28 @@ def print_table(rows):
           "MHz, W: the GPU's mean SM clock and power draw while the eager time was taken (- : not sampled).")
 
 
+def case_key(row: dict) -> tuple:
+    """What identifies a measured case: ``(mode, N, D, H, Hk, method)``."""
+    return row["mode"], row["N"], row["D"], row["H"], row["Hk"], row["method"]
+
+
+def resumed_rows(path: str, gpu: str) -> tuple[list, dict]:
+    """``(rows, meta)`` of an earlier run's JSON, to be continued on this GPU (``--resume``). A run on another GPU is
+    refused: the ratios this script reports compare methods measured on one GPU."""
+    with open(path) as f:
+        data = json.load(f)
+    meta = data["meta"]
+    if meta.get("gpu") != gpu:
+        raise ValueError(f"it was measured on {meta.get('gpu')!r}, this GPU is {gpu!r} (ratios are within one GPU)")
+    return data["rows"], meta
+
+
 def write_results(rows, args, gpu, monitor=None):
     import triton
 
     os.makedirs(args.out, exist_ok=True)
+    earlier = getattr(args, "resumed_meta", None)  # the commands of the runs this one continues, then its own
+    commands = (earlier.get("commands") or [earlier["command"]] if earlier else []) + ["python " + " ".join(sys.argv)]
     stem = f"{gpu.replace(' ', '-').replace('/', '-')}-{datetime.date.today().isoformat()}"
     meta = dict(
         gpu=gpu, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
@@ -445,6 +481,7 @@ def write_results(rows, args, gpu, monitor=None):
         dtype="bfloat16", causal=True, date=datetime.datetime.now().isoformat(timespec="seconds"),
         flops="useful: 4*D per computed (query, key) pair of the dilated pattern (dense causal for SDPA); fwd+bwd = 3.5x fwd",
         warm_s=args.warm_s, interrupted=getattr(args, "interrupted", False),
+        commands=commands, resumed_from=getattr(args, "resume", None),
         gpu_monitor=(None if monitor is None or not monitor.available
                      else f"{len(monitor.samples)} samples every {monitor.period_s} s, {monitor.errors} failed reads"),
     )

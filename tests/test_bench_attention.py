@@ -150,3 +150,32 @@ def test_a_timeout_still_leaves_the_cases_measured():
     with until_interrupted() as run:
         measured.append("case 3")
     assert not run.interrupted and measured == ["case 1", "case 3"]
+
+
+def test_resume_continues_an_earlier_run_on_the_same_gpu(tmp_path):
+    """``--resume``: the rows of the run it continues are kept and their cases skipped (``case_key``), a run from
+    another GPU is refused (its ratios would compare two GPUs), and the union is written with every command that
+    made it."""
+    import argparse
+    import json
+
+    pytest.importorskip("triton")
+    gpu = "NVIDIA H100 80GB HBM3"
+    row = lambda N, method, ms: dict(mode="fwd", N=N, D=128, H=16, Hk=16, B=1, method=method, ms=ms,  # noqa: E731
+                                     peak_gib=0.5)
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps(dict(meta=dict(gpu=gpu, command="python scripts/bench_attention.py --seqlens 16384"),
+                                     rows=[row(16384, "triton", 0.8), row(16384, "sdpa", 0.9)])))
+    rows, meta = bench.resumed_rows(str(first), gpu)
+    assert {bench.case_key(r) for r in rows} == {("fwd", 16384, 128, 16, 16, "triton"),
+                                                 ("fwd", 16384, 128, 16, 16, "sdpa")}
+    with pytest.raises(ValueError, match="measured on 'NVIDIA H100 80GB HBM3', this GPU is 'NVIDIA H200'"):
+        bench.resumed_rows(str(first), "NVIDIA H200")
+    args = argparse.Namespace(out=str(tmp_path / "out"), warm_s=1.0, interrupted=False, resume=str(first),
+                              resumed_meta=meta)
+    bench.write_results(rows + [row(65536, "triton", 3.0)], args, gpu)
+    (written,) = (tmp_path / "out").glob("*.json")
+    data = json.loads(written.read_text())
+    assert [r["N"] for r in data["rows"]] == [16384, 16384, 65536]
+    assert data["meta"]["commands"][0] == "python scripts/bench_attention.py --seqlens 16384"
+    assert len(data["meta"]["commands"]) == 2 and data["meta"]["resumed_from"] == str(first)
