@@ -179,3 +179,18 @@ def test_resume_continues_an_earlier_run_on_the_same_gpu(tmp_path):
     assert [r["N"] for r in data["rows"]] == [16384, 16384, 65536]
     assert data["meta"]["commands"][0] == "python scripts/bench_attention.py --seqlens 16384"
     assert len(data["meta"]["commands"]) == 2 and data["meta"]["resumed_from"] == str(first)
+
+
+def test_ratios_of_a_resumed_run_use_the_baselines_measured_since():
+    """``add_ratios``: a Triton row whose SDPA at its N was not measured yet took SDPA's largest N (marked
+    ``sdpa_ratio_from_N``); once the resumed run measures SDPA at that N, the row is compared with it and the mark
+    goes; cuDNN's ratio is the Triton row's rate over cuDNN's at the same case."""
+    row = lambda N, method, tflops: dict(mode="fwdbwd", N=N, D=128, H=16, Hk=16, method=method,  # noqa: E731
+                                         ms=1.0, tflops=tflops)
+    rows = [row(65536, "sdpa", 300.0), row(262144, "triton", 330.0)]
+    bench.add_ratios(rows)  # the first part: no SDPA at 256K yet
+    assert rows[1]["sdpa_ratio_from_N"] == 65536 and rows[1]["tflops_ratio_vs_sdpa"] == 1.1
+    rows += [row(262144, "sdpa", 275.0), row(262144, "cudnn", 550.0)]  # measured by the resumed run
+    bench.add_ratios(rows)
+    assert "sdpa_ratio_from_N" not in rows[1]
+    assert rows[1]["tflops_ratio_vs_sdpa"] == 1.2 and rows[1]["tflops_ratio_vs_cudnn"] == 0.6
