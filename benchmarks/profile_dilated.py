@@ -2,14 +2,20 @@
 inside a CUDA profiler range, after a warm-up, for Nsight Compute:
 
     ncu --profile-from-start off --section SpeedOfLight --section Occupancy python benchmarks/profile_dilated.py
-    ncu -k regex:dilated_bwd --launch-count 4 --section SpeedOfLight ... python benchmarks/profile_dilated.py
+    ncu -k regex:dkdv_hopper --launch-skip 4 --launch-count 1 --section SpeedOfLight ... python benchmarks/profile_dilated.py
 
 (run from the repository root with ``PYTHONPATH=$PWD`` unless the package is installed). The r = 1 branch's launches
-are the last of each pass (``launch._launch_order``): with 5 branches, ``-k regex:dilated_bwd --launch-skip 8
---launch-count 2`` profiles its dK/dV and dq, ``-k regex:dilated_fwd --launch-skip 4 --launch-count 1`` its forward.
-The readings are in ``benchmarks/NOTES_triton.md``. With ``--table``, no Nsight: GPU time per kernel from
-``torch.profiler`` (``kernel_times.py``)."""
+are the last of each pass (``launch._launch_order``): with 5 branches, ``-k regex:dilated_fwd --launch-skip 4
+--launch-count 1`` profiles its forward, ``-k regex:dkdv_hopper --launch-skip 4 --launch-count 1`` its dK/dV (with
+the fused dQ at head dim 128).
 
+``--dense cudnn`` (or ``flash``) runs dense causal SDPA on that backend instead, at the same shape, so the same
+Nsight sections read the bar the dilated kernels are held to (issue 14: cuDNN's rate), cycle for cycle under Nsight's
+locked clock. ``--n``, ``--heads``, ``--kv-heads``, ``--dim`` change the shape. The readings are in
+``benchmarks/NOTES_triton.md``. With ``--table``, no Nsight: GPU time per kernel from ``torch.profiler``
+(``kernel_times.py``)."""
+
+import argparse
 import os
 import sys
 
@@ -17,27 +23,51 @@ import torch
 
 from hf_dilated import dilated_attention
 
-torch.manual_seed(0)
-N, H, D = 65536, 16, 128
-q, k, v = (torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-w, r = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
-for _ in range(2):  # warm-up (compile) outside the profiled range
-    out = dilated_attention(q, k, v, w, r, is_causal=True)
-    out.sum().backward()
-torch.cuda.synchronize()
-if "--table" in sys.argv:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from kernel_times import kernel_times, print_times
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
-    g = torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16)
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("--n", type=int, default=65536)
+ap.add_argument("--heads", type=int, default=16)
+ap.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
+ap.add_argument("--dim", type=int, default=128)
+ap.add_argument("--dense", choices=["cudnn", "flash"], default=None, help="profile dense causal SDPA instead")
+ap.add_argument("--table", action="store_true", help="GPU time per kernel from torch.profiler, no Nsight")
+args = ap.parse_args()
+
+torch.manual_seed(0)
+N, H, Hk, D = args.n, args.heads, args.kv_heads or args.heads, args.dim
+q = torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+k, v = (torch.randn(1, Hk, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+g = torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16)
+w, r = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
+
+if args.dense:
+    from bench_attention import run_sdpa
+
+    def forward():
+        return run_sdpa(q, k, v, None, args.dense)
+
+    def step():
+        return run_sdpa(q, k, v, g, args.dense)
+else:
+    def forward():
+        return dilated_attention(q, k, v, w, r, is_causal=True)
 
     def step():  # gradients returned, not accumulated into .grad (an add kernel per leaf per call)
-        torch.autograd.grad(dilated_attention(q, k, v, w, r, is_causal=True), (q, k, v), g)
+        return torch.autograd.grad(dilated_attention(q, k, v, w, r, is_causal=True), (q, k, v), g)
 
-    print_times(f"dilated, forward+backward, N={N}", kernel_times(step))
+for _ in range(2):  # warm-up (compile) outside the profiled range
+    forward()
+    step()
+torch.cuda.synchronize()
+if args.table:
+    from kernel_times import kernel_times, print_times
+
+    print_times(f"{args.dense or 'dilated'}, forward+backward, N={N}, {H}/{Hk}/{D}", kernel_times(step))
     sys.exit(0)
 torch.cuda.cudart().cudaProfilerStart()
-out = dilated_attention(q, k, v, w, r, is_causal=True)
-out.sum().backward()
+forward()
+step()
 torch.cuda.synchronize()
 torch.cuda.cudart().cudaProfilerStop()
