@@ -258,3 +258,67 @@ def test_kernel_resources_compiles_only_the_kernels_asked_for(tmp_path):
                          env=dict(os.environ, TRITON_INTERPRET="0"), cwd=ROOT)
     assert run.returncode == 2 and "--kernels no_such_kernel matched none" in run.stderr, run.stderr[-2000:]
     assert "bs_bwd_dq_kernel" in run.stderr
+
+
+def _ncu_source_csv(path, rows):
+    """A small ``ncu --page source --csv --print-source sass`` export: (source, samples, executed, {reason: n})."""
+    reasons = ["stall_barrier", "stall_wait", "stall_long_sb"]
+    lines = ['"Kernel Name","toy_kernel",',
+             ",".join(f'"{h}"' for h in ["Address", "Source", "# Samples", "Instructions Executed", *reasons,
+                                         "stall_wait (Not Issued)"])]
+    for n, (src, samples, executed, stalls) in enumerate(rows):
+        cells = [hex(0x1000 + 16 * n), src, samples, executed, *(stalls.get(r[6:], 0) for r in reasons), 99]
+        lines.append(",".join(f'"{c}"' for c in cells))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_ncu_stall_regions_splits_samples_into_loop_tile_and_rest(tmp_path, capsys):
+    import gzip
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ncu_stall_regions as tool
+
+    rows = [("LDC R1, c[0x0][0x28]", 10, 16, {"barrier": 10}),  # entry, once per program: the rest
+            ("HGMMA.64x128x16.F32.BF16 R88, gdesc[UR4], RZ", 5, 100, {"wait": 5}),  # peeled first step: per tile
+            ("HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], R88", 40, 800, {"wait": 30, "barrier": 10}),  # the loop
+            ("FMNMX R1, R2, R3, !PT", 25, 790, {"wait": 25}),  # the loop
+            ("STG.E [R2], R4", 20, 120, {"long_sb": 20}),  # the epilogue: per tile
+            ("NOP", 50, 8, {"barrier": 50})]  # a parked warp: the rest
+    csv_path = _ncu_source_csv(tmp_path / "toy.csv", rows)
+    s = tool.summarize(tool.read(csv_path)["toy_kernel"], top=2)
+    assert s["samples"] == 150 and s["tensor_core_executed"] == [100, 800]
+    loop, tile, rest = (s["regions"][r] for r in tool.REGIONS)
+    assert (loop["samples"], tile["samples"], rest["samples"]) == (65, 25, 60)
+    assert loop["stalls"] == {"wait": 55, "barrier": 10} and tile["stalls"] == {"long_sb": 20, "wait": 5}
+    assert "wait (Not Issued)" not in loop["stalls"]  # only the all-samples reasons are counted
+    assert [t["source"] for t in s["top"]] == ["NOP", "HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], R88"]
+    # every tensor-core instruction in the loop: no per-tile region
+    assert tool.classify([dict(source="HMMA.16816", executed=800), dict(source="MUFU.EX2", executed=100)]) == [
+        "step loop", "rest"]
+    gz = tmp_path / "toy.csv.gz"
+    gz.write_bytes(gzip.compress(csv_path.read_bytes()))
+    out = tmp_path / "regions.json"
+    assert tool.main([str(gz), "--json", str(out), "--top", "1"]) == 0
+    assert "step loop" in capsys.readouterr().out
+    assert json.loads(out.read_text())["kernels"]["toy_kernel"]["regions"]["step loop"]["samples"] == 65
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["missing.csv"], "csv must be an existing file"),
+    (["TOY", "--top", "-1"], "--top must be >= 0"),
+])
+def test_ncu_stall_regions_refuses_bad_input_by_name(tmp_path, argv, message, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ncu_stall_regions as tool
+
+    toy = _ncu_source_csv(tmp_path / "toy.csv", [("NOP", 1, 1, {})])
+    with pytest.raises(SystemExit):
+        tool.main([str(toy) if a == "TOY" else str(tmp_path / a) if a.endswith(".csv") else a for a in argv])
+    assert message in capsys.readouterr().err
+    (tmp_path / "plain.csv").write_text('"Address","Source"\n"0x0","NOP"\n')
+    with pytest.raises(ValueError, match="Kernel Name"):
+        tool.read(tmp_path / "plain.csv")
+    (tmp_path / "nosamples.csv").write_text('"Kernel Name","k",\n"Address","Source"\n"0x0","NOP"\n')
+    with pytest.raises(ValueError, match="lacks the columns"):
+        tool.read(tmp_path / "nosamples.csv")
