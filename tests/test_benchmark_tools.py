@@ -322,3 +322,44 @@ def test_ncu_stall_regions_refuses_bad_input_by_name(tmp_path, argv, message, ca
     (tmp_path / "nosamples.csv").write_text('"Kernel Name","k",\n"Address","Source"\n"0x0","NOP"\n')
     with pytest.raises(ValueError, match="lacks the columns"):
         tool.read(tmp_path / "nosamples.csv")
+
+
+def test_gap_by_segment_cases_and_a_cpu_run(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gap_by_segment as tool
+
+    cases = tool.cases(65536)
+    single = [b[0][0] for kind, b in cases if kind == "dilated" and len(b) == 1]
+    assert single == [2048, 4096, 8192, 16384, 32768, 65536]  # up to w = N: dense causal through the dilated path
+    added = [b for kind, b in cases if kind == "dilated" and len(b) == 2]
+    assert added == [[(2048, 1), (w, r)] for w, r in tool.LONGNET[1:]]
+    assert [b for kind, b in cases if kind == "dilated" and len(b) == 5] == [tool.LONGNET]
+    assert [kind for kind, _ in cases[-2:]] == ["cudnn", "flash"]
+    assert [b for kind, b in tool.cases(8192) if kind == "dilated" and len(b) > 1] == [
+        [(2048, 1), (4096, 2)], [(2048, 1), (8192, 4)], [(2048, 1), (4096, 2), (8192, 4)]]
+    assert tool.cases(512)[0] == ("dilated", [(512, 1)])  # shorter than the smallest LongNet segment
+    assert tool.main(["--n", "512", "--heads", "2", "--dim", "64", "--reps", "1", "--warm-s", "0",
+                      "--out", str(tmp_path)]) == 0
+    (js,) = tmp_path.glob("gap-by-segment-*.json")
+    data = json.loads(js.read_text())
+    assert data["meta"]["N"] == 512 and data["meta"]["command"].startswith("python benchmarks/gap_by_segment.py")
+    assert {(r["kind"], r["mode"]) for r in data["rows"]} == {(k, m) for k in ("dilated", "cudnn", "flash")
+                                                           for m in ("fwd", "fwdbwd")}
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in data["rows"])
+    assert js.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--n", "100"], "--n must be >= 256"),
+    (["--heads", "6", "--kv-heads", "4"], "--heads must be a positive multiple of --kv-heads"),
+    (["--dim", "96"], "--dim must be one of 64, 128, 256"),
+    (["--warm-s", "-1"], "--warm-s must be >= 0"),
+    (["--reps", "0"], "--reps must be >= 1"),
+])
+def test_gap_by_segment_refuses_bad_options_by_name(argv, message, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gap_by_segment as tool
+
+    with pytest.raises(SystemExit):
+        tool.main(argv)
+    assert message in capsys.readouterr().err
