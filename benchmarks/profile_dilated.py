@@ -34,6 +34,12 @@ ap.add_argument("--dim", type=int, default=128)
 ap.add_argument("--dense", choices=["cudnn", "flash"], default=None, help="profile dense causal SDPA instead")
 ap.add_argument("--table", action="store_true", help="GPU time per kernel from torch.profiler, no Nsight")
 args = ap.parse_args()
+if args.n < 1:
+    ap.error(f"--n must be >= 1, got {args.n}")
+if args.heads < 1 or (args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads)):
+    ap.error(f"--heads must be a positive multiple of --kv-heads, got {args.heads} and {args.kv_heads}")
+if args.dim not in (64, 128, 256):
+    ap.error(f"--dim must be one of 64, 128, 256, got {args.dim}")
 
 torch.manual_seed(0)
 N, H, Hk, D = args.n, args.heads, args.kv_heads or args.heads, args.dim

@@ -363,3 +363,15 @@ def test_gap_by_segment_refuses_bad_options_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         tool.main(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--n", "0"], "--n must be >= 1"),
+    (["--heads", "6", "--kv-heads", "4"], "--heads must be a positive multiple of --kv-heads"),
+    (["--dim", "96"], "--dim must be one of 64, 128, 256"),
+    (["--dense", "math"], "invalid choice"),
+])
+def test_profile_dilated_refuses_bad_options_by_name(argv, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_dilated.py"), *argv],
+                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and message in proc.stderr
