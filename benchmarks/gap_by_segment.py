@@ -14,7 +14,7 @@ prologue and epilogue, paid once per ~w / 256 key tiles); each added branch's ti
 what its launch costs beyond its FLOPs. Session 26's reading: ``benchmarks/NOTES_triton.md``.
 
 Writes ``<out>/gap-by-segment-<gpu>-<date>.json`` and a PNG beside it. Without CUDA it runs the PyTorch reference and
-SDPA's math backend at ``--n 1024`` (a smoke run of the script: those times say nothing about the kernels)."""
+SDPA's math backend (``bench_attention.run_sdpa`` off the GPU) at ``--n 1024`` (a smoke run of the script: those times say nothing about the kernels)."""
 
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, ROOT)
 
-from bench_attention import dense_flops, dilated_flops  # noqa: E402
+from bench_attention import dense_flops, dilated_flops, run_sdpa  # noqa: E402
 from gpu_monitor import GpuMonitor  # noqa: E402
 from timing import cuda_median_ms, timed_on_gpu  # noqa: E402
 
@@ -52,23 +53,6 @@ def cases(n: int) -> list[tuple[str, list | None]]:
     added = [("dilated", [(base, 1), (w, r)]) for w, r in fits if r > 1]
     full = [("dilated", fits)] if len(fits) > 2 else []
     return single + added + full + [(kind, None) for kind in DENSE]
-
-
-def run_dense(q, k, v, do, kind):
-    """Dense causal SDPA on cuDNN or FlashAttention-2 (on the CPU: the math backend, whatever ``kind``)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[kind]
-    if q.device.type != "cuda":
-        backend = SDPBackend.MATH
-    if k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
-    with sdpa_kernel(backend):
-        if do is None:
-            with torch.no_grad():
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return torch.autograd.grad(out, (q, k, v), do)
 
 
 def main(argv=None) -> int:
@@ -116,11 +100,6 @@ def main(argv=None) -> int:
 
     rows = []
     with GpuMonitor() as monitor:
-        try:
-            from tqdm import tqdm
-        except ImportError:  # progress is a nicety
-            def tqdm(x, **_):
-                return x
         todo = [(kind, br, mode) for kind, br in cases(n) for mode in args.modes]
         for kind, branches, mode in tqdm(todo, desc="gap by segment", disable=None):
             if kind == "dilated":
@@ -137,10 +116,10 @@ def main(argv=None) -> int:
                 flops = dilated_flops(n, branches, args.dim, args.heads, 1)
             else:
                 def fwd():
-                    return run_dense(q, k, v, None, kind)
+                    return run_sdpa(q, k, v, None, kind)
 
                 def step():
-                    return run_dense(q, k, v, do, kind)
+                    return run_sdpa(q, k, v, do, kind)
 
                 flops = dense_flops(n, args.dim, args.heads, 1)
             fn = fwd if mode == "fwd" else step

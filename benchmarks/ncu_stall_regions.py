@@ -74,9 +74,14 @@ def read(path: str | Path) -> dict[str, list[dict]]:
     return kernels
 
 
+def tensor_core_counts(instructions: list[dict]) -> list[int]:
+    """The distinct execution counts of the tensor-core instructions that ran, ascending."""
+    return sorted({i["executed"] for i in instructions if TENSOR_CORE.search(i["source"]) and i["executed"]})
+
+
 def classify(instructions: list[dict]) -> list[str]:
     """The region of each instruction (``REGIONS``), by its execution count against the tensor-core instructions'."""
-    counts = [i["executed"] for i in instructions if TENSOR_CORE.search(i["source"]) and i["executed"]]
+    counts = tensor_core_counts(instructions)
     if not counts:
         return ["rest"] * len(instructions)
     most, least = max(counts), min(counts)
@@ -107,11 +112,11 @@ def summarize(instructions: list[dict], top: int = 12) -> dict:
                 stalls[reason] = stalls.get(reason, 0) + n
         out[region] = dict(instructions=len(members), samples=samples, share=samples / total,
                            stalls=dict(sorted(stalls.items(), key=lambda kv: -kv[1])))
-    tc = sorted({i["executed"] for i in instructions if TENSOR_CORE.search(i["source"]) and i["executed"]})
-    ranked = sorted(zip(instructions, regions), key=lambda ir: -ir[0]["samples"])[:top]
-    return dict(samples=total, tensor_core_executed=tc, regions=out,
-                top=[dict(index=instructions.index(i), source=i["source"], samples=i["samples"], executed=i["executed"],
-                          region=r, stalls=i["stalls"]) for i, r in ranked])
+    ranked = sorted(range(len(instructions)), key=lambda n: -instructions[n]["samples"])[:top]
+    return dict(samples=total, tensor_core_executed=tensor_core_counts(instructions), regions=out,
+                top=[dict(index=n, source=instructions[n]["source"], samples=instructions[n]["samples"],
+                          executed=instructions[n]["executed"], region=regions[n], stalls=instructions[n]["stalls"])
+                     for n in ranked])
 
 
 def main(argv=None) -> int:

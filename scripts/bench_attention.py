@@ -99,7 +99,8 @@ def run_dilated(backend, q, k, v, branches, do=None):
 
 def run_sdpa(q, k, v, do=None, backend="flash"):
     """Dense causal SDPA on one named backend: FlashAttention-2 (``flash``) or cuDNN (``cudnn``, the fastest dense
-    kernel on Hopper; K/V repeated for GQA, which its SDPA path does not take)."""
+    kernel on Hopper; K/V repeated for GQA, which its SDPA path does not take). Tensors off the GPU, where neither
+    exists, take SDPA's math backend whatever ``backend`` names (CPU smoke runs of the benchmark tools)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gqa = q.shape[1] != k.shape[1]
@@ -107,6 +108,8 @@ def run_sdpa(q, k, v, do=None, backend="flash"):
         rep = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False
     chosen = SDPBackend.CUDNN_ATTENTION if backend == "cudnn" else SDPBackend.FLASH_ATTENTION
+    if q.device.type != "cuda":
+        chosen = SDPBackend.MATH
     with sdpa_kernel(chosen):
         if do is None:
             with torch.no_grad():
