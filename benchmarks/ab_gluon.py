@@ -3,6 +3,8 @@
 dilated backward's dK/dV launch that adds dQ (``HF_DILATED_FUSED_DQ=1``) against the Gluon dK/dV and dQ kernels.
 ``--switch ws``: the warp-specialized kernels (``HF_DILATED_WS=1``: the forward at head dim 128, the block-sparse dQ)
 against the one-warpgroup Gluon forward and the portable block-sparse dq.
+``--switch persistent``: the warp-specialized forward's persistent programs (``HF_DILATED_PERSISTENT=1``, one per SM)
+against one segment item a program (bit-identical: the same tiles).
 
 - ``--op dilated``: ``launch.forward`` / ``launch.backward`` (``ops/triton/forward_hopper.py``,
   ``backward_hopper.py``), LongNet branches w = 2048..32768, r = 1..16 (the attention benchmark's), causal.
@@ -111,6 +113,9 @@ SWITCHES = {
     # portable block-sparse dq): the same products in the same order
     "ws": ("HF_DILATED_WS", ("one_warpgroup", "warp_specialized"), {"forward": ("forward_ws",), "backward": ("dq_ws",)},
            True),
+    # the warp-specialized forward's persistent programs (grid = SMs) against one item a program: the same tiles
+    "persistent": ("HF_DILATED_PERSISTENT", ("one_item_a_program", "persistent"), {"forward": ("forward_persistent",)},
+                   True),
     # dQ summed by reduce-adds in no fixed order: equal to SPEC's tolerance, not bit for bit (dK, dV are)
     "fused_dq": ("HF_DILATED_FUSED_DQ", ("separate_dq", "fused_dq"), {"backward": ("dq_fused",)}, False),
 }
@@ -166,11 +171,13 @@ def main() -> int:
     ap.add_argument("--switch", choices=tuple(SWITCHES), default="gluon",
                     help="gluon: Gluon against portable kernels; fused_dq: the dK/dV launch that adds dQ against the "
                          "Gluon dK/dV and dQ kernels (dilated backward); ws: the warp-specialized kernels (forward "
-                         "at head dim 128, block-sparse dQ) against the one-warpgroup ones")
+                         "at head dim 128, block-sparse dQ) against the one-warpgroup ones; persistent: the "
+                         "warp-specialized forward's persistent programs against one item a program")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     if args.which not in SWITCHES[args.switch][2] or (args.switch == "fused_dq" and args.op != "dilated") or (
-            args.switch == "ws" and args.op == "dilated" and args.which == "backward"):
+            args.switch == "ws" and args.op == "dilated" and args.which == "backward") or (
+            args.switch == "persistent" and args.op != "dilated"):
         ap.error(f"--switch {args.switch} has no --op {args.op} --pass {args.which}")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -198,7 +205,7 @@ def main() -> int:
     with open(path, "w") as f:
         json.dump(dict(meta=meta, command=" ".join(sys.argv), rows=rows), f, indent=1)
     print("wrote", path)
-    if (args.which == "backward" or args.switch == "ws") and SWITCHES[args.switch][3]:  # same products, same order
+    if (args.which == "backward" or args.switch in ("ws", "persistent")) and SWITCHES[args.switch][3]:  # same products, same order
         differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows if not all(r["identical"].values())]
     else:  # the forward (and the fused dQ) may differ in the last bf16 bits, not more (a NaN is a difference)
         differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows

@@ -24,7 +24,7 @@ from hf_dilated.ops import TokenLayout, resolve_layout  # noqa: E402
 from hf_dilated.ops.dropout import keep_mask  # noqa: E402
 from hf_dilated.ops.triton import dilated_attention_triton, fallback_reason, is_available  # noqa: E402
 from hf_dilated.ops.triton import launch, op  # noqa: E402
-from hf_dilated.ops.triton.schedule import layout_runs  # noqa: E402
+from hf_dilated.ops.triton.schedule import branch_items, layout_runs  # noqa: E402
 from hf_dilated.ops.triton.tiles import item_tile, rounded  # noqa: E402
 from cuda_graphs import assert_graph_replays_eager  # noqa: E402
 from naive import naive_dilated_attention, rel_err  # noqa: E402
@@ -489,6 +489,20 @@ def test_layout_runs():
     assert layout_runs(layout_of(counted[:, -1:], counted, hole, torch.ones(1, 1, dtype=torch.bool))) is None
 
 
+@cpu
+def test_items_per_group():
+    """The persistent warp-specialized forward's descriptors span a group of items that share a batch row and column
+    bases: a contiguous layout gives one group per batch row, packed sequences of unequal item counts none."""
+    cpu_dev = torch.device("cpu")
+    plan = layout_runs(resolve_layout(2, 4096, 4096, cpu_dev))
+    assert branch_items(plan.runs, 2048, 1, True, cpu_dev).items_per_group == 2
+    assert branch_items(plan.runs, 8192, 4, True, cpu_dev).items_per_group == 1
+    pos = torch.cat([torch.arange(3000), torch.arange(1000)])[None]
+    packed = layout_runs(resolve_layout(1, 4000, 4000, cpu_dev, position_ids=pos))
+    assert branch_items(packed.runs, 2048, 1, True, cpu_dev).items_per_group == 0  # 2 items, then 1
+    assert branch_items(packed.runs, 4096, 1, True, cpu_dev).items_per_group == 1  # one item each
+
+
 @triton.jit
 def _record_item_tile(OUT, n_tiles, HEAVIEST_LAST: tl.constexpr):
     item, tile = item_tile(n_tiles, HEAVIEST_LAST)
@@ -794,16 +808,29 @@ def test_gluon_kernels_coverage(monkeypatch, which):
         assert not kernel.ws_applies(torch.empty(1, 2, 256, 256, dtype=torch.bfloat16), plain, True)
         assert not kernel.ws_applies(q, dict(plain, WINDOW=True), True)
         assert kernel.ws_launch_config()["BLOCK_M"] == 128 and kernel.ws_launch_config()["maxnreg"] == 168
-        # programs per item and head: WS_TILES (2) tiles each where there is work for WS_WAVES programs per SM (more
-        # would overflow L2 with the K / V of the items in flight), else one tile per program
-        assert kernel.WS_TILES == 2
-        assert kernel.ws_groups(128, 16, 16, 132) == 8  # 256K, w 2048: 16 tiles an item, 2 a program
-        assert kernel.ws_groups(32, 15, 16, 132) == 8  # an odd tile count: the last program walks one
-        assert kernel.ws_groups(8, 16, 16, 132) == 8  # 16K: 2048 tiles, still 3 per SM
-        assert kernel.ws_groups(1, 8, 16, 132) == 8  # one item of 8 tiles a head: one tile per program
-        with monkeypatch.context() as patch:  # without the cap: as few programs as keep 4 per SM
-            patch.setattr(kernel, "WS_TILES", 16)
-            assert kernel.ws_groups(128, 16, 16, 132) == 1 and kernel.ws_groups(32, 16, 16, 132) == 2
+        # persistent where the items come in groups (a contiguous layout): G programs per head and group, one an SM,
+        # each walking every G-th pair of an item's tiles (tiles T-1-j and j: equal causal work)
+        grid, sched = kernel.ws_schedule(128, 128, 2048, 16, 132)  # 256K, w 2048: 16 tiles an item
+        assert grid == (8, 16, 1) and sched == dict(G=8, n_tiles=16, n_units=8, n_items=128, PER_UNIT=2,
+                                                    PERSISTENT=True)
+        assert kernel.ws_schedule(64, 32, 2048, 16, 132)[0] == (4, 16, 2)  # two batch rows
+        # too few pairs to fill the SMs: single tiles (16K, r 16: one item of 8 tiles a head)
+        assert kernel.ws_schedule(1, 1, 1024, 16, 132)[1]["PER_UNIT"] == 1
+        # 28 heads fill 112 of 132 SMs: under WS_FILL, so one item a program, a pair of tiles each where there is
+        # work for WS_WAVES programs per SM (more would overflow L2 with the K / V of the items in flight)
+        grid, sched = kernel.ws_schedule(32, 32, 2048, 28, 132)
+        assert grid == (32 * 8, 28, 1) and not sched["PERSISTENT"] and sched["PER_UNIT"] == 2
+        assert kernel.ws_schedule(32, 0, 2048, 16, 132)[0] == (32 * 8, 16, 1)  # packed: no groups
+        assert kernel.ws_schedule(1, 0, 1024, 16, 132)[0] == (8, 16, 1)  # one item of 8 tiles: one tile a program
+        with monkeypatch.context() as patch:
+            patch.setattr(kernel, "WS_FILL", 0.8)
+            assert kernel.ws_schedule(32, 32, 2048, 28, 132)[0] == (4, 28, 1)
+        monkeypatch.setenv("HF_DILATED_PERSISTENT", "off")  # one item a program, also where groups allow
+        assert kernel.ws_schedule(128, 128, 2048, 16, 132)[0] == (128 * 8, 16, 1)
+        monkeypatch.setenv("HF_DILATED_PERSISTENT", "sometimes")
+        with pytest.raises(ValueError, match="HF_DILATED_PERSISTENT must be one of"):
+            kernel.ws_schedule(128, 128, 2048, 16, 132)
+        monkeypatch.delenv("HF_DILATED_PERSISTENT")
         monkeypatch.setenv("HF_DILATED_WS", "off")
         assert not kernel.ws_applies(q, plain, True) and kernel.applies(q, plain, True)
         monkeypatch.setenv("HF_DILATED_WS", "sometimes")
@@ -868,18 +895,47 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws):
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
     run(*make_qkv(rng, 1, 8, 4, sum(lengths), sum(lengths), 128, fp16, "cuda"), cu_seqlens_q=cu, cu_seqlens_k=cu)
     run(*make_qkv(rng, 1, 8, 2, 2000, 2000, 128, bf16, "cuda"), global_tokens=5, head_offset=1)  # keys below g
-    from hf_dilated.ops.triton import forward_hopper
-
-    for groups in (1, 3):  # warp-specialized programs that walk all of an item's query tiles, or a third of them
-        with monkeypatch.context() as patch:
-            patch.setattr(forward_hopper, "ws_groups", lambda *args: groups)
-            run(*make_qkv(rng, 1, 8, 4, 4500, 4500, 128, bf16, "cuda"), branches=[(1024, 1), (4096, 2)],
-                head_offset=1)
+    if gluon == "1" and ws == "1":
+        _ws_schedules(rng, monkeypatch, run)
     run(*make_qkv(rng, 1, 4, 4, 1500, 1500, 128, bf16, "cuda"), branches=[(DENSE_SEGMENT, 1)])  # one launch
     monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head at a time: heads from h0 > 0 in the kernels
     monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
     run(*make_qkv(rng, 1, 8, 4, 2100, 2100, 64, bf16, "cuda"), head_offset=2)
     run(*make_qkv(rng, 1, 8, 4, 2100, 2100, 128, bf16, "cuda"), head_offset=2)  # dQ sums per head chunk (fused)
+
+
+def _ws_schedules(rng, monkeypatch, run):
+    """The warp-specialized forward under each of its schedules (``forward_hopper.ws_schedule``): persistent over
+    pairs of tiles or over single tiles, and one item a program over pairs or single tiles; each against the float64
+    oracle (``run``), all bit for bit the same output (a tile's arithmetic does not depend on the program that walks
+    it), and each schedule seen to run."""
+    from hf_dilated.ops.triton import forward_hopper
+
+    q, k, v = make_qkv(rng, 2, 8, 4, 4500, 4500, 128, torch.bfloat16, "cuda")
+    branches = [(1024, 1), (4096, 2)]  # 5 items of 8 tiles (the last 4) a batch row; 2 of 16 (the last 2)
+    chosen, outs = [], []
+    real = forward_hopper.ws_schedule
+
+    def spy(*args):
+        grid, sched = real(*args)
+        chosen[-1].add((sched["PERSISTENT"], sched["PER_UNIT"]))
+        return grid, sched
+
+    # (WS_FILL, WS_WAVES, SMs): no fill asked takes pairs persistent; on 640 "SMs" pairs fill under 90% but single
+    # tiles fill them at w 1024 (at w 4096 neither: one item a program); an unreachable fill gives one item a program,
+    # over pairs where a tiny WS_WAVES finds work enough, else over single tiles
+    for fill, waves, sms in ((0.0, 4, 132), (0.9, 4, 640), (2.0, 1e-3, 132), (2.0, 4, 132)):
+        chosen.append(set())
+        with monkeypatch.context() as patch:
+            patch.setattr(forward_hopper, "ws_schedule", spy)
+            patch.setattr(forward_hopper, "WS_FILL", fill)
+            patch.setattr(forward_hopper, "WS_WAVES", waves)
+            patch.setattr(launch, "sm_count", lambda device: sms)
+            run(q, k, v, branches=branches, head_offset=1)
+            outs.append(hf_dilated.dilated_attention(q, k, v, *zip(*branches), backend="triton", head_offset=1))
+    assert chosen == [{(True, 2)}, {(True, 1), (False, 1)}, {(False, 2)}, {(False, 1)}], chosen
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 @pytest.mark.gpu

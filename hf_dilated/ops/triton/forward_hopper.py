@@ -32,8 +32,9 @@ import torch
 
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile,
-    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, n_rows, query_tile_buffers, query_tile_keys, release_barriers, row_desc, runnable, softmax_first,
-    softmax_step, switch, tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
+    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, n_rows, query_tile_buffers, query_tile_keys,
+    release_barriers, row_desc, runnable, softmax_first, softmax_step, switch, tma_load, warpgroup_mma,
+    warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
 )
 
 BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
@@ -70,19 +71,40 @@ def ws_applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
     return applies(q, flags, tma) and q.shape[-1] == 128 and switch("HF_DILATED_WS")
 
 
-WS_WAVES = 4  # programs the warp-specialized launch aims at, per SM (fewer, longer programs hide more loads)
-WS_TILES = 2  # query tiles per program at most: programs that run at once then share their items' K / V in L2
+WS_WAVES = 4  # programs the one-item-a-program launch aims at, per SM (fewer, longer programs hide more loads)
+WS_TILES = 2  # query tiles per program there at most: programs that run at once then share their items' K / V in L2
+WS_FILL = 0.9  # the persistent launch is taken where its programs fill at least this share of the SMs
 
 
-def ws_groups(n_items: int, n_tiles: int, heads: int, sms: int) -> int:
-    """How many programs share a segment item's ``n_tiles`` query tiles (per head) in the warp-specialized forward:
-    as few as keep ``WS_WAVES`` programs per SM, so that each program's first loads and last epilogue, which nothing
-    hides, are paid for several tiles; but no fewer than leave ``WS_TILES`` tiles to a program, since the programs
-    that run at once read the K / V of as many items as there are programs over tiles per program (H100, 256K: with
-    all 16 tiles of an item in one program, 132 items of 1 MB overflowed the 50 MB L2 and the forward ran 0.81-0.85x
-    of one tile per program)."""
+def ws_schedule(n_items: int, items_per_group: int, max_q_rows: int, heads: int, sms: int) -> tuple[tuple, dict]:
+    """The warp-specialized forward's grid and its schedule arguments (``dilated_fwd_ws_kernel``).
+
+    Persistent where the items come in groups that share a batch row and column bases (``items_per_group``, e.g.
+    every contiguous layout): ``G`` programs per head and group, as many as the SMs hold one each, each walking every
+    ``G``-th unit (a pair of an item's tiles of equal causal work, or single tiles where pairs would leave SMs idle),
+    in item order. A program's descriptors, barriers and first loads are paid once for all its units, and a tile's
+    loads overlap the last one's epilogue (session 26's profile: two fifths of the consumers' time was per-tile cost
+    at 2048-row segments). Else, or where ``G`` programs per head and group fill under ``WS_FILL`` of the SMs, one
+    item a program: a unit of ``WS_TILES`` tiles where there is work for ``WS_WAVES`` programs per SM, else one tile
+    (more tiles per program overflowed L2 with the K / V of the items in flight, session 25). ``HF_DILATED_PERSISTENT``
+    off (``0`` / ``false`` / ``off`` / ``no``) keeps one item a program (``benchmarks/ab_gluon.py --switch
+    persistent``)."""
+    n_tiles = -(-max_q_rows // 128)
+    pairs = -(-n_tiles // 2)
+    groups = n_items // items_per_group if items_per_group else 0
+    if groups and heads * groups <= sms and switch("HF_DILATED_PERSISTENT"):
+        per_head = sms // (heads * groups)
+        for per_unit, n_units in ((2, pairs), (1, n_tiles)):
+            G = min(per_head, items_per_group * n_units)
+            if G * heads * groups >= WS_FILL * sms:
+                return (G, heads, groups), dict(G=G, n_tiles=n_tiles, n_units=n_units, n_items=items_per_group,
+                                                PER_UNIT=per_unit, PERSISTENT=True)
     per_program = max(1, min(n_tiles, WS_TILES, n_items * n_tiles * heads // (WS_WAVES * sms)))
-    return -(-n_tiles // per_program)
+    per_unit, n_units = (2, pairs) if per_program >= 2 else (1, n_tiles)
+    if n_items * n_units >= 2**31 or heads > 65535:
+        raise ValueError(f"too many work items for one launch: {n_items} items x {n_units} units x {heads} heads")
+    return (n_items * n_units, heads, 1), dict(G=n_units, n_tiles=n_tiles, n_units=n_units, n_items=1,
+                                               PER_UNIT=per_unit, PERSISTENT=False)
 
 
 def ws_launch_config() -> dict:
@@ -205,35 +227,53 @@ if gluon is not None:
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
     # ---- the warp-specialized forward (head dim 128) --------------------------------------------------------------
-    # One program per segment item, head and group of the item's 128-row query tiles (tiles ``g, g + G, ...``: equal
-    # causal work per group), walking its tiles heaviest first. A producer warp reads each tile's Q and streams its
-    # K / V tiles (128 keys) through ``STAGES`` buffers (``hopper.ws_copy_kv``); each of two consumer warpgroups owns
-    # 64 of the tile's rows and walks the key tiles its rows see in ``hopper.fwd_step``'s order (tile ``t``'s scores
-    # issued before tile ``t - 1``'s ``P V``, the softmax of ``t`` while that product runs), then merges and stores its
-    # rows as the one-warpgroup kernel does. Both consumers read each K / V tile from one copy and drift apart by up to
-    # ``STAGES`` tiles. The producer runs on into the next query tile (its Q once both consumers issued their last
-    # scores, ``q_empty``), so that tile's loads overlap this one's last ``P V`` and epilogue: one program per SM
-    # (224 KB) leaves no second program to hide them. Causal, the first consumer's rows may see one key tile fewer: it
-    # releases the tiles it skips once they arrived (an early release would count for the buffer's previous tile).
+    # A program walks *units* of one head: a unit is a segment item's 128-row query tiles ``T - 1 - j`` and ``j``
+    # (``PER_UNIT`` 2: equal causal work in every unit) or tile ``T - 1 - j`` alone (``PER_UNIT`` 1), ``T`` the
+    # launch's most tiles per item. Its units are ``k, k + G, ...`` of the ``n_items`` items from ``it0``, in item
+    # order, so the programs of a head that run at once read the K / V of one item (L2). ``PERSISTENT``: the grid is
+    # ``(G, heads, groups)`` with ``G`` programs per head and group of items that share a batch row and column bases
+    # (``BranchItems.items_per_group``), at most one program per SM, so a program's first loads and descriptors are
+    # paid once for many units; else ``(items x G, heads)``, one item a program (packed or padded layouts).
+    # A producer warp reads each tile's Q and streams its K / V tiles (128 keys) through ``STAGES`` buffers
+    # (``hopper.ws_copy_kv``), running on into the next tile (its Q once both consumers issued their last scores,
+    # ``q_empty``), so that tile's loads overlap this one's last ``P V`` and epilogue. Each of two consumer warpgroups
+    # owns 64 of the tile's rows and walks the key tiles its rows see in ``hopper.fwd_step``'s order (tile ``t``'s
+    # scores issued before tile ``t - 1``'s ``P V``, the softmax of ``t`` while that product runs), then merges and
+    # stores its rows as the one-warpgroup kernel does. Both consumers read each K / V tile from one copy and drift
+    # apart by up to ``STAGES`` tiles. Causal, the first consumer's rows may see one key tile fewer: it releases the
+    # tiles it skips once they arrived (an early release would count for the buffer's previous tile).
+    # The descriptors are made once per program: over the item's dilated rows (zeros past them), or, persistent, over
+    # every column of the head in the items' offset class (row stride ``r``), a tile at the row of its first column.
 
     @gluon.jit
-    def _ws_tile(i, grp, n_groups, n_mine, q_first, q_hi, k_lo, k_hi, off, r, BLOCK_N: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr):
-        """``(row0, p_min, n_kt)`` of the program's ``i``-th query tile (heaviest first): its first dilated row, that
-        row's position, and how many key tiles some row of it sees."""
-        tile = grp + (n_mine - 1 - i) * n_groups
-        row0 = tile * 128
-        p_min = q_first + row0 * r
+    def _ws_tile(i, T, h, head_offset, r, k, G, it0, n_tiles, n_units, q_org, k_org, PER_UNIT: gl.constexpr,
+                 BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """The program's ``i``-th tile slot: ``(live, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row)``
+        -- whether it holds query rows (a short item's missing tiles and a unit's repeated middle tile do not), the
+        item's batch row, query column base and bounds, the head's offset class, the tile's first query position, how
+        many key tiles some row of it sees, and the descriptor rows of its first query and of the item's first key."""
+        unit = k + (i // PER_UNIT) * G
+        s = i % PER_UNIT
+        j = unit % n_units
+        tile = gl.where(s == 0, n_tiles - 1 - j, j)
+        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, it0 + unit // n_units)
+        off = (h + head_offset) % r
+        q_first = first_selected(q_lo, off, r)
+        k_first = first_selected(k_lo, off, r)
+        p_min = q_first + tile * 128 * r
+        live = (p_min < q_hi) & ((s == 0) | (tile != n_tiles - 1 - j))
         n_kt = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, 128, BLOCK_N, IS_CAUSAL)[3]
-        return row0, p_min, n_kt
+        q_row = (qbase + q_first - q_org) // r + tile * 128
+        k_row = (kbase + k_first - k_org) // r
+        return live, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row
 
     @gluon.jit
-    def _ws_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    def _ws_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_UNIT: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr):
         """Output and lse of rows ``64 WG ..`` of each of the program's query tiles."""
-        (O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, b, h, head_offset, r,
-         qk_scale, grp, n_groups, n_mine, q_first, q_hi, k_lo, k_hi, off, qbase, q_smem, k_smem, v_smem, q_bar,
-         q_empty, k_ready, v_ready, empty) = a
+        (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h, head_offset, r,
+         qk_scale, k, G, it0, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+         v_ready, empty) = a
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -246,43 +286,46 @@ if gluon is not None:
         kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
         c = 0  # key tiles streamed for the program's earlier query tiles
-        for i in range(n_mine):
-            row0, p_min, n_kt = _ws_tile(i, grp, n_groups, n_mine, q_first, q_hi, k_lo, k_hi, off, r, BLOCK_N,
-                                         IS_CAUSAL)
-            p_w = p_min + WG * 64 * r
-            k_first, n_k, n_plain, n_own, shift = query_tile_keys(p_w, q_hi, k_lo, k_hi, off, r, 64, BLOCK_N,
-                                                                  IS_CAUSAL)
-            if p_w >= q_hi:  # no rows here (the item's last tile)
-                n_own = 0
-            acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
-            out = acc
-            lse = gl.full([64], float("-inf"), gl.float32, layout=o_rows)
-            mbarrier.wait(q_bar, i & 1)
-            if n_own > 0:
-                mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
-                sc = warpgroup_mma(qs, k_smem.index(c % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                if n_plain == 0:
-                    sc = masked_scores(sc, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
-                pf, m_i, l_i = softmax_first(sc, qk_scale)
-                p = gl.convert_layout(pf.to(dtype), p_layout)
-                for t in range(1, n_own):
-                    acc, p, m_i, l_i = _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i, l_i,
-                                                s_zero, qk_scale, n_k, n_plain, shift, qidx, kidx, o_rows, p_layout,
-                                                STAGES, BLOCK_N, IS_CAUSAL)
-                mbarrier.arrive(q_empty, count=1)  # its last scores are in: the next tile's Q may come
-                out, lse = fwd_last(p, v_smem, v_ready, acc, c + n_own, m_i, l_i, o_rows, STAGES)
-                mbarrier.arrive(empty.index((c + n_own - 1) % STAGES), count=1)
-            else:
-                mbarrier.arrive(q_empty, count=1)
-            for t in range(n_own, n_kt):  # key tiles only the other consumer's rows see
-                mbarrier.wait(k_ready.index((c + t) % STAGES), ((c + t) // STAGES) & 1)
-                mbarrier.arrive(empty.index((c + t) % STAGES), count=1)
-            if p_w < q_hi:
-                store_rows(out, lse, p_w, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
-                           stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, 64, MERGE, LAST)
-            c += n_kt
+        n_q = 0  # query tiles read before
+        for i in range(n_slots):
+            live, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row = _ws_tile(
+                i, T, h, head_offset, r, k, G, it0, n_tiles, n_units, q_org, k_org, PER_UNIT, BLOCK_N, IS_CAUSAL)
+            if live:
+                p_w = p_min + WG * 64 * r
+                k_first, n_k, n_plain, n_own, shift = query_tile_keys(p_w, q_hi, k_lo, k_hi, off, r, 64, BLOCK_N,
+                                                                      IS_CAUSAL)
+                if p_w >= q_hi:  # no rows here (the item's last tile)
+                    n_own = 0
+                acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
+                out = acc
+                lse = gl.full([64], float("-inf"), gl.float32, layout=o_rows)
+                mbarrier.wait(q_bar, n_q & 1)
+                if n_own > 0:
+                    mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
+                    sc = warpgroup_mma(qs, k_smem.index(c % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                    if n_plain == 0:
+                        sc = masked_scores(sc, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
+                    pf, m_i, l_i = softmax_first(sc, qk_scale)
+                    p = gl.convert_layout(pf.to(dtype), p_layout)
+                    for t in range(1, n_own):
+                        acc, p, m_i, l_i = _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i,
+                                                    l_i, s_zero, qk_scale, n_k, n_plain, shift, qidx, kidx, o_rows,
+                                                    p_layout, STAGES, BLOCK_N, IS_CAUSAL)
+                    mbarrier.arrive(q_empty, count=1)  # its last scores are in: the next tile's Q may come
+                    out, lse = fwd_last(p, v_smem, v_ready, acc, c + n_own, m_i, l_i, o_rows, STAGES)
+                    mbarrier.arrive(empty.index((c + n_own - 1) % STAGES), count=1)
+                else:
+                    mbarrier.arrive(q_empty, count=1)
+                for t in range(n_own, n_kt):  # key tiles only the other consumer's rows see
+                    mbarrier.wait(k_ready.index((c + t) % STAGES), ((c + t) // STAGES) & 1)
+                    mbarrier.arrive(empty.index((c + t) % STAGES), count=1)
+                if p_w < q_hi:
+                    store_rows(out, lse, p_w, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
+                               stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, 64, MERGE, LAST)
+                c += n_kt
+                n_q += 1
 
     @gluon.jit
     def _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i, l_i, s_zero, qk_scale, n_k,
@@ -307,27 +350,30 @@ if gluon is not None:
         return acc, gl.convert_layout(pf.to(p.dtype), p_layout), m_i, l_i
 
     @gluon.jit
-    def _ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    def _ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_UNIT: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, q_desc, k_desc, v_desc):
         """Each query tile's Q (two 64-row tiles, once both consumers are done with the last), then its key tiles."""
-        (O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, b, h, head_offset, r,
-         qk_scale, grp, n_groups, n_mine, q_first, q_hi, k_lo, k_hi, off, qbase, q_smem, k_smem, v_smem, q_bar,
-         q_empty, k_ready, v_ready, empty) = a
+        (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h, head_offset, r,
+         qk_scale, k, G, it0, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+         v_ready, empty) = a
         dtype: gl.constexpr = q_smem.dtype
         Q_BYTES: gl.constexpr = 64 * HEAD_DIM * dtype.primitive_bitwidth // 8
         KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
         c = 0
-        for i in range(n_mine):
-            row0, p_min, n_kt = _ws_tile(i, grp, n_groups, n_mine, q_first, q_hi, k_lo, k_hi, off, r, BLOCK_N,
-                                         IS_CAUSAL)
-            mbarrier.wait(q_empty, (i & 1) ^ 1)
-            mbarrier.expect(q_bar, 2 * Q_BYTES)
-            tma_load(q_desc, [row0, 0], q_bar, q_smem.index(0))
-            tma_load(q_desc, [row0 + 64, 0], q_bar, q_smem.index(1))
-            for t in range(0, n_kt):
-                ws_copy_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, c + t, t * BLOCK_N, STAGES,
-                           KV_BYTES)
-            c += n_kt
+        n_q = 0
+        for i in range(n_slots):
+            live, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row = _ws_tile(
+                i, T, h, head_offset, r, k, G, it0, n_tiles, n_units, q_org, k_org, PER_UNIT, BLOCK_N, IS_CAUSAL)
+            if live:
+                mbarrier.wait(q_empty, (n_q & 1) ^ 1)
+                mbarrier.expect(q_bar, 2 * Q_BYTES)
+                tma_load(q_desc, [q_row, 0], q_bar, q_smem.index(0))
+                tma_load(q_desc, [q_row + 64, 0], q_bar, q_smem.index(1))
+                for t in range(0, n_kt):
+                    ws_copy_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, c + t, k_row + t * BLOCK_N,
+                               STAGES, KV_BYTES)
+                c += n_kt
+                n_q += 1
 
     @gluon.jit
     def dilated_fwd_ws_kernel(
@@ -337,32 +383,49 @@ if gluon is not None:
         stride_vb, stride_vh, stride_vn,
         stride_ob, stride_oh, stride_on,
         stride_lb, stride_lh,
-        head_offset, group, r, qk_scale, n_groups, n_prev,
+        head_offset, group, r, qk_scale, n_tiles, n_prev, G, n_units, n_items, n_q_cols, n_k_cols,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        PER_UNIT: gl.constexpr, PERSISTENT: gl.constexpr, IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr,
+        LAST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """``dilated_fwd_hopper_kernel``'s contract for the ``BLOCK_M`` = 128-row query tiles ``g, g + n_groups, ...``
-        of one segment item and head (``_ws_producer`` and two ``_ws_consumer`` s); grid ``(items x n_groups,
-        heads)``."""
+        """``dilated_fwd_hopper_kernel``'s contract for the ``BLOCK_M`` = 128-row query tiles of the program's units
+        (``_ws_producer`` and two ``_ws_consumer`` s): ``n_tiles`` tiles an item at most, ``n_units`` units an item,
+        ``G`` programs per item (``PERSISTENT``: per head and group of ``n_items`` items; grid ``(G, heads,
+        groups)``), else ``(items x G, heads)``; ``n_q_cols`` / ``n_k_cols``: the query / key columns."""
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        item = gl.program_id(0) // n_groups
-        grp = gl.program_id(0) % n_groups
         h = gl.program_id(1)
-        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
+        if PERSISTENT:
+            k = gl.program_id(0)
+            it0 = gl.program_id(2) * n_items
+        else:
+            k = gl.program_id(0) % G
+            it0 = gl.program_id(0) // G
+            n_items = 1
+        n_slots = gl.maximum(n_items * n_units - k + G - 1, 0) // G * PER_UNIT
+        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, it0)
         off = (h + head_offset) % r
         q_first = first_selected(q_lo, off, r)
         k_first = first_selected(k_lo, off, r)
-        n_q = n_rows(q_first, q_hi, r)
-        n_mine = gl.maximum((n_q + BLOCK_M - 1) // BLOCK_M - grp + n_groups - 1, 0) // n_groups
+        if PERSISTENT:  # every column of the head in the offset class of the group's items
+            q_org = ((qbase + off) % r + r) % r
+            k_org = ((kbase + off) % r + r) % r
+            n_q = n_rows(q_org, n_q_cols, r)
+            n_k = n_rows(k_org, n_k_cols, r)
+        else:  # the item's dilated rows
+            q_org = qbase + q_first
+            k_org = kbase + k_first
+            n_q = n_rows(q_first, q_hi, r)
+            n_k = n_rows(k_first, k_hi, r)
         kvh = (h // group).to(gl.int64)
-        q_desc = row_desc(Q + b * stride_qb + h.to(gl.int64) * stride_qh + (qbase + q_first).to(gl.int64) * stride_qn,
+        q_desc = row_desc(Q + b * stride_qb + h.to(gl.int64) * stride_qh + q_org.to(gl.int64) * stride_qn,
                           gl.maximum(n_q, 1), r * stride_qn, 64, HEAD_DIM, q_layout)
-        # over all the item's keys of the offset class: each consumer masks what its rows may not see
-        k_desc, v_desc = kv_descs(K, V, b, kvh, kbase, k_first, n_rows(k_first, k_hi, r), stride_kb, stride_kh,
-                                  stride_kn, stride_vb, stride_vh, stride_vn, r, BLOCK_N, HEAD_DIM, kv_layout)
+        # each consumer masks what its rows may not see
+        k_desc = row_desc(K + b * stride_kb + kvh * stride_kh + k_org.to(gl.int64) * stride_kn, gl.maximum(n_k, 1),
+                          r * stride_kn, BLOCK_N, HEAD_DIM, kv_layout)
+        v_desc = row_desc(V + b * stride_vb + kvh * stride_vh + k_org.to(gl.int64) * stride_vn, gl.maximum(n_k, 1),
+                          r * stride_vn, BLOCK_N, HEAD_DIM, kv_layout)
         q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -370,10 +433,11 @@ if gluon is not None:
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_empty, count=2)
         fence_async_shared()
-        a = (O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, b, h, head_offset, r,
-             qk_scale, grp, n_groups, n_mine, q_first, q_hi, k_lo, k_hi, off, qbase, q_smem, k_smem, v_smem, q_bar,
-             q_empty, k_ready, v_ready, empty)
-        gl.warp_specialize([(_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, MERGE, LAST, 0)),
-                            (_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, MERGE, LAST, 1)),
-                            (_ws_producer, (a, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, q_desc, k_desc, v_desc))],
+        a = (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h, head_offset, r,
+             qk_scale, k, G, it0, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar, q_empty,
+             k_ready, v_ready, empty)
+        gl.warp_specialize([(_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, MERGE, LAST, 0)),
+                            (_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, MERGE, LAST, 1)),
+                            (_ws_producer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, q_desc, k_desc,
+                                            v_desc))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -258,14 +258,17 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2])
     for j, (i, r, it) in enumerate(order):
         if gluon:
-            grid, n_tiles = items_grid(it.n_items, it.max_q_rows, gcfg["BLOCK_M"], H)
-            if ws:  # programs over groups of an item's query tiles
-                n_tiles = forward_hopper.ws_groups(it.n_items, n_tiles, H, sm_count(q.device))
-                grid = (it.n_items * n_tiles, H)
-            gkernel[grid](
-                q, k, v, o, lse, out, rates, it.items, *strides, pb.head_offset, group, r, pb.scale * LOG2E, n_tiles,
-                j, HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=j > 0, LAST=i == last, **gcfg,
-            )
+            args = (q, k, v, o, lse, out, rates, it.items, *strides, pb.head_offset, group, r, pb.scale * LOG2E)
+            common = dict(HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=j > 0, LAST=i == last, **gcfg)
+            if ws:  # programs over units of an item's query tiles, persistent where the items allow
+                grid, sched = forward_hopper.ws_schedule(it.n_items, it.items_per_group, it.max_q_rows, H,
+                                                         sm_count(q.device))
+                gkernel[grid](*args, sched["n_tiles"], j, sched["G"], sched["n_units"], sched["n_items"], Nq, Nk,
+                              PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
+                LAUNCHES["forward_persistent"] += sched["PERSISTENT"]
+            else:
+                grid, n_tiles = items_grid(it.n_items, it.max_q_rows, gcfg["BLOCK_M"], H)
+                gkernel[grid](*args, n_tiles, j, **common)
             LAUNCHES["forward_ws" if ws else "forward_hopper"] += 1
             continue
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], H)

@@ -107,6 +107,9 @@ class BranchItems:
     n_items: int
     max_q_rows: int  # most dilated query rows of one item (over every head offset)
     max_k_rows: int  # most dilated key rows of one item
+    # items come in consecutive groups of this many that share a batch row and column bases (one group per batch
+    # row of a contiguous layout; the persistent forward's descriptors span a group), or 0 where they do not
+    items_per_group: int = 0
 
 
 _CACHE: OrderedDict = OrderedDict()
@@ -136,10 +139,22 @@ def _build(runs: torch.Tensor, w: int, r: int, is_causal: bool, k_cap: int | Non
     if items.numel() and int(items.abs().max()) > MAX_POSITION:
         raise ValueError("positions or columns beyond 2^30 are not supported by the Triton kernels")
     if items.numel() == 0:
-        return items.to(torch.int32), 0, 0
+        return items.to(torch.int32), 0, 0, 0
     max_q = int(((items[:, IT_Q_HI] - items[:, IT_Q_LO] + r - 1) // r).max())
     max_k = int(((items[:, IT_K_HI] - items[:, IT_K_LO] + r - 1) // r).max())
-    return items.to(torch.int32), max_q, max_k
+    return items.to(torch.int32), max_q, max_k, _items_per_group(items)
+
+
+def _items_per_group(items: torch.Tensor) -> int:
+    """How many consecutive items share a batch row and column bases, where every such group has as many; else 0."""
+    key = items[:, [IT_B, IT_Q_BASE, IT_K_BASE]]
+    new = torch.ones(key.shape[0], dtype=torch.bool)
+    new[1:] = (key[1:] != key[:-1]).any(1)
+    starts = new.nonzero().flatten()
+    sizes = torch.diff(starts, append=torch.tensor([key.shape[0]]))
+    if bool((sizes != sizes[0]).any()) or starts.numel() != torch.unique(key, dim=0).shape[0]:
+        return 0
+    return int(sizes[0])
 
 
 def branch_items(runs: torch.Tensor, w: int, r: int, is_causal: bool, device: torch.device, cache_key=None,
@@ -151,8 +166,8 @@ def branch_items(runs: torch.Tensor, w: int, r: int, is_causal: bool, device: to
     if key is not None and key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    items, max_q, max_k = _build(runs, w, r, is_causal, k_cap)
-    out = BranchItems(items.to(device), items.shape[0], max_q, max_k)
+    items, max_q, max_k, per_group = _build(runs, w, r, is_causal, k_cap)
+    out = BranchItems(items.to(device), items.shape[0], max_q, max_k, per_group)
     if key is not None:
         _CACHE[key] = out
         if len(_CACHE) > _CACHE_SIZE:
