@@ -116,46 +116,24 @@ def ws_launch_config() -> dict:
 if gluon is not None:
 
     @gluon.jit
-    def row_pointers(p_min, q_hi, qbase, b, h, r, O, L, stride_ob, stride_oh, stride_on, stride_lb, stride_lh,
-                     o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
-        """``(positions, in range, output pointers, lse pointers, column index)`` of ``ROWS`` dilated query rows from
-        position ``p_min`` (those below ``q_hi`` in range), in the output's layout."""
-        qp = p_min + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout)) * r
+    def store_rows(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
+                   stride_oh, stride_on, stride_lb, stride_lh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   ROWS: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr):
+        """The portable kernel's epilogue for ``ROWS`` dilated query rows from position ``p_min`` (those below
+        ``q_hi``): this branch's output ``o_b`` and lse ``lse_b`` merged with the rows earlier launches wrote
+        (``MERGE``), stored to ``O`` / ``L`` or, ``LAST``, the output in its dtype to ``OUT`` (``O``'s strides)."""
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
+        in_range = qp < q_hi
         qc64 = (qbase + qp).to(gl.int64)
         h64 = h.to(gl.int64)
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = O + b * stride_ob + h64 * stride_oh + qc64[:, None] * stride_on + d[None, :]
-        return qp, qp < q_hi, o_ptrs, L + b * stride_lb + h64 * stride_lh + qc64, d
-
-    @gluon.jit
-    def earlier_rows(p_min, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob, stride_oh, stride_on,
-                     stride_lb, stride_lh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
-                     MERGE: gl.constexpr):
-        """``(output, lse)`` that earlier launches wrote for the rows :func:`store_rows` stores (no output and lse
-        -inf for rows none wrote, and without ``MERGE``): loads a kernel may issue before its last product, so that
-        their latency overlaps it."""
-        qp, in_range, o_ptrs, l_ptrs, d = row_pointers(p_min, q_hi, qbase, b, h, r, O, L, stride_ob, stride_oh,
-                                                       stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, ROWS)
-        if MERGE:
+        l_ptrs = L + b * stride_lb + h64 * stride_lh + qc64
+        if MERGE:  # rows an earlier launch wrote (the others read as no output, lse -inf)
             seen = in_range & written_before(qp, h, head_offset, PREV, n_prev, 1)
             old_lse = gl.load(l_ptrs, mask=seen, other=float("-inf"))
             old_o = gl.load(o_ptrs, mask=seen[:, None], other=0.0).to(gl.float32)
-        else:
-            old_lse = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, o_layout))
-            old_o = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        return old_o, old_lse
-
-    @gluon.jit
-    def store_rows(o_b, lse_b, old_o, old_lse, p_min, q_hi, qbase, b, h, r, O, L, OUT, stride_ob, stride_oh,
-                   stride_on, stride_lb, stride_lh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   ROWS: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr):
-        """The portable kernel's epilogue for ``ROWS`` dilated query rows from position ``p_min`` (those below
-        ``q_hi``): this branch's output ``o_b`` and lse ``lse_b`` merged with what earlier launches wrote
-        (``MERGE``; ``old_o`` / ``old_lse`` from :func:`earlier_rows`), stored to ``O`` / ``L`` or, ``LAST``, the
-        output in its dtype to ``OUT`` (``O``'s strides)."""
-        qp, in_range, o_ptrs, l_ptrs, d = row_pointers(p_min, q_hi, qbase, b, h, r, O, L, stride_ob, stride_oh,
-                                                       stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, ROWS)
-        if MERGE:
             m = gl.maximum(old_lse, lse_b)
             m = gl.where(m == float("-inf"), 0.0, m)
             a = gl.exp(old_lse - m)
@@ -169,8 +147,7 @@ if gluon is not None:
             out = o_b
             lse = lse_b
         if LAST:
-            qc64 = (qbase + qp).to(gl.int64)
-            out_ptrs = OUT + b * stride_ob + h.to(gl.int64) * stride_oh + qc64[:, None] * stride_on + d[None, :]
+            out_ptrs = OUT + b * stride_ob + h64 * stride_oh + qc64[:, None] * stride_on + d[None, :]
             gl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=in_range[:, None])
         else:
             gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_range[:, None])
@@ -245,11 +222,8 @@ if gluon is not None:
                         shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL)
                 o_b, lse_b = fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows, V_STAGES)
 
-            old_o, old_lse = earlier_rows(p_min, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob,
-                                          stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, BLOCK_M,
-                                          MERGE)
-            store_rows(o_b, lse_b, old_o, old_lse, p_min, q_hi, qbase, b, h, r, O, L, OUT, stride_ob, stride_oh,
-                       stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, BLOCK_M, MERGE, LAST)
+            store_rows(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
+                       stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, BLOCK_M, MERGE, LAST)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
     # ---- the warp-specialized forward (head dim 128) --------------------------------------------------------------
@@ -340,23 +314,16 @@ if gluon is not None:
                                                     l_i, s_zero, qk_scale, n_k, n_plain, shift, qidx, kidx, o_rows,
                                                     p_layout, STAGES, BLOCK_N, IS_CAUSAL)
                     mbarrier.arrive(q_empty, count=1)  # its last scores are in: the next tile's Q may come
-                    # the merge's loads go out before the last product, which their latency then overlaps
-                    old_o, old_lse = earlier_rows(p_w, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev,
-                                                  stride_ob, stride_oh, stride_on, stride_lb, stride_lh, o_layout,
-                                                  HEAD_DIM, 64, MERGE)
                     out, lse = fwd_last(p, v_smem, v_ready, acc, c + n_own, m_i, l_i, o_rows, STAGES)
                     mbarrier.arrive(empty.index((c + n_own - 1) % STAGES), count=1)
                 else:
                     mbarrier.arrive(q_empty, count=1)
-                    old_o, old_lse = earlier_rows(p_w, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev,
-                                                  stride_ob, stride_oh, stride_on, stride_lb, stride_lh, o_layout,
-                                                  HEAD_DIM, 64, MERGE)
                 for t in range(n_own, n_kt):  # key tiles only the other consumer's rows see
                     mbarrier.wait(k_ready.index((c + t) % STAGES), ((c + t) // STAGES) & 1)
                     mbarrier.arrive(empty.index((c + t) % STAGES), count=1)
                 if p_w < q_hi:
-                    store_rows(out, lse, old_o, old_lse, p_w, q_hi, qbase, b, h, r, O, L, OUT, stride_ob, stride_oh,
-                               stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, 64, MERGE, LAST)
+                    store_rows(out, lse, p_w, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
+                               stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, 64, MERGE, LAST)
                 c += n_kt
                 n_q += 1
 
