@@ -20,10 +20,12 @@ The arithmetic is ``tiles.softmax_step``'s, so with the portable kernel's 64-key
 bf16 / fp16, head dim 64 / 128 / 256, the tensor-descriptor path, no sliding window, dropout or holes (``applies``).
 
 At head dim 128 the forward runs warp-specialized instead (``dilated_fwd_ws_kernel``, ``ws_applies``; section below):
-a producer warp and two consumer warpgroups share each K / V copy, and a program walks up to ``WS_TILES`` of an item's
-128-row query tiles so that one tile's loads overlap the last one's epilogue. Same products in the same order as
-``dilated_fwd_hopper_kernel``: bit-identical (H100, session 25: forward 0.98 / 1.05 / 1.09x at 16K / 64K / 256K,
-1.11x with GQA 32 / 8 at 64K).
+a producer warp and two consumer warpgroups share each K / V copy, and a program walks several of a head's 128-row
+query tiles so that one tile's loads overlap the last one's epilogue: persistent programs, one per SM, over pairs of
+tiles of equal causal work where the layout allows (``ws_schedule``), else one segment item a program. Same products
+in the same order as ``dilated_fwd_hopper_kernel``: bit-identical (H100, session 25: forward 0.98 / 1.05 / 1.09x at
+16K / 64K / 256K, 1.11x with GQA 32 / 8 at 64K; session 27, persistent against one item a program: 1.15 / 1.07 /
+1.05x, GQA 1.08 / 1.07 / 1.03x).
 """
 
 from __future__ import annotations
