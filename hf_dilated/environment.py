@@ -11,9 +11,17 @@ from pathlib import Path
 from typing import Any
 
 
+def kernel_switches() -> dict[str, str]:
+    """The ``HF_DILATED_*`` environment variables set for this run (``HF_DILATED_GLUON``, ``HF_DILATED_WS``,
+    ``HF_DILATED_PERSISTENT``, ``HF_DILATED_FUSED_DQ``, ...): which kernels a result was measured with, where a
+    switch turned one off."""
+    return {name: value for name, value in sorted(os.environ.items()) if name.startswith("HF_DILATED_")}
+
+
 def run_environment(device: Any = None, dtype: Any = None) -> dict[str, Any]:
     """Versions (python, torch, transformers, hf_dilated, and triton / peft where installed), the device by name
-    (the GPU's, or ``cpu (N cores)``), the dtype when given, the command line and the date."""
+    (the GPU's, or ``cpu (N cores)``), the dtype when given, the command line, the date, and the kernel switches set
+    (:func:`kernel_switches`, where any is)."""
     import torch
     import transformers
 
@@ -31,6 +39,8 @@ def run_environment(device: Any = None, dtype: Any = None) -> dict[str, Any]:
     }
     if dtype is not None:
         env["dtype"] = str(dtype).removeprefix("torch.")
+    if kernel_switches():
+        env["switches"] = kernel_switches()
     for package in ("triton", "peft"):
         try:
             env[package] = importlib.metadata.version(package)

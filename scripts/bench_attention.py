@@ -53,6 +53,7 @@ except ImportError:  # run as a file: python scripts/<name>.py
     from timing import cuda_median_ms as bench  # noqa: E402
     from timing import timed_on_gpu, until_interrupted  # noqa: E402
 import hf_dilated  # noqa: E402
+from hf_dilated.environment import kernel_switches  # noqa: E402
 
 LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 TOL = 1e-2  # SPEC, bfloat16
@@ -490,7 +491,7 @@ def write_results(rows, args, gpu, monitor=None):
         python=platform.python_version(), command="python " + " ".join(sys.argv), branches=LONGNET,
         dtype="bfloat16", causal=True, date=datetime.datetime.now().isoformat(timespec="seconds"),
         flops="useful: 4*D per computed (query, key) pair of the dilated pattern (dense causal for SDPA); fwd+bwd = 3.5x fwd",
-        warm_s=args.warm_s, interrupted=getattr(args, "interrupted", False),
+        warm_s=args.warm_s, interrupted=getattr(args, "interrupted", False), switches=kernel_switches(),
         commands=commands, resumed_from=getattr(args, "resume", None),
         gpu_monitor=(None if monitor is None or not monitor.available
                      else f"{len(monitor.samples)} samples every {monitor.period_s} s, {monitor.errors} failed reads"),

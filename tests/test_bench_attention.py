@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -152,7 +153,7 @@ def test_a_timeout_still_leaves_the_cases_measured():
     assert not run.interrupted and measured == ["case 1", "case 3"]
 
 
-def test_resume_continues_an_earlier_run_on_the_same_gpu(tmp_path):
+def test_resume_continues_an_earlier_run_on_the_same_gpu(tmp_path, monkeypatch):
     """``--resume``: the rows of the run it continues are kept and their cases skipped (``case_key``), a run from
     another GPU is refused (its ratios would compare two GPUs), and the union is written with every command that
     made it."""
@@ -173,12 +174,16 @@ def test_resume_continues_an_earlier_run_on_the_same_gpu(tmp_path):
         bench.resumed_rows(str(first), "NVIDIA H200")
     args = argparse.Namespace(out=str(tmp_path / "out"), warm_s=1.0, interrupted=False, resume=str(first),
                               resumed_meta=meta)
+    for name in [n for n in os.environ if n.startswith("HF_DILATED_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HF_DILATED_PERSISTENT", "0")  # a kernel switch the run was made with is recorded
     bench.write_results(rows + [row(65536, "triton", 3.0)], args, gpu)
     (written,) = (tmp_path / "out").glob("*.json")
     data = json.loads(written.read_text())
     assert [r["N"] for r in data["rows"]] == [16384, 16384, 65536]
     assert data["meta"]["commands"][0] == "python scripts/bench_attention.py --seqlens 16384"
     assert len(data["meta"]["commands"]) == 2 and data["meta"]["resumed_from"] == str(first)
+    assert data["meta"]["switches"] == {"HF_DILATED_PERSISTENT": "0"}
 
 
 def test_ratios_of_a_resumed_run_use_the_baselines_measured_since():

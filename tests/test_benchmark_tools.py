@@ -377,3 +377,16 @@ def test_profile_dilated_refuses_bad_options_by_name(argv, message):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_dilated.py"), *argv],
                           capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_run_environment_records_the_kernel_switches(monkeypatch):
+    """Results JSONs say which kernels measured them: the ``HF_DILATED_*`` switches set for the run, none where
+    none is set."""
+    from hf_dilated.environment import run_environment
+
+    for name in [n for n in os.environ if n.startswith("HF_DILATED_")]:
+        monkeypatch.delenv(name)
+    assert "switches" not in run_environment(device="cpu")
+    monkeypatch.setenv("HF_DILATED_WS", "off")
+    monkeypatch.setenv("HF_DILATED_PERSISTENT", "0")
+    assert run_environment(device="cpu")["switches"] == {"HF_DILATED_PERSISTENT": "0", "HF_DILATED_WS": "off"}
