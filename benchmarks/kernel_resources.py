@@ -310,11 +310,13 @@ def _bind(launch: Launch, arch: int):
 
 def specialisation(launch: Launch, arch: int) -> tuple[tuple, str]:
     """The key Triton's cache would give ``launch`` on the target, and the integer arguments it turned into the
-    constant 1 (``r=1`` compiles a different kernel than ``r=2``)."""
+    constant 1 (``r=1`` compiles a different kernel than ``r=2``) with the flags that tell its variants apart
+    (``MERGE``, ``LAST``, the warp-specialized forward's ``PERSISTENT`` and ``PER_UNIT``)."""
     spec = _bind(launch, arch)[3]
     ones = [p.name for p, s in zip(launch.fn.params, spec) if not p.is_constexpr and s[0] == "constexpr"]
     key = (launch.fn.__name__, str(spec), repr(sorted(launch.kwargs.items())))
-    flags = [f"{name}=1" for name in ones] + [f"{k}" for k in ("MERGE", "LAST") if launch.kwargs.get(k)]
+    flags = [f"{name}=1" for name in ones] + [f"{k}" for k in ("MERGE", "LAST", "PERSISTENT") if launch.kwargs.get(k)]
+    flags += [f"PER_UNIT={launch.kwargs['PER_UNIT']}"] if "PER_UNIT" in launch.kwargs else []
     return key, " ".join(flags)
 
 
