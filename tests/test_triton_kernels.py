@@ -816,15 +816,16 @@ def test_gluon_kernels_coverage(monkeypatch, which):
         assert kernel.ws_schedule(64, 32, 2048, 16, 132)[0] == (4, 16, 2)  # two batch rows
         # too few pairs to fill the SMs: single tiles (16K, r 16: one item of 8 tiles a head)
         assert kernel.ws_schedule(1, 1, 1024, 16, 132)[1]["PER_UNIT"] == 1
-        # 28 heads fill 112 of 132 SMs: under WS_FILL, so one item a program, a pair of tiles each where there is
+        # 24 heads fill 120 of 132 SMs: under WS_FILL, so one item a program, a pair of tiles each where there is
         # work for WS_WAVES programs per SM (more would overflow L2 with the K / V of the items in flight)
-        grid, sched = kernel.ws_schedule(32, 32, 2048, 28, 132)
-        assert grid == (32 * 8, 28, 1) and not sched["PERSISTENT"] and sched["PER_UNIT"] == 2
+        grid, sched = kernel.ws_schedule(32, 32, 2048, 24, 132)
+        assert grid == (32 * 8, 24, 1) and not sched["PERSISTENT"] and sched["PER_UNIT"] == 2
+        assert kernel.ws_schedule(32, 32, 2048, 14, 132)[0] == (9, 14, 1)  # 126 of 132: persistent
         assert kernel.ws_schedule(32, 0, 2048, 16, 132)[0] == (32 * 8, 16, 1)  # packed: no groups
         assert kernel.ws_schedule(1, 0, 1024, 16, 132)[0] == (8, 16, 1)  # one item of 8 tiles: one tile a program
         with monkeypatch.context() as patch:
             patch.setattr(kernel, "WS_FILL", 0.8)
-            assert kernel.ws_schedule(32, 32, 2048, 28, 132)[0] == (4, 28, 1)
+            assert kernel.ws_schedule(32, 32, 2048, 24, 132)[0] == (5, 24, 1)
         monkeypatch.setenv("HF_DILATED_PERSISTENT", "off")  # one item a program, also where groups allow
         assert kernel.ws_schedule(128, 128, 2048, 16, 132)[0] == (128 * 8, 16, 1)
         monkeypatch.setenv("HF_DILATED_PERSISTENT", "sometimes")

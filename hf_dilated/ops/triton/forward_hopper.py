@@ -75,7 +75,9 @@ def ws_applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
 
 WS_WAVES = 4  # programs the one-item-a-program launch aims at, per SM (fewer, longer programs hide more loads)
 WS_TILES = 2  # query tiles per program there at most: programs that run at once then share their items' K / V in L2
-WS_FILL = 0.9  # the persistent launch is taken where its programs fill at least this share of the SMs
+# The persistent launch is taken where its programs fill at least this share of the SMs: at full fill it ran 1.03-1.15x
+# one item a program (H100, session 27), so below ~0.95 of the SMs it would lose what it gains (24 heads: 120 of 132)
+WS_FILL = 0.95
 
 
 def ws_schedule(n_items: int, items_per_group: int, max_q_rows: int, heads: int, sms: int) -> tuple[tuple, dict]:
