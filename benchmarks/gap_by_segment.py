@@ -38,6 +38,7 @@ from gpu_monitor import GpuMonitor  # noqa: E402
 from timing import cuda_median_ms, timed_on_gpu  # noqa: E402
 
 from hf_dilated import dilated_attention  # noqa: E402
+from hf_dilated.environment import kernel_switches  # noqa: E402
 
 LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 DENSE = ("cudnn", "flash")
@@ -152,7 +153,8 @@ def main(argv=None) -> int:
         triton_version = None
     meta = dict(gpu=gpu_name, torch=torch.__version__, triton=triton_version,
                 N=n, H=args.heads, Hk=hk, D=args.dim, dtype=str(dtype).replace("torch.", ""), causal=True,
-                backend=backend, warm_s=args.warm_s, reps=args.reps, date=datetime.datetime.now().isoformat()[:19],
+                backend=backend, warm_s=args.warm_s, reps=args.reps, switches=kernel_switches(),
+                date=datetime.datetime.now().isoformat()[:19],
                 command="python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
                 flops="useful: 4*D per computed (query, key) pair; dense causal for SDPA; fwd+bwd = 3.5x fwd")
     os.makedirs(args.out, exist_ok=True)

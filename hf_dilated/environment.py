@@ -39,8 +39,9 @@ def run_environment(device: Any = None, dtype: Any = None) -> dict[str, Any]:
     }
     if dtype is not None:
         env["dtype"] = str(dtype).removeprefix("torch.")
-    if kernel_switches():
-        env["switches"] = kernel_switches()
+    switches = kernel_switches()
+    if switches:
+        env["switches"] = switches
     for package in ("triton", "peft"):
         try:
             env[package] = importlib.metadata.version(package)
