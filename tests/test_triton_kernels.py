@@ -802,22 +802,6 @@ def test_gluon_kernels_coverage(monkeypatch, which):
             assert kernel.fused_dq_launch_config(128) is None
         finally:
             torch.use_deterministic_algorithms(deterministic)
-        # the fused dK/dV persistent where the items come in groups: G programs per kv head x class and group, each
-        # walking every G-th pair of an item's key tiles (j and T-1-j), or single tiles where pairs leave SMs idle
-        grid, sched = kernel.dkdv_schedule(128, 128, 2048, 16, 132)  # 256K, w 2048: 16 key tiles an item
-        assert grid == (8, 16, 1) and sched == dict(G=8, n_tiles=16, n_units=8, n_items=128, PER_UNIT=2)
-        assert kernel.dkdv_schedule(64, 32, 2048, 16, 132)[0] == (4, 16, 2)  # two batch rows
-        assert kernel.dkdv_schedule(1, 1, 1024, 16, 132)[1]["PER_UNIT"] == 1  # 8 tiles: too few pairs
-        assert kernel.dkdv_schedule(32, 32, 2048, 24, 132) is None  # 120 of 132 SMs: one tile a program
-        assert kernel.dkdv_schedule(32, 0, 2048, 16, 132) is None  # packed: no groups
-        with monkeypatch.context() as patch:
-            patch.setattr(kernel, "PERSISTENT_FILL", 0.8)
-            assert kernel.dkdv_schedule(32, 32, 2048, 24, 132)[0] == (5, 24, 1)
-            patch.setenv("HF_DILATED_PERSISTENT", "off")
-            assert kernel.dkdv_schedule(128, 128, 2048, 16, 132) is None
-            patch.setenv("HF_DILATED_PERSISTENT", "sometimes")
-            with pytest.raises(ValueError, match="HF_DILATED_PERSISTENT must be one of"):
-                kernel.dkdv_schedule(128, 128, 2048, 16, 132)
     if which == "forward_hopper":  # at head dim 128 the warp-specialized kernel, unless HF_DILATED_WS is off
         assert kernel.ws_applies(q, plain, True) and kernel.ws_applies(q.half(), plain, True)
         assert not kernel.ws_applies(q[..., :64], plain, True)
@@ -914,8 +898,6 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws):
     run(*make_qkv(rng, 1, 8, 2, 2000, 2000, 128, bf16, "cuda"), global_tokens=5, head_offset=1)  # keys below g
     if gluon == "1" and ws == "1":
         _ws_schedules(rng, monkeypatch, run)
-    if gluon == "1" and fused_dq == "1":
-        _dkdv_schedules(rng, monkeypatch, run)
     run(*make_qkv(rng, 1, 4, 4, 1500, 1500, 128, bf16, "cuda"), branches=[(DENSE_SEGMENT, 1)])  # one launch
     monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head at a time: heads from h0 > 0 in the kernels
     monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
@@ -955,49 +937,6 @@ def _ws_schedules(rng, monkeypatch, run):
     assert chosen == [{(True, 2)}, {(True, 1), (False, 1)}, {(False, 2)}, {(False, 1)}], chosen
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
-
-
-def _dkdv_schedules(rng, monkeypatch, run):
-    """The fused dK/dV under each of its schedules (``backward_hopper.dkdv_schedule``): persistent over pairs of key
-    tiles or over single tiles, and one tile a program; each against the float64 oracle (``run``), causal and not,
-    with GQA (two query heads a class at r = 1, one at r = 2), two batch rows, an odd number of tiles an item (the
-    repeated middle tile) and items whose last tile is partial (a class-wide descriptor reads the next item's rows
-    there); dK and dV bit for bit the same under every schedule (dQ: its reduce-adds land in no fixed order), and each
-    schedule seen to run."""
-    from hf_dilated.ops.triton import backward_hopper
-
-    q, k, v = make_qkv(rng, 2, 8, 4, 4500, 4500, 128, torch.bfloat16, "cuda")
-    do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", torch.bfloat16)
-    branches = [(1152, 1), (4096, 2)]  # 4 items of 9 tiles (the last 1044 rows) a row; 2 of 16 (the last 202 rows)
-    real = backward_hopper.dkdv_schedule
-    for causal in (True, False):
-        chosen, grads = [], []
-
-        def spy(*args):
-            got = real(*args)
-            chosen[-1].add(got[1]["PER_UNIT"] if got else None)
-            return got
-
-        # (PERSISTENT_FILL, SMs): no fill asked takes pairs; on 540 "SMs" pairs fill under 90%, single tiles fill
-        # them at w 4096 (16 kv heads x classes x rows, 32 tiles each: 512) and not at w 1152 (8 x 36: one tile a
-        # program); an unreachable fill gives one tile a program
-        for fill, sms in ((0.0, 132), (0.9, 540), (2.0, 132)):
-            chosen.append(set())
-            with monkeypatch.context() as patch:
-                patch.setattr(backward_hopper, "dkdv_schedule", spy)
-                patch.setattr(backward_hopper, "PERSISTENT_FILL", fill)
-                patch.setattr(launch, "sm_count", lambda device: sms)
-                before = launch.LAUNCHES["dkdv_persistent"]
-                run(q, k, v, branches=branches, head_offset=1, is_causal=causal)
-                assert (launch.LAUNCHES["dkdv_persistent"] > before) == (fill < 1), (fill, sms)
-                qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-                out = hf_dilated.dilated_attention(qq, kk, vv, *zip(*branches), backend="triton", head_offset=1,
-                                                   is_causal=causal)
-                grads.append(torch.autograd.grad(out, (qq, kk, vv), do))
-        assert chosen == [{2}, {1, None}, {None}], chosen
-        for got in grads[1:]:
-            assert torch.equal(got[1], grads[0][1]) and torch.equal(got[2], grads[0][2]), "dK / dV differ"
-            torch.testing.assert_close(got[0], grads[0][0], rtol=2e-2, atol=2e-3)  # dQ: sums in another order
 
 
 @pytest.mark.gpu

@@ -68,8 +68,8 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step, first_selected, gl,
-    gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows, persistent_grid, query_tile_buffers,
+    dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
+    first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows, query_tile_buffers,
     query_tile_keys, register_product, release_barriers, row_desc, runnable, score_buffers, switch, tma, tma_load,
     warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
@@ -109,29 +109,6 @@ def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def key_tile(T, item, tile, off, r, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """Where key tile ``tile`` (``BLOCK_N`` dilated key rows) of work item ``item`` lies in offset class ``off``:
-        ``(b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps)`` -- the item's batch row
-        and column bases, its first key position and dilated key rows, the tile's first row and last key position,
-        the item's first query position and dilated query rows, the first query row of a ``BLOCK_Q`` step that sees
-        a key of the tile, and how many steps from there (0: the tile holds no key)."""
-        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
-        k_first = first_selected(k_lo, off, r)
-        n_k = n_rows(k_first, k_hi, r)
-        j_first = tile * BLOCK_N  # this tile's first dilated key row
-        kp_min = k_first + j_first * r
-        kp_max = gl.minimum(kp_min + (BLOCK_N - 1) * r, k_hi - 1)
-        q_first = first_selected(q_lo, off, r)
-        n_q = n_rows(q_first, q_hi, r)
-        lo = q_lo
-        if IS_CAUSAL:
-            lo = gl.maximum(lo, kp_min)
-        j0 = gl.where(lo > q_first, (lo - q_first) // r, 0)  # queries before ``lo`` see none of the tile's keys
-        start_q = (j0 // BLOCK_Q) * BLOCK_Q
-        n_steps = gl.where(j_first < n_k, gl.maximum(n_q - start_q + BLOCK_Q - 1, 0) // BLOCK_Q, 0)  # 0: no keys
-        return b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps
 
     @gluon.jit
     def dilated_bwd_dkdv_hopper_kernel(
@@ -181,9 +158,21 @@ if gluon is not None:
         hc = gl.program_id(1)
         kvh = hc // n_classes
         h0 = kvh * group + hc % n_classes
+        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
         off = (h0 + head_offset) % r
-        b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = key_tile(
-            T, item, tile, off, r, BLOCK_N, BLOCK_Q, IS_CAUSAL)
+        k_first = first_selected(k_lo, off, r)
+        n_k = n_rows(k_first, k_hi, r)
+        j_first = tile * BLOCK_N  # this tile's first dilated key row
+        kp_min = k_first + j_first * r
+        kp_max = gl.minimum(kp_min + (BLOCK_N - 1) * r, k_hi - 1)
+        q_first = first_selected(q_lo, off, r)
+        n_q = n_rows(q_first, q_hi, r)
+        lo = q_lo
+        if IS_CAUSAL:
+            lo = gl.maximum(lo, kp_min)
+        j0 = gl.where(lo > q_first, (lo - q_first) // r, 0)  # queries before ``lo`` see none of the tile's keys
+        start_q = (j0 // BLOCK_Q) * BLOCK_Q
+        n_steps = gl.where(j_first < n_k, gl.maximum(n_q - start_q + BLOCK_Q - 1, 0) // BLOCK_Q, 0)  # 0: no keys
 
         k_smem, v_smem, q_smem, do_smem, kv_bar, ready = dkdv_buffers(
             dtype, kv_smem_layout, q_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM, PART)
@@ -334,249 +323,6 @@ if gluon is not None:
                     DK_OUT + b * stride_xkb + kvh64 * stride_xkh, kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE,
                     LAST)
 
-    # --- Persistent dK/dV with the step's dQ (head dim 128) ------------------------------------------------------------
-    # ``dilated_bwd_dkdv_hopper_kernel``'s ``FUSED_DQ`` program (128 keys on two warpgroups), walking *units* of one
-    # kv head and offset class: a unit is a segment item's key tiles ``j`` and ``T - 1 - j`` (``PER_UNIT`` 2: equal
-    # causal work, the first the heavier) or tile ``j`` alone (``PER_UNIT`` 1), ``T`` the launch's most key tiles per
-    # item. A program takes units ``k, k + G, ...`` of the ``n_items`` items of its group, in item order, grid
-    # ``(G, kv heads x classes, groups)``, at most one program per SM (``dkdv_schedule``). What it pays once, not per
-    # tile: the K / V, Q, dO and dQ descriptors (over every column of the head in the class, row stride ``r``; the
-    # query heads' own where a class holds several), the barriers, the program's start. What it overlaps: once a tile's
-    # last products are in, the next tile's K / V and first Q / dO copies go out before this tile's epilogue (the
-    # merge's loads and the stores of dK, dV), so they arrive while it runs. Descriptors wider than an item read the
-    # neighbouring item's rows past its last key / query: those steps mask the keys and queries past the item (exact
-    # zeros, as the item descriptors' zero rows gave), and the dQ shares of queries past it add zeros.
-
-    @gluon.jit
-    def _unit_tile(i, k, G, it0, n_tiles, n_units, PER_UNIT: gl.constexpr):
-        """The program's ``i``-th tile slot: ``(item, tile, first)`` -- ``first`` is false where the slot repeats a
-        tile (a unit's second tile is its first where ``T`` is odd: the middle tile), which holds no work then."""
-        unit = k + (i // PER_UNIT) * G
-        s = i % PER_UNIT
-        j = unit % n_units
-        tile = gl.where(s == 0, j, n_tiles - 1 - j)
-        return it0 + unit // n_units, tile, (s == 0) | (tile != j)
-
-    @gluon.jit
-    def _dkdv_copies(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, k_row, q_row,
-                     n_steps, it, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr):
-        """A tile's first copies: its K / V rows from descriptor row ``k_row``, and where it has steps, its first
-        step's Q / dO rows from ``q_row`` into buffer ``it % 2``."""
-        dtype: gl.constexpr = q_smem.dtype
-        mbarrier.expect(kv_bar, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
-        tma_load(k_desc, [k_row, 0], kv_bar, k_smem)
-        tma_load(v_desc, [k_row, 0], kv_bar, v_smem)
-        _head_copy(q_desc, do_desc, q_smem, do_smem, ready, q_row, n_steps, it, BLOCK_Q, HEAD_DIM)
-
-    @gluon.jit
-    def _head_copy(q_desc, do_desc, q_smem, do_smem, ready, q_row, n_steps, it, BLOCK_Q: gl.constexpr,
-                   HEAD_DIM: gl.constexpr):
-        """A head's first step's Q / dO rows from descriptor row ``q_row`` into buffer ``it % 2``, where it has
-        steps."""
-        dtype: gl.constexpr = q_smem.dtype
-        if n_steps > 0:
-            buf = it % 2
-            mbarrier.expect(ready.index(buf), 2 * BLOCK_Q * HEAD_DIM * dtype.primitive_bitwidth // 8)
-            tma_load(q_desc, [q_row, 0], ready.index(buf), q_smem.index(buf))
-            tma_load(do_desc, [q_row, 0], ready.index(buf), do_smem.index(buf))
-
-    @gluon.jit
-    def _step_rows(L, Delta, b, h, qcol, stride_lb, stride_lh, q_cur, n_q, n_steps, r, vrows):
-        """A step's lse / delta rows of head ``h`` (query columns ``qcol + (q_cur + i) r``), read a step ahead; rows
-        past the item read lse +inf, so that the next item's queries, which a class-wide descriptor reads there, get
-        ``P = 0`` (delta 0)."""
-        vmask = (q_cur + vrows < n_q) & (n_steps > 0)
-        rows = b * stride_lb + h.to(gl.int64) * stride_lh + qcol + (q_cur + vrows) * r
-        return gl.load(L + rows, mask=vmask, other=float("inf")), gl.load(Delta + rows, mask=vmask, other=0.0)
-
-    @gluon.jit
-    def dilated_bwd_dkdv_persistent_kernel(
-        Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, DQ, PREV, T,
-        stride_qb, stride_qh, stride_qn,
-        stride_kb, stride_kh, stride_kn,
-        stride_vb, stride_vh, stride_vn,
-        stride_db, stride_dh, stride_dn,
-        stride_lb, stride_lh,
-        stride_dkb, stride_dkh, stride_dkn,
-        stride_dvb, stride_dvh, stride_dvn,
-        stride_xkb, stride_xkh, stride_xkn,
-        stride_xvb, stride_xvh, stride_xvn,
-        stride_dqb, stride_dqh, stride_dqn,
-        head_offset, group, n_classes, r, scale, qk_scale, n_tiles, n_prev, G, n_units, n_items, n_q_cols, n_k_cols,
-        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
-        PER_UNIT: gl.constexpr, IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr,
-        num_warps: gl.constexpr,
-    ):
-        """``dilated_bwd_dkdv_hopper_kernel``'s contract with ``FUSED_DQ`` (``PART`` 0) for the ``BLOCK_N``-key tiles
-        of the program's units (section comment above): ``n_tiles`` key tiles an item at most, ``n_units`` units an
-        item, ``G`` programs per kv head, class and group of ``n_items`` items; ``n_q_cols`` / ``n_k_cols``: the
-        query / key columns."""
-        dtype: gl.constexpr = Q.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_Q, 16])
-        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
-        kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
-        p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
-        key_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
-        query_axis: gl.constexpr = gl.SliceLayout(0, s_layout)
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, HEAD_DIM // (num_warps // 4), 16])
-        dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], gl.float32)
-
-        k = gl.program_id(0)
-        hc = gl.program_id(1)
-        it0 = gl.program_id(2) * n_items
-        kvh = hc // n_classes
-        h0 = kvh * group + hc % n_classes
-        off = (h0 + head_offset) % r
-        n_slots = gl.maximum(n_items * n_units - k + G - 1, 0) // G * PER_UNIT
-        b0, qbase0, kbase0, q_lo0, q_hi0, k_lo0, k_hi0 = load_item(T, it0)
-        q_org = ((qbase0 + off) % r + r) % r  # the class's first query / key column: descriptor row 0
-        k_org = ((kbase0 + off) % r + r) % r
-        n_qd = gl.maximum(n_rows(q_org, n_q_cols, r), 1)
-        n_kd = gl.maximum(n_rows(k_org, n_k_cols, r), 1)
-
-        k_smem, v_smem, q_smem, do_smem, kv_bar, ready = dkdv_buffers(
-            dtype, kv_smem_layout, q_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM, 0)
-        p_smem, ds_smem = score_buffers(dtype, p_smem_layout, BLOCK_N, BLOCK_Q)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q, HEAD_DIM], dq_smem_layout)
-
-        kvh64 = kvh.to(gl.int64)
-        k_desc = row_desc(K + b0 * stride_kb + kvh64 * stride_kh + k_org.to(gl.int64) * stride_kn, n_kd,
-                          r * stride_kn, BLOCK_N, HEAD_DIM, kv_smem_layout)
-        v_desc = row_desc(V + b0 * stride_vb + kvh64 * stride_vh + k_org.to(gl.int64) * stride_vn, n_kd,
-                          r * stride_vn, BLOCK_N, HEAD_DIM, kv_smem_layout)
-        h064 = h0.to(gl.int64)
-        q_org64 = q_org.to(gl.int64)
-        q_desc0 = row_desc(Q + b0 * stride_qb + h064 * stride_qh + q_org64 * stride_qn, n_qd, r * stride_qn, BLOCK_Q,
-                           HEAD_DIM, q_smem_layout)
-        do_desc0 = row_desc(DO + b0 * stride_db + h064 * stride_dh + q_org64 * stride_dn, n_qd, r * stride_dn,
-                            BLOCK_Q, HEAD_DIM, q_smem_layout)
-        dq_desc0 = row_desc(DQ + b0 * stride_dqb + h064 * stride_dqh + q_org64 * stride_dqn, n_qd, r * stride_dqn,
-                            BLOCK_Q, HEAD_DIM, dq_smem_layout)
-
-        tile_bytes: gl.constexpr = 2 * BLOCK_Q * HEAD_DIM * dtype.primitive_bitwidth // 8
-        kidx = gl.arange(0, BLOCK_N, layout=key_axis)
-        v_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        vrows = gl.arange(0, BLOCK_Q, layout=v_layout)
-        s_zero = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=s_layout)
-        it = 0  # steps issued: buffer it % 2, its barrier's phase (it // 2) % 2
-        n_kv = 0  # K / V copies waited for: the barrier's phase
-        issued = -1  # the slot whose first copies are out
-        for i in range(n_slots):
-            item, tile, first = _unit_tile(i, k, G, it0, n_tiles, n_units, PER_UNIT)
-            b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = key_tile(
-                T, item, tile, off, r, BLOCK_N, BLOCK_Q, IS_CAUSAL)
-            if (j_first < n_k) & first:
-                k_row = (kbase + k_first - k_org) // r + j_first
-                q_row = (qbase + q_first - q_org) // r
-                qcol = (qbase + q_first).to(gl.int64)
-                if issued != i:
-                    _dkdv_copies(k_desc, v_desc, q_desc0, do_desc0, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
-                                 k_row, q_row + start_q, n_steps, it, BLOCK_N, BLOCK_Q, HEAD_DIM)
-                # key row j_first + a is at or before query row q_cur + c iff a <= c + q_cur + shift; steps before
-                # ``full_from`` cross the diagonal, the last step of the item and a tile past its last key read rows of
-                # the neighbouring item: those steps are masked
-                shift = (q_first - k_first) // r - j_first
-                full_from = 0
-                if IS_CAUSAL:
-                    full_from = gl.maximum(kp_max - q_first + r - 1, 0) // r
-                key_lim = n_k - j_first
-                dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
-                dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
-                mbarrier.wait(kv_bar, n_kv & 1)
-                n_kv += 1
-                for g in range(0, HEADS):
-                    h = h0 + g * r
-                    n_steps_h = gl.where(h < (kvh + 1) * group, n_steps, 0)
-                    if HEADS == 1:
-                        q_desc = q_desc0
-                        do_desc = do_desc0
-                        dq_desc = dq_desc0
-                    else:
-                        h64 = h.to(gl.int64)
-                        q_desc = row_desc(Q + b0 * stride_qb + h64 * stride_qh + q_org64 * stride_qn, n_qd,
-                                          r * stride_qn, BLOCK_Q, HEAD_DIM, q_smem_layout)
-                        do_desc = row_desc(DO + b0 * stride_db + h64 * stride_dh + q_org64 * stride_dn, n_qd,
-                                           r * stride_dn, BLOCK_Q, HEAD_DIM, q_smem_layout)
-                        dq_desc = row_desc(DQ + b0 * stride_dqb + h64 * stride_dqh + q_org64 * stride_dqn, n_qd,
-                                           r * stride_dqn, BLOCK_Q, HEAD_DIM, dq_smem_layout)
-                        if g > 0:  # this head's first copies (head h0's went out with the tile's K / V)
-                            _head_copy(q_desc, do_desc, q_smem, do_smem, ready, q_row + start_q, n_steps_h, it,
-                                       BLOCK_Q, HEAD_DIM)
-                    lse_next, delta_next = _step_rows(L, Delta, b, h, qcol, stride_lb, stride_lh, start_q, n_q,
-                                                      n_steps_h, r, vrows)
-                    l_row = L + b * stride_lb + h.to(gl.int64) * stride_lh + qcol
-                    dl_row = Delta + b * stride_lb + h.to(gl.int64) * stride_lh + qcol
-                    q_cur = start_q
-                    for s in range(0, n_steps_h):
-                        buf = it % 2
-                        lse = gl.convert_layout(lse_next, query_axis)
-                        lse = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-                        delta = gl.convert_layout(delta_next, query_axis)
-                        needs_mask = q_cur < full_from
-                        q_step = q_cur
-                        diag = q_cur + shift
-                        mbarrier.wait(ready.index(buf), (it // 2) % 2)
-                        qs = q_smem.index(buf)
-                        dos = do_smem.index(buf)
-                        sT, dpT, dk, dv = dkdv_scores(k_smem, v_smem, qs, dos, s_zero, dk, dv)
-                        if s + 1 < n_steps_h:
-                            q_cur = q_cur + BLOCK_Q
-                            nbuf = 1 - buf
-                            mbarrier.expect(ready.index(nbuf), tile_bytes)
-                            tma_load(q_desc, [q_row + q_cur, 0], ready.index(nbuf), q_smem.index(nbuf))
-                            tma_load(do_desc, [q_row + q_cur, 0], ready.index(nbuf), do_smem.index(nbuf))
-                            vmask = q_cur + vrows < n_q
-                            lse_next = gl.load(l_row + (q_cur + vrows) * r, mask=vmask, other=float("inf"))
-                            delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
-                        pT = gl.exp2(sT * qk_scale - lse[None, :])
-                        if needs_mask:
-                            qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
-                            pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
-                        if key_lim < BLOCK_N:  # the item's last tile: keys past it are the next item's
-                            pT = gl.where((kidx < key_lim)[:, None], pT, 0.0)
-                        dk, dv = dkdv_dq_products(pT, dpT, delta, qs, dos, k_smem, p_smem, ds_smem, dq_smem, dq_desc,
-                                                  dk, dv, q_row + q_step, scale, dtype, dq_layout, BLOCK_Q, HEAD_DIM)
-                        it += 1
-                dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-                # The next tile's first copies go out now: K, V, Q and dO buffers are free, and they arrive while
-                # this tile's epilogue waits on its loads and stores.
-                if i + 1 < n_slots:
-                    item_n, tile_n, first_n = _unit_tile(i + 1, k, G, it0, n_tiles, n_units, PER_UNIT)
-                    b_n, qbase_n, kbase_n, k_first_n, n_k_n, j_first_n, kp_max_n, q_first_n, n_q_n, start_q_n, \
-                        n_steps_n = key_tile(T, item_n, tile_n, off, r, BLOCK_N, BLOCK_Q, IS_CAUSAL)
-                    if (j_first_n < n_k_n) & first_n:
-                        _dkdv_copies(k_desc, v_desc, q_desc0, do_desc0, k_smem, v_smem, q_smem, do_smem, kv_bar,
-                                     ready, (kbase_n + k_first_n - k_org) // r + j_first_n,
-                                     (qbase_n + q_first_n - q_org) // r + start_q_n, n_steps_n, it, BLOCK_N, BLOCK_Q,
-                                     HEAD_DIM)
-                        issued = i + 1
-
-                # the tile's place again (read, not carried through the step loop: registers are short there)
-                item, tile, first = _unit_tile(i, k, G, it0, n_tiles, n_units, PER_UNIT)
-                b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = key_tile(
-                    T, item, tile, off, r, BLOCK_N, BLOCK_Q, IS_CAUSAL)
-                kr = j_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
-                d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
-                kp = k_first + kr * r
-                kc64 = (kbase + kp).to(gl.int64)[:, None]
-                kin = kr < n_k
-                seen_rows = kin
-                if MERGE:
-                    seen_rows = kin & written_before(kp, kvh * group, head_offset, PREV, n_prev, group)
-                _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh,
-                        DK_OUT + b * stride_xkb + kvh64 * stride_xkh, kc64, d, kin, seen_rows, stride_dkn, stride_xkn,
-                        MERGE, LAST)
-                _finish(dv, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh,
-                        kc64, d, kin, seen_rows, stride_dvn, stride_xvn, MERGE, LAST)
-        tma.store_wait(0)  # the last reduce has read its tile
-        mbarrier.invalidate(kv_bar)
-        mbarrier.invalidate(ready.index(0))
-        mbarrier.invalidate(ready.index(1))
-
     @gluon.jit
     def dilated_bwd_dq_hopper_kernel(
         Q, K, V, DO, L, Delta, DQ, DQ_OUT, PREV, T,
@@ -701,20 +447,6 @@ def fused_dq_launch_config(head_dim: int) -> dict | None:
         return None
     n, q_rows, warps = FUSED_DQ_STEPS[head_dim]
     return dict(BLOCK_N=n, BLOCK_Q=q_rows, PART=0, FUSED_DQ=True, num_warps=warps)
-
-
-# The persistent fused dK/dV is taken where its programs fill at least this share of the SMs (as the forward's
-# ``WS_FILL``: below it, one tile a program keeps every SM busy)
-PERSISTENT_FILL = 0.95
-
-
-def dkdv_schedule(n_items: int, items_per_group: int, max_k_rows: int, heads: int, sms: int) -> tuple[tuple, dict] | None:
-    """The persistent fused dK/dV's grid and schedule arguments (``dilated_bwd_dkdv_persistent_kernel``;
-    ``hopper.persistent_grid`` over 128-key tiles, ``heads`` = kv heads x offset classes), or ``None`` where
-    ``dilated_bwd_dkdv_hopper_kernel`` runs one tile a program (packed or padded layouts, too few programs to fill
-    the SMs, ``HF_DILATED_PERSISTENT`` off)."""
-    n, _, _ = FUSED_DQ_STEPS[128]
-    return persistent_grid(n_items, items_per_group, -(-max_k_rows // n), heads, sms, PERSISTENT_FILL)
 
 
 def dq_launch_config(head_dim: int) -> dict | None:

@@ -34,8 +34,8 @@ import torch
 
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile,
-    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, n_rows, persistent_grid, query_tile_buffers,
-    query_tile_keys, release_barriers, row_desc, runnable, softmax_first, softmax_step, switch, tma_load, warpgroup_mma,
+    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, n_rows, query_tile_buffers, query_tile_keys,
+    release_barriers, row_desc, runnable, softmax_first, softmax_step, switch, tma_load, warpgroup_mma,
     warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
 )
 
@@ -95,9 +95,14 @@ def ws_schedule(n_items: int, items_per_group: int, max_q_rows: int, heads: int,
     persistent``)."""
     n_tiles = -(-max_q_rows // 128)
     pairs = -(-n_tiles // 2)
-    persistent = persistent_grid(n_items, items_per_group, n_tiles, heads, sms, WS_FILL)
-    if persistent is not None:
-        return persistent[0], dict(persistent[1], PERSISTENT=True)
+    groups = n_items // items_per_group if items_per_group else 0
+    if groups and heads * groups <= sms and switch("HF_DILATED_PERSISTENT"):
+        per_head = sms // (heads * groups)
+        for per_unit, n_units in ((2, pairs), (1, n_tiles)):
+            G = min(per_head, items_per_group * n_units)
+            if G * heads * groups >= WS_FILL * sms:
+                return (G, heads, groups), dict(G=G, n_tiles=n_tiles, n_units=n_units, n_items=items_per_group,
+                                                PER_UNIT=per_unit, PERSISTENT=True)
     per_program = max(1, min(n_tiles, WS_TILES, n_items * n_tiles * heads // (WS_WAVES * sms)))
     per_unit, n_units = (2, pairs) if per_program >= 2 else (1, n_tiles)
     if n_items * n_units >= 2**31 or heads > 65535:

@@ -88,26 +88,6 @@ def portable():
 WS_LAUNCH = dict(CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168)
 
 
-def persistent_grid(n_items: int, items_per_group: int, n_tiles: int, heads: int, sms: int,
-                    fill: float) -> tuple[tuple, dict] | None:
-    """The grid of a persistent launch and its schedule arguments, or ``None`` where there is none: ``G`` programs per
-    head (or kv head x class) and group of items that share a batch row and column bases (``items_per_group``, 0:
-    none do), as many as the SMs hold one each, each walking every ``G``-th *unit* of its group -- a pair of an item's
-    ``n_tiles`` row tiles of equal causal work (``PER_UNIT`` 2), or single tiles where pairs would leave SMs idle --
-    where the programs fill at least ``fill`` of the ``sms``, and ``HF_DILATED_PERSISTENT`` is not off (``0`` /
-    ``false`` / ``off`` / ``no``)."""
-    groups = n_items // items_per_group if items_per_group else 0
-    if not groups or heads * groups > sms or not switch("HF_DILATED_PERSISTENT"):
-        return None
-    per_head = sms // (heads * groups)
-    for per_unit, n_units in ((2, -(-n_tiles // 2)), (1, n_tiles)):
-        G = min(per_head, items_per_group * n_units)
-        if G * heads * groups >= fill * sms:
-            return (G, heads, groups), dict(G=G, n_tiles=n_tiles, n_units=n_units, n_items=items_per_group,
-                                            PER_UNIT=per_unit)
-    return None
-
-
 def runnable(tma_path: bool) -> bool:
     """Whether a Gluon kernel may run on this call's device: :func:`enabled` (read first, so that a bad
     ``HF_DILATED_GLUON`` is refused on any machine), the tensor-descriptor path on (``tma_path``), not under Triton's

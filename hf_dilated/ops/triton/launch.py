@@ -376,20 +376,7 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
     with forked(q.device) as beside:
         for j, i, r, it, s, merge in launches:  # dK / dV on the current stream
             n_classes = min(group, r)
-            persistent = fused and backward_hopper.dkdv_schedule(it.n_items, it.items_per_group, it.max_k_rows,
-                                                                 Hk * n_classes, sm_count(q.device))
-            if persistent:  # the fused dK/dV's programs over units of an item's key tiles, one per SM
-                grid, sched = persistent
-                backward_hopper.dilated_bwd_dkdv_persistent_kernel[grid](
-                    *hopper_tensors, it.items, *hopper_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
-                    pb.scale * LOG2E, sched["n_tiles"], j, sched["G"], sched["n_units"], sched["n_items"], Nq, Nk,
-                    HEAD_DIM=hd, BLOCK_N=fused["BLOCK_N"], BLOCK_Q=fused["BLOCK_Q"], HEADS=cdiv(group, n_classes),
-                    PER_UNIT=sched["PER_UNIT"], IS_CAUSAL=flags["IS_CAUSAL"], num_warps=fused["num_warps"], **merge,
-                )
-                LAUNCHES["dkdv_hopper"] += 1
-                LAUNCHES["dkdv_persistent"] += 1
-                LAUNCHES["dq_fused"] += 1
-            elif dkdv_cfgs:
+            if dkdv_cfgs:
                 for dkdv_cfg in dkdv_cfgs:  # one launch, or at D = 256 one for dV and one for dK
                     grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
                     backward_hopper.dilated_bwd_dkdv_hopper_kernel[grid](
