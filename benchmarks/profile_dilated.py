@@ -13,7 +13,8 @@ the fused dQ at head dim 128).
 Nsight sections read the bar the dilated kernels are held to (issue 14: cuDNN's rate), cycle for cycle under Nsight's
 locked clock. ``--n``, ``--heads``, ``--kv-heads``, ``--dim`` change the shape. The readings are in
 ``benchmarks/NOTES_triton.md``. With ``--table``, no Nsight: GPU time per kernel from ``torch.profiler``
-(``kernel_times.py``)."""
+(``kernel_times.py``); with ``--launches``, every launch of one forward+backward in order (the branch launches of
+the dilated op: forward and dK/dV, r = 2, 4, 8, 16 then r = 1, per head chunk of the backward)."""
 
 import argparse
 import os
@@ -33,6 +34,8 @@ ap.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: -
 ap.add_argument("--dim", type=int, default=128)
 ap.add_argument("--dense", choices=["cudnn", "flash"], default=None, help="profile dense causal SDPA instead")
 ap.add_argument("--table", action="store_true", help="GPU time per kernel from torch.profiler, no Nsight")
+ap.add_argument("--launches", action="store_true",
+                help="every GPU launch of one forward+backward in order, with its time (torch.profiler, no Nsight)")
 args = ap.parse_args()
 if args.n < 1:
     ap.error(f"--n must be >= 1, got {args.n}")
@@ -67,10 +70,14 @@ for _ in range(2):  # warm-up (compile) outside the profiled range
     forward()
     step()
 torch.cuda.synchronize()
-if args.table:
-    from kernel_times import kernel_times, print_times
+if args.table or args.launches:
+    from kernel_times import kernel_times, launch_times, print_launches, print_times
 
-    print_times(f"{args.dense or 'dilated'}, forward+backward, N={N}, {H}/{Hk}/{D}", kernel_times(step))
+    title = f"{args.dense or 'dilated'}, forward+backward, N={N}, {H}/{Hk}/{D}"
+    if args.table:
+        print_times(title, kernel_times(step))
+    if args.launches:
+        print_launches(title, launch_times(step))
     sys.exit(0)
 torch.cuda.cudart().cudaProfilerStart()
 forward()

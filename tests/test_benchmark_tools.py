@@ -1,7 +1,8 @@
 """The CPU-side benchmark tools run as documented: ``benchmarks/host_overhead.py`` (the launch path's host time with
 no-op kernels) measures the Triton launchers, not another path; ``benchmarks/kernel_resources.py`` compiles every
 kernel the launch paths use for Hopper and Ampere (what the interpreter never does) and reports their resources;
-``benchmarks/kernel_times.py`` (the profile scripts' ``--table``) attributes a call's time to its kernels."""
+``benchmarks/kernel_times.py`` (the profile scripts' ``--table`` / ``--launches``) attributes a call's time to its
+kernels and lists its launches in order."""
 
 from __future__ import annotations
 
@@ -35,6 +36,25 @@ def test_kernel_times_attributes_time_to_the_kernels_that_ran(capsys):
         kernel_times(lambda: None, iters=0)
     with pytest.raises(ValueError, match="device must be"):
         kernel_times(lambda: None, device="tpu")
+
+
+def test_launch_times_lists_each_launch_in_order(capsys):
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from kernel_times import launch_times, print_launches
+
+    a = torch.randn(256, 256)
+    rows = launch_times(lambda: (torch.mm(a, a), a.softmax(-1), torch.mm(a, a.t())), device="cpu")
+    names = [name for _, _, name in rows]
+    assert names == ["aten::mm", "aten::softmax", "aten::t", "aten::mm"], names  # top-level operators, in order
+    starts = [start for start, _, _ in rows]
+    assert starts[0] == 0 and starts == sorted(starts) and all(ms >= 0 for _, ms, _ in rows)
+    print_launches("mm, softmax, mm", rows)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("mm, softmax, mm: 4 launches, span ") and len(out) == 5 and "aten::softmax" in out[2]
+    with pytest.raises(ValueError, match="device must be"):
+        launch_times(lambda: None, device="tpu")
 
 
 def test_host_overhead_times_the_triton_launchers():
