@@ -205,7 +205,8 @@ def main() -> int:
     with open(path, "w") as f:
         json.dump(dict(meta=meta, command=" ".join(sys.argv), rows=rows), f, indent=1)
     print("wrote", path)
-    if (args.which == "backward" or args.switch in ("ws", "persistent")) and SWITCHES[args.switch][3]:  # same products, same order
+    # same products in the same order: bit for bit
+    if (args.which == "backward" or args.switch in ("ws", "persistent")) and SWITCHES[args.switch][3]:
         differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows if not all(r["identical"].values())]
     else:  # the forward (and the fused dQ) may differ in the last bf16 bits, not more (a NaN is a difference)
         differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows

@@ -426,10 +426,8 @@ if gluon is not None:
         q_desc = row_desc(Q + b * stride_qb + h.to(gl.int64) * stride_qh + q_org.to(gl.int64) * stride_qn,
                           gl.maximum(n_q, 1), r * stride_qn, 64, HEAD_DIM, q_layout)
         # each consumer masks what its rows may not see
-        k_desc = row_desc(K + b * stride_kb + kvh * stride_kh + k_org.to(gl.int64) * stride_kn, gl.maximum(n_k, 1),
-                          r * stride_kn, BLOCK_N, HEAD_DIM, kv_layout)
-        v_desc = row_desc(V + b * stride_vb + kvh * stride_vh + k_org.to(gl.int64) * stride_vn, gl.maximum(n_k, 1),
-                          r * stride_vn, BLOCK_N, HEAD_DIM, kv_layout)
+        k_desc, v_desc = kv_descs(K, V, b, kvh, k_org, 0, n_k, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                                  stride_vn, r, BLOCK_N, HEAD_DIM, kv_layout)
         q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
