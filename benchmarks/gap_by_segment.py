@@ -1,7 +1,9 @@
 """Where the gap between the dilated kernels and dense cuDNN comes from, measured rather than guessed: the kernels on
 one branch ``(w, 1)`` as the segment grows (at ``w = N`` that is dense causal attention through the dilated path),
 LongNet's branches added one at a time to ``(2048, 1)``, all of them, and dense causal SDPA on cuDNN and
-FlashAttention-2, at one shape, forward and forward+backward.
+FlashAttention-2, at one shape, forward and forward+backward. ``cudnn-segments`` rows run cuDNN on exactly the dilated
+work: each branch's segments gathered beforehand into a batch of dense causal sequences of ``w / r`` rows (the gather,
+the scatter back and the merge of branches not timed), what the best dense kernel reaches on segments that short.
 
     python benchmarks/gap_by_segment.py --out benchmarks/results        # H100, 64K, H 16, D 128: about 2 minutes
 
@@ -42,6 +44,7 @@ from hf_dilated.environment import kernel_switches  # noqa: E402
 
 LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 DENSE = ("cudnn", "flash")
+SEGMENTS = "cudnn-segments"  # cuDNN on the branches' segments, gathered (:func:`segment_calls`)
 
 
 def cases(n: int) -> list[tuple[str, list | None]]:
@@ -53,7 +56,32 @@ def cases(n: int) -> list[tuple[str, list | None]]:
     fits = [(w, r) for w, r in LONGNET if w <= max(n, base)] or [(base, 1)]
     added = [("dilated", [(base, 1), (w, r)]) for w, r in fits if r > 1]
     full = [("dilated", fits)] if len(fits) > 2 else []
-    return single + added + full + [(kind, None) for kind in DENSE]
+    # cuDNN on the same segments, each branch's rows gathered beforehand: shorter than N and dividing it
+    same = [(SEGMENTS, b) for _, b in single + full if all(w < n and n % w == 0 for w, _ in b)]
+    return single + added + full + same + [(kind, None) for kind in DENSE]
+
+
+def segments(t: torch.Tensor, w: int, r: int) -> torch.Tensor:
+    """``t``'s rows (``[B, H, N, D]``) as the batch of dilated segments branch ``(w, r)`` attends within:
+    ``[B * N / w, H, w / r, D]``, each head's rows of offset class 0 (the same shapes and work as its own class)."""
+    B, H, N, D = t.shape
+    rows = t.detach().view(B, H, N // w, w // r, r, D)[..., 0, :]
+    return rows.permute(0, 2, 1, 3, 4).reshape(B * (N // w), H, w // r, D).contiguous()
+
+
+def segment_calls(q, k, v, do, branches, backend):
+    """``(forward, forward+backward)`` of dense causal SDPA on ``backend`` over each branch's segments, gathered
+    once here (:func:`segments`): what the best dense kernel does with exactly the dilated work, without the gather,
+    the scatter back or the merge of branches, which a dense-kernel implementation would add."""
+    parts = [tuple(segments(t, w, r) for t in (q, k, v, do)) for w, r in branches]
+
+    def fwd():
+        return [run_sdpa(sq, sk, sv, None, backend) for sq, sk, sv, _ in parts]
+
+    def step():
+        return [run_sdpa(sq, sk, sv, sdo, backend) for sq, sk, sv, sdo in parts]
+
+    return fwd, step
 
 
 def main(argv=None) -> int:
@@ -115,6 +143,9 @@ def main(argv=None) -> int:
                     return torch.autograd.grad(out, (q, k, v), do)
 
                 flops = dilated_flops(n, branches, args.dim, args.heads, 1)
+            elif kind == SEGMENTS:
+                fwd, step = segment_calls(q, k, v, do, branches, "cudnn")
+                flops = dilated_flops(n, branches, args.dim, args.heads, 1)
             else:
                 def fwd():
                     return run_sdpa(q, k, v, None, kind)
@@ -140,6 +171,8 @@ def main(argv=None) -> int:
 
     for r in rows:
         label = r["kind"] if r["branches"] is None else " + ".join(f"({w},{rr})" for w, rr in r["branches"])
+        if r["kind"] == SEGMENTS:
+            label = "cuDNN on the segments of " + label
         tail = r.get("error") or (f"{r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s" + (
             f" {r['gpu_clock_mhz']:6.0f} MHz {r['tflops_per_ghz']:6.1f} per GHz" if r.get("tflops_per_ghz") else ""))
         print(f"{r['mode']:7s} {label:60s} {tail}")
@@ -183,10 +216,15 @@ def plot(rows: list, meta: dict, png: str) -> None:
         ok = [r for r in rows if r["mode"] == mode and "ms" in r]
         single = [r for r in ok if r["kind"] == "dilated" and len(r["branches"]) == 1]
         ax.plot([r["branches"][0][0] for r in single], [r[key] for r in single], "o-", label="dilated, one branch (w, 1)")
-        colors = iter(["tab:red", "tab:green", "tab:purple"])
+        same = [r for r in ok if r["kind"] == SEGMENTS and len(r["branches"]) == 1]
+        if same:
+            ax.plot([r["branches"][0][0] for r in same], [r[key] for r in same], "s:",
+                    label="cuDNN on the same segments (gathered)")
+        colors = iter(["tab:red", "tab:green", "tab:purple", "tab:brown"])
+        names = {"dilated": "dilated, LongNet branches", SEGMENTS: "cuDNN on LongNet's segments (gathered)"}
         for r in ok:
-            if r["kind"] in DENSE or (r["kind"] == "dilated" and len(r["branches"]) == len(LONGNET)):
-                name = f"dense {r['kind']}" if r["kind"] in DENSE else "dilated, LongNet branches"
+            if r["kind"] in DENSE or len(r["branches"]) == len(LONGNET):
+                name = names.get(r["kind"], f"dense {r['kind']}")
                 ax.axhline(r[key], ls="--", color=next(colors, "gray"), label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("segment length w")

@@ -357,6 +357,8 @@ def test_gap_by_segment_cases_and_a_cpu_run(tmp_path, capsys):
     assert added == [[(2048, 1), (w, r)] for w, r in tool.LONGNET[1:]]
     assert [b for kind, b in cases if kind == "dilated" and len(b) == 5] == [tool.LONGNET]
     assert [kind for kind, _ in cases[-2:]] == ["cudnn", "flash"]
+    # cuDNN on the same segments: each single branch shorter than N, and the LongNet set
+    assert [b for kind, b in cases if kind == tool.SEGMENTS] == [[(w, 1)] for w in single[:-1]] + [tool.LONGNET]
     assert [b for kind, b in tool.cases(8192) if kind == "dilated" and len(b) > 1] == [
         [(2048, 1), (4096, 2)], [(2048, 1), (8192, 4)], [(2048, 1), (4096, 2), (8192, 4)]]
     assert tool.cases(512)[0] == ("dilated", [(512, 1)])  # shorter than the smallest LongNet segment
@@ -369,6 +371,29 @@ def test_gap_by_segment_cases_and_a_cpu_run(tmp_path, capsys):
                                                            for m in ("fwd", "fwdbwd")}
     assert all(r["ms"] > 0 and r["tflops"] > 0 for r in data["rows"])
     assert js.with_suffix(".png").stat().st_size > 0
+
+
+def test_gap_by_segment_runs_dense_attention_on_exactly_the_dilated_segments():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gap_by_segment as tool
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 3, 32, 8, generator=gen) for _ in range(4))
+    rows = tool.segments(q, 16, 4)  # branch (16, 4): segments of 16 positions, every 4th row of each
+    assert rows.shape == (2 * 2, 3, 4, 8)
+    assert torch.equal(rows[3, 1], q[1, 1, 16:32:4])  # batch row 1, second segment, head 1
+    branches = [(8, 1), (16, 4)]
+    fwd, step = tool.segment_calls(q, k, v, do, branches, "cudnn")  # SDPA's math backend off the GPU
+    outs = fwd()
+    assert len(outs) == 2
+    for out, (w, r) in zip(outs, branches):
+        want = sdpa(*(tool.segments(t, w, r) for t in (q, k, v)), is_causal=True)
+        torch.testing.assert_close(out, want)
+    grads = step()
+    assert [g[0].shape for g in grads] == [(8, 3, 8, 8), (4, 3, 4, 8)]  # out, then dq, dk, dv per branch
+    assert all(len(g) == 4 and all(torch.isfinite(t).all() for t in g) for g in grads)
 
 
 @pytest.mark.parametrize("argv, message", [
