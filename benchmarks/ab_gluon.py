@@ -2,7 +2,8 @@
 (``HF_DILATED_GLUON=0`` selects the portable kernels; everything else is the same code). ``--switch fused_dq``: the
 dilated backward's dK/dV launch that adds dQ (``HF_DILATED_FUSED_DQ=1``) against the Gluon dK/dV and dQ kernels.
 ``--switch ws``: the warp-specialized kernels (``HF_DILATED_WS=1``: the forward at head dim 128, the block-sparse dQ)
-against the one-warpgroup Gluon forward and the portable block-sparse dq.
+against the one-warpgroup Gluon forward and the portable block-sparse dq. ``--switch ws_dkdv``: the warp-specialized
+fused dK/dV (``HF_DILATED_WS_DKDV=1``, head dim 128) against the fused dK/dV of one 8-warp program.
 ``--switch persistent``: the warp-specialized forward's persistent programs (``HF_DILATED_PERSISTENT=1``, one per SM)
 against one segment item a program (bit-identical: the same tiles).
 
@@ -118,6 +119,9 @@ SWITCHES = {
                    True),
     # dQ summed by reduce-adds in no fixed order: equal to SPEC's tolerance, not bit for bit (dK, dV are)
     "fused_dq": ("HF_DILATED_FUSED_DQ", ("separate_dq", "fused_dq"), {"backward": ("dq_fused",)}, False),
+    # the warp-specialized fused dK/dV against the one-program fused dK/dV: the same products (dK, dV bit for bit),
+    # dQ by reduce-adds in no fixed order
+    "ws_dkdv": ("HF_DILATED_WS_DKDV", ("fused_dkdv", "warp_specialized"), {"backward": ("dkdv_ws",)}, False),
 }
 
 
@@ -172,12 +176,13 @@ def main() -> int:
                     help="gluon: Gluon against portable kernels; fused_dq: the dK/dV launch that adds dQ against the "
                          "Gluon dK/dV and dQ kernels (dilated backward); ws: the warp-specialized kernels (forward "
                          "at head dim 128, block-sparse dQ) against the one-warpgroup ones; persistent: the "
-                         "warp-specialized forward's persistent programs against one item a program")
+                         "warp-specialized forward's persistent programs against one item a program; ws_dkdv: the "
+                         "warp-specialized fused dK/dV against the one-program one (dilated backward, head dim 128)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    if args.which not in SWITCHES[args.switch][2] or (args.switch == "fused_dq" and args.op != "dilated") or (
-            args.switch == "ws" and args.op == "dilated" and args.which == "backward") or (
-            args.switch == "persistent" and args.op != "dilated"):
+    dilated_only = ("fused_dq", "ws_dkdv", "persistent")
+    if args.which not in SWITCHES[args.switch][2] or (args.switch in dilated_only and args.op != "dilated") or (
+            args.switch == "ws" and args.op == "dilated" and args.which == "backward"):
         ap.error(f"--switch {args.switch} has no --op {args.op} --pass {args.which}")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")

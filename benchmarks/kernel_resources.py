@@ -347,8 +347,12 @@ def compile_launch(launch: Launch, arch: int, full_errors: bool = False) -> Reso
             res.error = f"needs {res.shared} bytes of shared memory, sm_{arch} has {limit}"
     except Exception as e:  # noqa: BLE001 -- a compile error of any kind is the finding
         text = str(e).strip()
-        if full_errors:  # the whole message (a compile error's source excerpt)
+        if full_errors:  # the whole message (a compile error's source excerpt), and what it was raised from
             res.error = f"{type(e).__name__}: {text}"
+            cause = e.__cause__ or e.__context__
+            while cause is not None:
+                res.error += f"\n  from {type(cause).__name__}: {str(cause).strip()}"
+                cause = cause.__cause__ or cause.__context__
         else:
             res.error = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
     res.compile_s = round(time.perf_counter() - start, 2)

@@ -905,6 +905,50 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws):
     run(*make_qkv(rng, 1, 8, 4, 2100, 2100, 128, bf16, "cuda"), head_offset=2)  # dQ sums per head chunk (fused)
 
 
+@pytest.mark.gpu
+def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
+    """``HF_DILATED_WS_DKDV=1``: at head dim 128 the fused dK/dV runs warp-specialized (a producer warp, two consumer
+    warpgroups of 64 keys that meet once a step for dQ) where a class holds one query head, the one-program kernel
+    elsewhere; against the float64 oracle (causal and bidirectional, ragged segments, GQA with one and several heads a
+    class, padding, head chunks), dK and dV bit for bit those of the one-program kernel (the same products in the same
+    order), dQ to rounding (reduce-adds in no fixed order), and the warp-specialized kernel seen to run."""
+    _gpu_skip()
+    from hf_dilated.ops.triton import backward_hopper, configs
+
+    if not configs.wgmma():
+        pytest.skip("the Gluon kernel is for sm_90")
+    monkeypatch.setenv("HF_DILATED_WS_DKDV", "1")
+    assert "CONSUMER_REGS" in backward_hopper.fused_dq_launch_config(128)
+    bf16 = torch.bfloat16
+
+    def run(q, k, v, branches=LONGNET_SMALL, **kw):
+        before = launch.LAUNCHES["dkdv_ws"]
+        check(q, k, v, branches, TOL[q.dtype], use_naive=False, **kw)
+        assert launch.LAUNCHES["dkdv_ws"] > before, "the warp-specialized dK/dV did not run"
+        do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", q.dtype)
+        ws, rs = [w for w, _ in branches], [r for _, r in branches]
+        grads = {}
+        for flag in ("0", "1"):
+            monkeypatch.setenv("HF_DILATED_WS_DKDV", flag)
+            out = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton", **kw)
+            grads[flag] = torch.autograd.grad(out, (q, k, v), do)
+        monkeypatch.setenv("HF_DILATED_WS_DKDV", "1")
+        for name, a, b in zip("kv", grads["0"][1:], grads["1"][1:]):
+            assert torch.equal(a, b), f"d{name} differs from the one-program fused dK/dV"
+        assert rel_err(grads["1"][0], grads["0"][0]) < 1e-2
+
+    run(*make_qkv(rng, 2, 8, 8, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
+    run(*make_qkv(rng, 1, 8, 8, 2500, 2500, 128, torch.float16, "cuda"), is_causal=False, head_offset=1)
+    run(*make_qkv(rng, 1, 16, 4, 2200, 2200, 128, bf16, "cuda"), head_offset=1)  # 4 heads a class at r 1, 1 at r 4
+    mask = torch.ones(2, 2048, dtype=torch.bool, device="cuda")
+    mask[1, :777] = False
+    run(*make_qkv(rng, 2, 8, 8, 2048, 2048, 128, bf16, "cuda"), attention_mask=mask)
+    run(*make_qkv(rng, 1, 4, 4, 1500, 1500, 128, bf16, "cuda"), branches=[(DENSE_SEGMENT, 1)])  # one launch
+    monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head at a time: heads from h0 > 0 in the kernel
+    monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
+    run(*make_qkv(rng, 1, 4, 4, 2100, 2100, 128, bf16, "cuda"), head_offset=2)
+
+
 def _ws_schedules(rng, monkeypatch, run):
     """The warp-specialized forward under each of its schedules (``forward_hopper.ws_schedule``): persistent over
     pairs of tiles or over single tiles, and one item a program over pairs or single tiles; each against the float64

@@ -68,10 +68,10 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
-    first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows, query_tile_buffers,
-    query_tile_keys, register_product, release_barriers, row_desc, runnable, score_buffers, switch, tma, tma_load,
-    warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, written_before,
+    WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
+    fence_async_shared, first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows,
+    query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc, runnable, score_buffers, switch,
+    tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
 from .tiles import LOG2E
 
@@ -415,6 +415,247 @@ if gluon is not None:
                     qc64, d, in_range, seen, stride_dqn, stride_xqn, MERGE, LAST)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
+    # ---- the warp-specialized fused dK/dV (head dim 128, one query head per class) --------------------------------
+    # ``dilated_bwd_dkdv_hopper_kernel``'s FUSED_DQ program (128 keys, 64-query steps, dQ by TMA reduce-add) with its
+    # roles split: a producer warp copies K / V once and each step's Q / dO (two buffers, released by both consumers),
+    # and each consumer warpgroup owns 64 of the keys. A consumer's dV / dK products, its P^T / dS^T and its dK / dV
+    # sums are its own; the step's dQ needs dS^T of all 128 keys, so the two meet once a step (``ds_ready``: both
+    # halves written; ``ds_free``: both dQ products have read them) and each adds its half of dQ's columns.
+
+    @gluon.jit
+    def _dkdv_ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, q_desc, do_desc, k_desc, v_desc):
+        """K and V of the program's keys, then each step's Q and dO into buffer ``s % 2`` once both consumers
+        released its last use."""
+        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, h0, head_offset, r, n_prev, kbase, k_first, n_k, j_first,
+         q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb, stride_dkh,
+         stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb, stride_xvh,
+         stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+         ds_ready) = a
+        dtype: gl.constexpr = k_smem.dtype
+        BLOCK_N: gl.constexpr = k_smem.shape[0]
+        TILE_BYTES: gl.constexpr = BLOCK_Q * HEAD_DIM * dtype.primitive_bitwidth // 8
+        if n_steps > 0:
+            mbarrier.expect(kv_bar, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
+            tma_load(k_desc, [j_first, 0], kv_bar, k_smem)
+            tma_load(v_desc, [j_first, 0], kv_bar, v_smem)
+        q_cur = start_q
+        for s in range(n_steps):
+            buf = s % 2
+            mbarrier.wait(empty.index(buf), ((s // 2) & 1) ^ 1)
+            mbarrier.expect(ready.index(buf), 2 * TILE_BYTES)
+            tma_load(q_desc, [q_cur, 0], ready.index(buf), q_smem.index(buf))
+            tma_load(do_desc, [q_cur, 0], ready.index(buf), do_smem.index(buf))
+            q_cur += BLOCK_Q
+
+    @gluon.jit
+    def _dkdv_ws_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                          MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc):
+        """dK and dV of keys ``64 WG ..`` of the program's tile, and columns ``HEAD_DIM / 2 * WG ..`` of each step's
+        dQ share (``dq_desc``), with ``hopper.dkdv_dq_products``'s products in its order."""
+        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, h0, head_offset, r, n_prev, kbase, k_first, n_k, j_first,
+         q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb, stride_dkh,
+         stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb, stride_xvh,
+         stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
+         ds_ready) = a
+        dtype: gl.constexpr = k_smem.dtype
+        KW: gl.constexpr = 64  # keys per warpgroup
+        DH: gl.constexpr = HEAD_DIM // 2  # dQ columns per warpgroup
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_Q, 16])
+        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DH, 16])
+        key_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
+        query_axis: gl.constexpr = gl.SliceLayout(0, s_layout)
+        k_w = k_smem.slice(WG * KW, KW)
+        v_w = v_smem.slice(WG * KW, KW)
+        p_w = p_smem.slice(WG * KW, KW)
+        k_cols = k_smem.slice(WG * DH, DH, dim=1)
+        dq_w = dq_smem.index(WG)
+        kidx = WG * KW + gl.arange(0, KW, layout=key_axis)
+        vrows = gl.arange(0, BLOCK_Q, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        s_zero = gl.zeros([KW, BLOCK_Q], gl.float32, layout=s_layout)
+        dk = warpgroup_mma_init(gl.zeros([KW, HEAD_DIM], gl.float32, layout=g_layout))
+        dv = warpgroup_mma_init(gl.zeros([KW, HEAD_DIM], gl.float32, layout=g_layout))
+        h64 = h0.to(gl.int64)
+        l_row = L + b * stride_lb + h64 * stride_lh + q0_row
+        dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
+        q_cur = start_q
+        vmask = (q_cur + vrows < n_q) & (n_steps > 0)
+        lse_next = gl.load(l_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+        delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+        if n_steps > 0:
+            mbarrier.wait(kv_bar, 0)
+        lse_w = rows_smem[2 * WG]
+        delta_w = rows_smem[2 * WG + 1]
+        for s in range(n_steps):
+            buf = s % 2
+            lse_w.store(gl.where(lse_next == float("-inf"), 0.0, lse_next) * LOG2E)
+            delta_w.store(delta_next)
+            needs_mask = q_cur < full_from
+            diag = q_cur + shift
+            mbarrier.wait(ready.index(buf), (s // 2) & 1)
+            qs = q_smem.index(buf)
+            dos = do_smem.index(buf)
+            sT = warpgroup_mma(k_w, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sT, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(sT, dk, dv))  # also retires the last dK
+            if s > 0:  # the last step's Q / dO are read by every product that reads them
+                mbarrier.arrive(empty.index(1 - buf), count=1)
+            if s + 1 < n_steps:
+                vmask = q_cur + BLOCK_Q + vrows < n_q
+                lse_next = gl.load(l_row + (q_cur + BLOCK_Q + vrows) * r, mask=vmask, other=0.0)
+                delta_next = gl.load(dl_row + (q_cur + BLOCK_Q + vrows) * r, mask=vmask, other=0.0)
+            pT = gl.exp2(sT * qk_scale - lse_w.load(query_axis)[None, :])
+            if needs_mask:
+                qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
+                pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
+            dpT = warpgroup_mma(v_w, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            p_w.store(pT.to(dtype))
+            fence_async_shared()
+            dv = warpgroup_mma(p_w, dos, dv, is_async=True)
+            dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+            ds = (pT * (dpT - delta_w.load(query_axis)[None, :])).to(dtype)
+            # dS^T in buffer s % 2: its last readers, the step before last's dQ products, are done (each
+            # warpgroup's retired before it arrived at the last step's ds_ready, which this one has passed)
+            ds_all = ds_smem.index(buf)
+            ds_w = ds_all.slice(WG * KW, KW)
+            ds_w.store(ds)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready, count=1)
+            mbarrier.wait(ds_ready, s & 1)  # both halves of dS^T written
+            dq_zero = gl.zeros([BLOCK_Q, DH], gl.float32, layout=dq_layout)
+            dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+            dk = warpgroup_mma(ds_w, qs, dk, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))  # also retires dV, issued before it
+            tma.store_wait(0)  # the last step's reduce has read the tile
+            dq_w.store(dq * scale)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [q_cur, 0], dq_w)
+            q_cur += BLOCK_Q
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        tma.store_wait(0)
+
+        kr = j_first + WG * KW + gl.arange(0, KW, layout=gl.SliceLayout(1, g_layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
+        kp = k_first + kr * r
+        kc64 = (kbase + kp).to(gl.int64)[:, None]
+        kin = kr < n_k
+        seen = kin
+        if MERGE:
+            seen = kin & written_before(kp, h0, head_offset, PREV, n_prev, 1)
+        _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh, DK_OUT + b * stride_xkb + kvh64 * stride_xkh,
+                kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE, LAST)
+        _finish(dv, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh, kc64, d,
+                kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
+
+    @gluon.jit
+    def dilated_bwd_dkdv_ws_kernel(
+        Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, DQ, PREV, T,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        stride_db, stride_dh, stride_dn,
+        stride_lb, stride_lh,
+        stride_dkb, stride_dkh, stride_dkn,
+        stride_dvb, stride_dvh, stride_dvn,
+        stride_xkb, stride_xkh, stride_xkn,
+        stride_xvb, stride_xvh, stride_xvn,
+        stride_dqb, stride_dqh, stride_dqn,
+        head_offset, group, n_classes, r, scale, qk_scale, n_tiles, n_prev,
+        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, PART: gl.constexpr, FUSED_DQ: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """``dilated_bwd_dkdv_hopper_kernel``'s contract with ``FUSED_DQ`` and one query head per class (``HEADS``
+        1): ``_dkdv_ws_producer`` and two ``_dkdv_ws_consumer`` s (the section's comment)."""
+        dtype: gl.constexpr = Q.dtype.element_ty
+        gl.static_assert(HEADS == 1 and FUSED_DQ and PART == 0 and BLOCK_N == 128)
+        kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
+        p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
+        dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM // 2], gl.float32)
+
+        pid = gl.program_id(0)
+        item = pid // n_tiles
+        tile = pid % n_tiles
+        hc = gl.program_id(1)
+        kvh = hc // n_classes
+        h0 = kvh * group + hc % n_classes
+        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
+        off = (h0 + head_offset) % r
+        k_first = first_selected(k_lo, off, r)
+        n_k = n_rows(k_first, k_hi, r)
+        j_first = tile * BLOCK_N
+        kp_min = k_first + j_first * r
+        kp_max = gl.minimum(kp_min + (BLOCK_N - 1) * r, k_hi - 1)
+        q_first = first_selected(q_lo, off, r)
+        n_q = n_rows(q_first, q_hi, r)
+        lo = q_lo
+        if IS_CAUSAL:
+            lo = gl.maximum(lo, kp_min)
+        j0 = gl.where(lo > q_first, (lo - q_first) // r, 0)
+        start_q = (j0 // BLOCK_Q) * BLOCK_Q
+        n_steps = gl.where(j_first < n_k, gl.maximum(n_q - start_q + BLOCK_Q - 1, 0) // BLOCK_Q, 0)
+        n_steps = gl.where(h0 < (kvh + 1) * group, n_steps, 0)
+        shift = (q_first - k_first) // r - j_first
+        full_from = 0
+        if IS_CAUSAL:
+            full_from = gl.maximum(kp_max - q_first + r - 1, 0) // r
+
+        kvh64 = kvh.to(gl.int64)
+        h64 = h0.to(gl.int64)
+        k0 = (kbase + k_first).to(gl.int64)
+        q0_row = (qbase + q_first).to(gl.int64)
+        n_desc = gl.maximum(n_k, 1)
+        n_qdesc = gl.maximum(n_q, 1)
+        k_desc = row_desc(K + b * stride_kb + kvh64 * stride_kh + k0 * stride_kn, n_desc, r * stride_kn, BLOCK_N,
+                          HEAD_DIM, kv_smem_layout)
+        v_desc = row_desc(V + b * stride_vb + kvh64 * stride_vh + k0 * stride_vn, n_desc, r * stride_vn, BLOCK_N,
+                          HEAD_DIM, kv_smem_layout)
+        q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh + q0_row * stride_qn, n_qdesc, r * stride_qn, BLOCK_Q,
+                          HEAD_DIM, q_smem_layout)
+        do_desc = row_desc(DO + b * stride_db + h64 * stride_dh + q0_row * stride_dn, n_qdesc, r * stride_dn,
+                           BLOCK_Q, HEAD_DIM, q_smem_layout)
+        dq_base = DQ + b * stride_dqb + h64 * stride_dqh + q0_row * stride_dqn
+        dq_desc0 = row_desc(dq_base, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2, dq_smem_layout)
+        dq_desc1 = row_desc(dq_base + HEAD_DIM // 2, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2, dq_smem_layout)
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_smem_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_Q], p_smem_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_Q, HEAD_DIM // 2], dq_smem_layout)
+        # each consumer's step rows of lse (base 2) and delta, read where they are used (in registers along the score
+        # tile's columns they took 32 registers a thread through the step)
+        rows_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        rows_smem = (gl.allocate_shared_memory(gl.float32, [BLOCK_Q], rows_layout),
+                     gl.allocate_shared_memory(gl.float32, [BLOCK_Q], rows_layout),
+                     gl.allocate_shared_memory(gl.float32, [BLOCK_Q], rows_layout),
+                     gl.allocate_shared_memory(gl.float32, [BLOCK_Q], rows_layout))
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(ds_ready, count=2)
+        fence_async_shared()
+        a = (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, h0, head_offset, r, n_prev, kbase, k_first, n_k,
+             j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh,
+             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh,
+             stride_xkn, stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem,
+             dq_smem, rows_smem, kv_bar, ready, empty, ds_ready)
+        gl.warp_specialize([(_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, IS_CAUSAL, MERGE, LAST, 0, dq_desc0)),
+                            (_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, IS_CAUSAL, MERGE, LAST, 1, dq_desc1)),
+                            (_dkdv_ws_producer, (a, HEAD_DIM, BLOCK_Q, q_desc, do_desc, k_desc, v_desc))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
     @gluon.jit
     def _finish(acc, SUMS, OUT, rows64, d, rmask, seen, stride_sn, stride_on, MERGE: gl.constexpr,
                 LAST: gl.constexpr):
@@ -446,7 +687,20 @@ def fused_dq_launch_config(head_dim: int) -> dict | None:
     if torch.are_deterministic_algorithms_enabled():
         return None
     n, q_rows, warps = FUSED_DQ_STEPS[head_dim]
+    if switch("HF_DILATED_WS_DKDV", default=False):
+        return dict(BLOCK_N=n, BLOCK_Q=q_rows, PART=0, FUSED_DQ=True, **WS_LAUNCH)
     return dict(BLOCK_N=n, BLOCK_Q=q_rows, PART=0, FUSED_DQ=True, num_warps=warps)
+
+
+def dkdv_kernel(cfg: dict, heads: int):
+    """The dK/dV kernel and its launch options for config ``cfg`` (``dkdv_launch_configs`` / ``fused_dq_launch_config``)
+    at ``heads`` query heads per class: the warp-specialized one where the fused config asks for it
+    (``HF_DILATED_WS_DKDV``) and a class holds one head, else ``dilated_bwd_dkdv_hopper_kernel``."""
+    if "CONSUMER_REGS" in cfg:
+        if heads == 1:
+            return dilated_bwd_dkdv_ws_kernel, cfg
+        cfg = {k: cfg[k] for k in ("BLOCK_N", "BLOCK_Q", "PART", "FUSED_DQ")} | dict(num_warps=FUSED_DQ_STEPS[128][2])
+    return dilated_bwd_dkdv_hopper_kernel, cfg
 
 
 def dq_launch_config(head_dim: int) -> dict | None:
