@@ -186,6 +186,11 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
     with mock.patch.dict(os.environ, {"HF_DILATED_FUSED_DQ": "0", "HF_DILATED_WS": "0"}):
         fwd_bwd("longnet causal, separate dQ, one-warpgroup forward",
                 lambda: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton"))
+    # The fused dK/dV of one 8-warp program where the warp-specialized one would run (HF_DILATED_WS_DKDV=0; several
+    # query heads a class run it).
+    with mock.patch.dict(os.environ, {"HF_DILATED_WS_DKDV": "0"}):
+        fwd_bwd("longnet causal, one-program fused dK/dV",
+                lambda: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton"))
     # The portable dK/dV where the Gluon one would run (sm_90): what HF_DILATED_GLUON=0, other head dims and
     # other Tritons launch there.
     with hopper.portable():

@@ -73,11 +73,12 @@ def test_host_overhead_times_the_triton_launchers():
 KERNELS = {"dilated_fwd_branch_kernel", "delta_kernel", "dilated_bwd_dkdv_kernel", "dilated_bwd_dq_kernel",
            "dilated_decode_kernel", "bs_fwd_kernel", "bs_bwd_dq_kernel", "bs_bwd_dkdv_kernel"}
 # sm_90 also runs the dilated and block-sparse forward and dK/dV, and the dilated dQ at head dim 128 / 256, in Gluon,
-# at head dim 128 the warp-specialized dilated forward, and on 128-blocks the warp-specialized block-sparse forward and
-# dQ (the portable ones with HF_DILATED_GLUON=0 and the one-warpgroup dilated forward with HF_DILATED_WS=0, driven too).
+# at head dim 128 the warp-specialized dilated forward and fused dK/dV, and on 128-blocks the warp-specialized
+# block-sparse forward and dQ (the portable ones with HF_DILATED_GLUON=0, the one-warpgroup dilated forward with
+# HF_DILATED_WS=0 and the one-program fused dK/dV with HF_DILATED_WS_DKDV=0, driven too).
 EXTRA = {90: {"bs_bwd_dkdv_hopper_kernel", "dilated_bwd_dkdv_hopper_kernel", "dilated_fwd_hopper_kernel",
               "bs_fwd_hopper_kernel", "dilated_bwd_dq_hopper_kernel", "bs_fwd_ws_kernel", "bs_bwd_dq_hopper_kernel",
-              "dilated_fwd_ws_kernel"},
+              "dilated_fwd_ws_kernel", "dilated_bwd_dkdv_ws_kernel"},
          80: set(), 89: set(), 120: set()}
 
 

@@ -788,8 +788,20 @@ def test_gluon_kernels_coverage(monkeypatch, which):
         # at head dim 128 one dK/dV launch adds dQ too (two warpgroups, 128 keys), unless switched off or
         # deterministic algorithms are asked for (its reduce-adds land in no fixed order)
         assert [d for d in (64, 128, 256) if kernel.fused_dq_launch_config(d)] == [128]
-        assert kernel.fused_dq_launch_config(128) == dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True,
-                                                          num_warps=8)
+        # warp-specialized (a producer warp, two consumer warpgroups) where a class holds one query head, unless
+        # HF_DILATED_WS_DKDV is off: then one program of 8 warps, as with several heads a class
+        ws = kernel.fused_dq_launch_config(128)
+        assert ws == dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True, **hopper.WS_LAUNCH)
+        one = dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True, num_warps=8)
+        assert kernel.dkdv_kernel(ws, 1) == (kernel.dilated_bwd_dkdv_ws_kernel, ws)
+        assert kernel.dkdv_kernel(ws, 2) == (kernel.dilated_bwd_dkdv_hopper_kernel, one)
+        monkeypatch.setenv("HF_DILATED_WS_DKDV", "off")
+        assert kernel.fused_dq_launch_config(128) == one
+        assert kernel.dkdv_kernel(one, 1) == (kernel.dilated_bwd_dkdv_hopper_kernel, one)
+        monkeypatch.setenv("HF_DILATED_WS_DKDV", "sometimes")
+        with pytest.raises(ValueError, match="HF_DILATED_WS_DKDV must be one of"):
+            kernel.fused_dq_launch_config(128)
+        monkeypatch.delenv("HF_DILATED_WS_DKDV")
         monkeypatch.setenv("HF_DILATED_FUSED_DQ", "off")
         assert kernel.fused_dq_launch_config(128) is None
         monkeypatch.setenv("HF_DILATED_FUSED_DQ", "sometimes")
@@ -907,7 +919,7 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws):
 
 @pytest.mark.gpu
 def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
-    """``HF_DILATED_WS_DKDV=1``: at head dim 128 the fused dK/dV runs warp-specialized (a producer warp, two consumer
+    """By default (``HF_DILATED_WS_DKDV``) at head dim 128 the fused dK/dV runs warp-specialized (a producer warp, two consumer
     warpgroups of 64 keys that meet once a step for dQ) where a class holds one query head, the one-program kernel
     elsewhere; against the float64 oracle (causal and bidirectional, ragged segments, GQA with one and several heads a
     class, padding, head chunks), dK and dV bit for bit those of the one-program kernel (the same products in the same

@@ -71,7 +71,8 @@ from .hopper import (
     WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
     fence_async_shared, first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows,
     query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc, runnable, score_buffers, switch,
-    tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, written_before,
+    thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
+    written_before,
 )
 from .tiles import LOG2E
 
@@ -426,11 +427,11 @@ if gluon is not None:
     def _dkdv_ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, q_desc, do_desc, k_desc, v_desc):
         """K and V of the program's keys, then each step's Q and dO into buffer ``s % 2`` once both consumers
         released its last use."""
-        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, h0, head_offset, r, n_prev, kbase, k_first, n_k, j_first,
-         q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb, stride_dkh,
-         stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb, stride_xvh,
-         stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
-         ds_ready) = a
+        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, head_offset, r, n_prev, kbase, k_first, n_k,
+         j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb,
+         stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb,
+         stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready,
+         empty, ds_ready) = a
         dtype: gl.constexpr = k_smem.dtype
         BLOCK_N: gl.constexpr = k_smem.shape[0]
         TILE_BYTES: gl.constexpr = BLOCK_Q * HEAD_DIM * dtype.primitive_bitwidth // 8
@@ -452,11 +453,11 @@ if gluon is not None:
                           MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc):
         """dK and dV of keys ``64 WG ..`` of the program's tile, and columns ``HEAD_DIM / 2 * WG ..`` of each step's
         dQ share (``dq_desc``), with ``hopper.dkdv_dq_products``'s products in its order."""
-        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, h0, head_offset, r, n_prev, kbase, k_first, n_k, j_first,
-         q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb, stride_dkh,
-         stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb, stride_xvh,
-         stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty,
-         ds_ready) = a
+        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, head_offset, r, n_prev, kbase, k_first, n_k,
+         j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb,
+         stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb,
+         stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready,
+         empty, ds_ready) = a
         dtype: gl.constexpr = k_smem.dtype
         KW: gl.constexpr = 64  # keys per warpgroup
         DH: gl.constexpr = HEAD_DIM // 2  # dQ columns per warpgroup
@@ -522,7 +523,7 @@ if gluon is not None:
             ds_w = ds_all.slice(WG * KW, KW)
             ds_w.store(ds)
             fence_async_shared()
-            gl.thread_barrier()
+            thread_barrier()
             mbarrier.arrive(ds_ready, count=1)
             mbarrier.wait(ds_ready, s & 1)  # both halves of dS^T written
             dq_zero = gl.zeros([BLOCK_Q, DH], gl.float32, layout=dq_layout)
@@ -544,7 +545,7 @@ if gluon is not None:
         kin = kr < n_k
         seen = kin
         if MERGE:
-            seen = kin & written_before(kp, h0, head_offset, PREV, n_prev, 1)
+            seen = kin & written_before(kp, g0, head_offset, PREV, n_prev, group)  # any head of the kv head's group
         _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh, DK_OUT + b * stride_xkb + kvh64 * stride_xkh,
                 kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE, LAST)
         _finish(dv, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh, kc64, d,
@@ -646,11 +647,11 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=2)
         mbarrier.init(ds_ready, count=2)
         fence_async_shared()
-        a = (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, h0, head_offset, r, n_prev, kbase, k_first, n_k,
-             j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh,
-             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh,
-             stride_xkn, stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem,
-             dq_smem, rows_smem, kv_bar, ready, empty, ds_ready)
+        a = (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, kvh * group, group, h0, head_offset, r, n_prev, kbase,
+             k_first, n_k, j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb,
+             stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh,
+             stride_xkn, stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem,
+             rows_smem, kv_bar, ready, empty, ds_ready)
         gl.warp_specialize([(_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, IS_CAUSAL, MERGE, LAST, 0, dq_desc0)),
                             (_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, IS_CAUSAL, MERGE, LAST, 1, dq_desc1)),
                             (_dkdv_ws_producer, (a, HEAD_DIM, BLOCK_Q, q_desc, do_desc, k_desc, v_desc))],
@@ -681,13 +682,14 @@ def dkdv_launch_configs(head_dim: int) -> list[dict] | None:
 def fused_dq_launch_config(head_dim: int) -> dict | None:
     """The dK/dV launch that also adds dQ (``FUSED_DQ_STEPS``), replacing the dQ kernel; ``None`` where there is none,
     where ``HF_DILATED_FUSED_DQ=0``, or under ``torch.use_deterministic_algorithms(True)`` (the reduce-adds of the
-    programs that share a query row land in no fixed order, so dQ may differ in its last bits between runs)."""
+    programs that share a query row land in no fixed order, so dQ may differ in its last bits between runs). Warp-
+    specialized (``WS_LAUNCH``: ``dilated_bwd_dkdv_ws_kernel``) unless ``HF_DILATED_WS_DKDV=0``."""
     if head_dim not in FUSED_DQ_STEPS or not switch("HF_DILATED_FUSED_DQ"):
         return None
     if torch.are_deterministic_algorithms_enabled():
         return None
     n, q_rows, warps = FUSED_DQ_STEPS[head_dim]
-    if switch("HF_DILATED_WS_DKDV", default=False):
+    if switch("HF_DILATED_WS_DKDV"):
         return dict(BLOCK_N=n, BLOCK_Q=q_rows, PART=0, FUSED_DQ=True, **WS_LAUNCH)
     return dict(BLOCK_N=n, BLOCK_Q=q_rows, PART=0, FUSED_DQ=True, num_warps=warps)
 
@@ -695,7 +697,9 @@ def fused_dq_launch_config(head_dim: int) -> dict | None:
 def dkdv_kernel(cfg: dict, heads: int):
     """The dK/dV kernel and its launch options for config ``cfg`` (``dkdv_launch_configs`` / ``fused_dq_launch_config``)
     at ``heads`` query heads per class: the warp-specialized one where the fused config asks for it
-    (``HF_DILATED_WS_DKDV``) and a class holds one head, else ``dilated_bwd_dkdv_hopper_kernel``."""
+    (``HF_DILATED_WS_DKDV``, on by default) and a class holds one head, else ``dilated_bwd_dkdv_hopper_kernel`` (with
+    several heads a class, the warp-specialized consumers spilled 240-400 bytes, 105-164 reloads in their loop:
+    ``benchmarks/NOTES_triton.md``, session 29)."""
     if "CONSUMER_REGS" in cfg:
         if heads == 1:
             return dilated_bwd_dkdv_ws_kernel, cfg

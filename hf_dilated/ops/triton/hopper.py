@@ -30,6 +30,9 @@ try:  # Gluon is experimental; a Triton without it (or with another API) keeps t
 
     # The TMA load's name: ``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` after.
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # A barrier of the calling warps (within a warp-specialized partition, its own): ``thread_barrier`` up to Triton
+    # 3.6, ``barrier`` after.
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     # The TMA reduce-add (``cp.reduce.async.bulk.tensor ... .add``) of a shared tile into global memory: Gluon's
     # ``tma.async_atomic_add`` from Triton 3.7 on; Triton 3.6 builds the same op but names no Gluon function for it.
     tma_reduce_add = getattr(tma, "async_atomic_add", None)
@@ -46,7 +49,7 @@ try:  # Gluon is experimental; a Triton without it (or with another API) keeps t
                                                       src.handle)
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_init = None
-    warpgroup_mma_wait = tma_load = tma_reduce_add = None
+    warpgroup_mma_wait = tma_load = tma_reduce_add = thread_barrier = None
 
 
 def available() -> bool:
