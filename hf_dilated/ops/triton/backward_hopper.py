@@ -61,6 +61,20 @@ Measured (H100, bf16, LongNet branches, ``results/*fused-dq*session20*``):
   tile without dQ 0.95-0.98x (the warpgroups step in lock-step, where two 64-key programs per SM interleave);
 - D = 64 (9 / 3 heads): no gain (64K: 3.79 / 4.21 ms with 64 / 128 keys against 3.73 ms), it is not power-capped
   there; D = 256: a float32 dQ tile of 64 rows would take 64 KB more shared memory. Both keep the dQ kernel.
+
+The fused dK/dV warp-specialized (``dilated_bwd_dkdv_ws_kernel``, the default where a class holds one query head;
+``HF_DILATED_WS_DKDV=0`` keeps the program of 8 warps): a producer warp copies K / V once and each step's Q / dO into
+two buffers; each consumer warpgroup owns 64 of the 128 keys, its ``S^T``, ``dP^T``, ``P^T``, ``dS^T`` and dK / dV
+sums, and adds columns ``64 WG ..`` of each step's dQ share (``dS`` of all 128 keys times its half of K's columns, read
+from shared memory). The two meet once a step, when both halves of ``dS^T`` are written (``ds_ready``); ``dS^T`` is
+double-buffered, so a buffer's last readers (the step before last's dQ products) are done by then. Out of the 8-warp
+program's CTA barriers, each warpgroup steps on its own between meetings. Same products in the same order: dK, dV
+bit for bit those of the 8-warp program. To fit 240 registers (the 8-warp program has 255), lse / delta are read from
+shared memory where they are used, ``dP^T`` is issued after the exponentials, and ``dS^T``'s double buffer keeps the
+dQ product's operand descriptors from being hoisted out of the step loop and spilled (360 -> 80-108 bytes of spills,
+4-7 reloads a step). Backward 1.02-1.04x at H 16 and 0.99-1.02x with GQA 32 / 8 (16K-256K, H100,
+``results/ab_ws_dkdv_backward-dilated-session29-*``). With several heads a class (GQA's r = 1, 2 launches) its
+consumers spilled 240-400 bytes, 105-164 reloads in the loop: those keep the 8-warp program.
 """
 
 from __future__ import annotations
@@ -421,7 +435,7 @@ if gluon is not None:
     # roles split: a producer warp copies K / V once and each step's Q / dO (two buffers, released by both consumers),
     # and each consumer warpgroup owns 64 of the keys. A consumer's dV / dK products, its P^T / dS^T and its dK / dV
     # sums are its own; the step's dQ needs dS^T of all 128 keys, so the two meet once a step (``ds_ready``: both
-    # halves written; ``ds_free``: both dQ products have read them) and each adds its half of dQ's columns.
+    # halves written, in buffer s % 2) and each adds its half of dQ's columns.
 
     @gluon.jit
     def _dkdv_ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, q_desc, do_desc, k_desc, v_desc):
