@@ -126,6 +126,38 @@ def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
 if gluon is not None:
 
     @gluon.jit
+    def _key_tile(T, n_tiles, n_classes, group, head_offset, r, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr):
+        """What a dK/dV program's grid place means (the portable kernel's grid): its kv head ``kvh`` and the class's
+        first query head ``h0``, its segment item (batch row, query / key column bases), the offset class's first key
+        position and dilated key rows ``k_first`` / ``n_k``, the tile's first dilated key row ``j_first`` and last
+        key position ``kp_max``, the class's first query position and rows ``q_first`` / ``n_q``, and the 64-query
+        steps from dilated query row ``start_q`` (queries before the tile's first key see none of it) that see the
+        tile: ``n_steps``, 0 where it holds no keys."""
+        pid = gl.program_id(0)
+        item = pid // n_tiles
+        tile = pid % n_tiles
+        hc = gl.program_id(1)
+        kvh = hc // n_classes
+        h0 = kvh * group + hc % n_classes
+        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
+        off = (h0 + head_offset) % r
+        k_first = first_selected(k_lo, off, r)
+        n_k = n_rows(k_first, k_hi, r)
+        j_first = tile * BLOCK_N  # this tile's first dilated key row
+        kp_min = k_first + j_first * r
+        kp_max = gl.minimum(kp_min + (BLOCK_N - 1) * r, k_hi - 1)
+        q_first = first_selected(q_lo, off, r)
+        n_q = n_rows(q_first, q_hi, r)
+        lo = q_lo
+        if IS_CAUSAL:
+            lo = gl.maximum(lo, kp_min)
+        j0 = gl.where(lo > q_first, (lo - q_first) // r, 0)  # queries before ``lo`` see none of the tile's keys
+        start_q = (j0 // BLOCK_Q) * BLOCK_Q
+        n_steps = gl.where(j_first < n_k, gl.maximum(n_q - start_q + BLOCK_Q - 1, 0) // BLOCK_Q, 0)  # 0: no keys
+        return kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps
+
+    @gluon.jit
     def dilated_bwd_dkdv_hopper_kernel(
         Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, DQ, PREV, T,
         stride_qb, stride_qh, stride_qn,
@@ -167,27 +199,8 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, HEAD_DIM // (num_warps // 4), 16])
         dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], gl.float32)
 
-        pid = gl.program_id(0)
-        item = pid // n_tiles
-        tile = pid % n_tiles
-        hc = gl.program_id(1)
-        kvh = hc // n_classes
-        h0 = kvh * group + hc % n_classes
-        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
-        off = (h0 + head_offset) % r
-        k_first = first_selected(k_lo, off, r)
-        n_k = n_rows(k_first, k_hi, r)
-        j_first = tile * BLOCK_N  # this tile's first dilated key row
-        kp_min = k_first + j_first * r
-        kp_max = gl.minimum(kp_min + (BLOCK_N - 1) * r, k_hi - 1)
-        q_first = first_selected(q_lo, off, r)
-        n_q = n_rows(q_first, q_hi, r)
-        lo = q_lo
-        if IS_CAUSAL:
-            lo = gl.maximum(lo, kp_min)
-        j0 = gl.where(lo > q_first, (lo - q_first) // r, 0)  # queries before ``lo`` see none of the tile's keys
-        start_q = (j0 // BLOCK_Q) * BLOCK_Q
-        n_steps = gl.where(j_first < n_k, gl.maximum(n_q - start_q + BLOCK_Q - 1, 0) // BLOCK_Q, 0)  # 0: no keys
+        kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = _key_tile(
+            T, n_tiles, n_classes, group, head_offset, r, BLOCK_N, BLOCK_Q, IS_CAUSAL)
 
         k_smem, v_smem, q_smem, do_smem, kv_bar, ready = dkdv_buffers(
             dtype, kv_smem_layout, q_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM, PART)
@@ -592,27 +605,8 @@ if gluon is not None:
         p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
         dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM // 2], gl.float32)
 
-        pid = gl.program_id(0)
-        item = pid // n_tiles
-        tile = pid % n_tiles
-        hc = gl.program_id(1)
-        kvh = hc // n_classes
-        h0 = kvh * group + hc % n_classes
-        b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
-        off = (h0 + head_offset) % r
-        k_first = first_selected(k_lo, off, r)
-        n_k = n_rows(k_first, k_hi, r)
-        j_first = tile * BLOCK_N
-        kp_min = k_first + j_first * r
-        kp_max = gl.minimum(kp_min + (BLOCK_N - 1) * r, k_hi - 1)
-        q_first = first_selected(q_lo, off, r)
-        n_q = n_rows(q_first, q_hi, r)
-        lo = q_lo
-        if IS_CAUSAL:
-            lo = gl.maximum(lo, kp_min)
-        j0 = gl.where(lo > q_first, (lo - q_first) // r, 0)
-        start_q = (j0 // BLOCK_Q) * BLOCK_Q
-        n_steps = gl.where(j_first < n_k, gl.maximum(n_q - start_q + BLOCK_Q - 1, 0) // BLOCK_Q, 0)
+        kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = _key_tile(
+            T, n_tiles, n_classes, group, head_offset, r, BLOCK_N, BLOCK_Q, IS_CAUSAL)
         n_steps = gl.where(h0 < (kvh + 1) * group, n_steps, 0)
         shift = (q_first - k_first) // r - j_first
         full_from = 0
