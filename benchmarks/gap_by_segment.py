@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, ROOT)
 
-from bench_attention import dense_flops, dilated_flops, run_sdpa  # noqa: E402
+from bench_attention import dense_flops, dilated_flops, run_sdpa, segment_calls  # noqa: E402
 from gpu_monitor import GpuMonitor  # noqa: E402
 from timing import cuda_median_ms, timed_on_gpu  # noqa: E402
 
@@ -44,7 +44,7 @@ from hf_dilated.environment import kernel_switches  # noqa: E402
 
 LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 DENSE = ("cudnn", "flash")
-SEGMENTS = "cudnn-segments"  # cuDNN on the branches' segments, gathered (:func:`segment_calls`)
+SEGMENTS = "cudnn-segments"  # cuDNN on the branches' segments, gathered (``bench_attention.segment_calls``)
 
 
 def cases(n: int) -> list[tuple[str, list | None]]:
@@ -59,29 +59,6 @@ def cases(n: int) -> list[tuple[str, list | None]]:
     # cuDNN on the same segments, each branch's rows gathered beforehand: shorter than N and dividing it
     same = [(SEGMENTS, b) for _, b in single + full if all(w < n and n % w == 0 for w, _ in b)]
     return single + added + full + same + [(kind, None) for kind in DENSE]
-
-
-def segments(t: torch.Tensor, w: int, r: int) -> torch.Tensor:
-    """``t``'s rows (``[B, H, N, D]``) as the batch of dilated segments branch ``(w, r)`` attends within:
-    ``[B * N / w, H, w / r, D]``, each head's rows of offset class 0 (the same shapes and work as its own class)."""
-    B, H, N, D = t.shape
-    rows = t.detach().view(B, H, N // w, w // r, r, D)[..., 0, :]
-    return rows.permute(0, 2, 1, 3, 4).reshape(B * (N // w), H, w // r, D).contiguous()
-
-
-def segment_calls(q, k, v, do, branches, backend):
-    """``(forward, forward+backward)`` of dense causal SDPA on ``backend`` over each branch's segments, gathered
-    once here (:func:`segments`): what the best dense kernel does with exactly the dilated work, without the gather,
-    the scatter back or the merge of branches, which a dense-kernel implementation would add."""
-    parts = [tuple(segments(t, w, r) for t in (q, k, v, do)) for w, r in branches]
-
-    def fwd():
-        return [run_sdpa(sq, sk, sv, None, backend) for sq, sk, sv, _ in parts]
-
-    def step():
-        return [run_sdpa(sq, sk, sv, sdo, backend) for sq, sk, sv, sdo in parts]
-
-    return fwd, step
 
 
 def main(argv=None) -> int:

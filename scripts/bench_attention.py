@@ -1,5 +1,7 @@
-"""Benchmark dilated attention: dense SDPA-flash, FlexAttention on the same pattern, the PyTorch reference and the
-Triton kernels, forward, forward+backward and decode, on one GPU in one run.
+"""Benchmark dilated attention: dense SDPA-flash and cuDNN, cuDNN on exactly the dilated work (``cudnn-segments``:
+each branch's segments gathered beforehand into dense causal sequences of ``w / r`` rows, one call per branch, the
+gather, scatter and merge not timed), FlexAttention on the same pattern, the PyTorch reference and the Triton kernels,
+forward, forward+backward and decode, on one GPU in one run.
 
 Every result is checked against the PyTorch reference before it is timed. Where the reference does not fit a whole
 sequence, it is run on windows of the largest segment (with causal, segment-local attention the rows and key gradients
@@ -7,7 +9,8 @@ of a window ``[a, a + w_max)``, ``a`` a multiple of every ``w``, depend on that 
 
 Writes ``<out>/<gpu>-<date>.json`` (rows, GPU, versions, command) and a PNG plot (time and peak memory against N,
 log-log) beside it, and prints a table: ms, useful TFLOP/s (the FLOPs of the dilated pattern, or of dense causal
-attention for SDPA), the ratio of TFLOP/s to SDPA-flash at the same N, peak memory. Each call is timed twice: eager,
+attention for SDPA), the ratios of TFLOP/s to SDPA-flash, to dense cuDNN and to cuDNN on the same segments at the same
+N, peak memory. Each call is timed twice: eager,
 back to back (what a user's loop sees: where the host queues a call slower than the GPU runs it, the host's time), and
 replayed from a CUDA graph (``graph_ms``: the GPU's time alone; calls under ``--graph-max-ms``). Each row also
 records the GPU's mean SM clock, power draw and highest temperature during its eager timing (``gpu_monitor.py``): a
@@ -57,6 +60,7 @@ from hf_dilated.environment import kernel_switches  # noqa: E402
 
 LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 TOL = 1e-2  # SPEC, bfloat16
+METHODS = ("triton", "reference", "sdpa", "cudnn", "cudnn-segments", "flex")
 
 
 def rel_err(a, b):
@@ -118,6 +122,30 @@ def run_sdpa(q, k, v, do=None, backend="flash"):
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return (out,) + torch.autograd.grad(out, (q, k, v), do)
+
+
+def segments(t: torch.Tensor, w: int, r: int) -> torch.Tensor:
+    """``t``'s rows (``[B, H, N, D]``) as the batch of dilated segments branch ``(w, r)`` attends within:
+    ``[B * N / w, H, w / r, D]``, each head's rows of offset class 0 (the same shapes and work as its own class)."""
+    B, H, N, D = t.shape
+    rows = t.detach().view(B, H, N // w, w // r, r, D)[..., 0, :]
+    return rows.permute(0, 2, 1, 3, 4).reshape(B * (N // w), H, w // r, D).contiguous()
+
+
+def segment_calls(q, k, v, do, branches, backend="cudnn"):
+    """``(forward, forward+backward)`` of dense causal SDPA on ``backend`` over each branch's segments, gathered once
+    here (:func:`segments`): what the best dense kernel does with exactly the dilated work, without the gather, the
+    scatter back or the merge of branches that a dense-kernel implementation would add (``cudnn-segments``)."""
+    parts = [tuple(segments(t, w, r) for t in (q, k, v)) + ((segments(do, w, r),) if do is not None else (None,))
+             for w, r in branches]
+
+    def fwd():
+        return [run_sdpa(sq, sk, sv, None, backend) for sq, sk, sv, _ in parts]
+
+    def step():
+        return [run_sdpa(sq, sk, sv, sdo, backend) for sq, sk, sv, sdo in parts]
+
+    return fwd, step
 
 
 _FLEX = {}
@@ -238,7 +266,9 @@ def main():
     ap.add_argument("--shapes", nargs="+", metavar="H/Hk/D",
                     help="head shapes to run instead of --heads x --gqa x --dims, e.g. 16/16/128 32/8/128 9/3/64 8/2/256")
     ap.add_argument("--modes", nargs="+", default=["decode", "fwd", "fwdbwd"])
-    ap.add_argument("--methods", nargs="+", default=["triton", "reference", "sdpa", "cudnn", "flex"])
+    ap.add_argument("--methods", nargs="+", default=["triton", "reference", "sdpa", "cudnn", "cudnn-segments", "flex"],
+                    choices=METHODS, help="cudnn-segments: cuDNN on the branches' segments, gathered beforehand "
+                                          "(the same work as the dilated pattern, no gather or merge timed)")
     ap.add_argument("--max-sdpa", type=int, default=262144, help="largest N for dense SDPA (1M takes ~15 s a call)")
     ap.add_argument("--max-flex", type=int, default=262144)
     ap.add_argument("--flex-dims", type=int, nargs="+", default=[128], help="head dims FlexAttention runs at")
@@ -302,7 +332,9 @@ def main():
                     continue
                 if method in ("sdpa", "cudnn") and N > args.max_sdpa and mode != "decode":
                     continue
-                if method == "cudnn" and mode == "decode":
+                if method in ("cudnn", "cudnn-segments") and mode == "decode":
+                    continue
+                if method == "cudnn-segments" and any(N % w for w, _ in branches):
                     continue
                 if method == "flex" and (mode == "decode" or N > args.max_flex or D not in args.flex_dims
                                          or G not in args.flex_gqa):
@@ -332,6 +364,8 @@ def main():
                     else:
                         if method in ("sdpa", "cudnn"):
                             fn = lambda: run_sdpa(q, k, v, do, "cudnn" if method == "cudnn" else "flash")  # noqa: E731
+                        elif method == "cudnn-segments":  # the gather here, untimed
+                            fn = segment_calls(q, k, v, do, branches)[mode == "fwdbwd"]
                         elif method == "flex":
                             fn = lambda: run_flex(q, k, v, branches, do)  # noqa: E731
                         else:
@@ -340,8 +374,11 @@ def main():
                         t0 = time.time()
                         out = fn()  # first call: compiles / builds, checked below
                         row["first_call_s"] = round(time.time() - t0, 3)
-                        err = (check_sdpa(out, q, k, v, do) if method in ("sdpa", "cudnn")
-                               else check_dilated(out, q, k, v, branches, do))
+                        if method == "cudnn-segments":  # per-branch outputs of a dense kernel: no merged result
+                            err = None
+                        else:
+                            err = (check_sdpa(out, q, k, v, do) if method in ("sdpa", "cudnn")
+                                   else check_dilated(out, q, k, v, branches, do))
                     del out
                     row["rel_err"] = err
                     if err is not None and not (err < TOL):
@@ -386,6 +423,7 @@ def main():
                     if "graph_ms" in row:
                         row["graph_tflops"] = fl / (row["graph_ms"] * 1e-3) / 1e12
                 rows.append(row)
+            fn = None  # the last method's call may hold gathered copies (cudnn-segments)
             del q, k, v, do
     if run.interrupted:
         print(f"interrupted: writing the {len(rows)} results measured so far")
@@ -398,8 +436,8 @@ def main():
 
 def add_ratios(rows: list) -> None:
     """Each row's rate against SDPA-flash at the same (mode, N, D, H, Hk) (SDPA's 1M rate taken from its largest
-    measured N, ``sdpa_ratio_from_N``), and the Triton rows' against cuDNN and FlexAttention; derived afresh on every
-    call, so that the rows of a resumed run take the baselines measured since."""
+    measured N, ``sdpa_ratio_from_N``), and the Triton rows' against dense cuDNN, cuDNN on the same segments and
+    FlexAttention; derived afresh on every call, so that the rows of a resumed run take the baselines measured since."""
     key = lambda r: (r["mode"], r["N"], r["D"], r["H"], r["Hk"])  # noqa: E731
     sd = {key(r): r for r in rows if r["method"] == "sdpa" and "ms" in r}
     for r in rows:
@@ -427,6 +465,11 @@ def add_ratios(rows: list) -> None:
             r["tflops_ratio_vs_cudnn"] = r["tflops"] / c["tflops"]
             if "graph_tflops" in r and "graph_tflops" in c:
                 r["graph_tflops_ratio_vs_cudnn"] = r["graph_tflops"] / c["graph_tflops"]
+    same = {key(r): r for r in rows if r["method"] == "cudnn-segments" and "ms" in r}
+    for r in rows:
+        c = same.get(key(r))
+        if r["method"] == "triton" and "ms" in r and c is not None:
+            r["tflops_ratio_vs_cudnn_segments"] = r["tflops"] / c["tflops"]
     flex = {key(r): r for r in rows if r["method"] == "flex" and "ms" in r}
     for r in rows:
         f = flex.get(key(r))
@@ -435,8 +478,9 @@ def add_ratios(rows: list) -> None:
 
 
 def print_table(rows):
-    hdr = (f"{'mode':7} {'N':>8} {'D':>4} {'H/Hk':>6} {'method':10} {'ms':>10} {'TFLOP/s':>8} {'xSDPA':>6} {'xcuDNN':>6} "
-           f"{'graph ms':>9} {'xSDPA':>6} {'xFlex':>6} {'peak GiB':>9} {'err':>8} {'MHz':>5} {'W':>4}")
+    hdr = (f"{'mode':7} {'N':>8} {'D':>4} {'H/Hk':>6} {'method':14} {'ms':>10} {'TFLOP/s':>8} {'xSDPA':>6} "
+           f"{'xcuDNN':>6} {'xSeg':>5} {'graph ms':>9} {'xSDPA':>6} {'xFlex':>6} {'peak GiB':>9} {'err':>8} {'MHz':>5} "
+           f"{'W':>4}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -448,16 +492,18 @@ def print_table(rows):
             ratio += "*"
         fx = f"{r['speedup_vs_flex']:.1f}" if "speedup_vs_flex" in r else "-"
         cd = f"{r['tflops_ratio_vs_cudnn']:.2f}" if "tflops_ratio_vs_cudnn" in r else "-"
+        sg = f"{r['tflops_ratio_vs_cudnn_segments']:.2f}" if "tflops_ratio_vs_cudnn_segments" in r else "-"
         pk = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
         gms = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "-"
         gx = f"{r['graph_tflops_ratio_vs_sdpa']:.2f}" if "graph_tflops_ratio_vs_sdpa" in r else "-"
         err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
         mhz = f"{r['gpu_clock_mhz']:.0f}" if "gpu_clock_mhz" in r else "-"
         watts = f"{r['gpu_power_w']:.0f}" if "gpu_power_w" in r else "-"
-        print(f"{r['mode']:7} {r['N']:>8} {r['D']:>4} {str(r['H']) + '/' + str(r['Hk']):>6} {r['method']:10} {ms:>10} "
-              f"{tf:>8} {ratio:>6} {cd:>6} {gms:>9} {gx:>6} {fx:>6} {pk:>9} {err:>8} {mhz:>5} {watts:>4}")
+        print(f"{r['mode']:7} {r['N']:>8} {r['D']:>4} {str(r['H']) + '/' + str(r['Hk']):>6} {r['method']:14} {ms:>10} "
+              f"{tf:>8} {ratio:>6} {cd:>6} {sg:>5} {gms:>9} {gx:>6} {fx:>6} {pk:>9} {err:>8} {mhz:>5} {watts:>4}")
     print("xSDPA: useful TFLOP/s over SDPA-flash's (decode: SDPA time / time); * = SDPA measured at a smaller N."
-          " xcuDNN: useful TFLOP/s over dense cuDNN's. xFlex: FlexAttention time / Triton time.\n"
+          " xcuDNN: useful TFLOP/s over dense cuDNN's; xSeg: over cuDNN's on the same segments (cudnn-segments)."
+          " xFlex: FlexAttention time / Triton time.\n"
           "ms: back-to-back eager calls (host and GPU: where the host is slower, its time); graph ms: the same call"
           " replayed from a CUDA graph (the GPU's time alone), and its xSDPA against SDPA's graph time.\n"
           "MHz, W: the GPU's mean SM clock and power draw while the eager time was taken (- : not sampled).")
@@ -520,7 +566,8 @@ def plot(rows: list, gpu: str, png: str) -> None:
     shapes = sorted({(r["D"], r["H"], r["Hk"]) for r in rows})
     for j, mode in enumerate(modes):
         # one colour per head shape, one marker and line style per method (solid: ours)
-        for method, style in [("sdpa", "o--"), ("cudnn", "v:"), ("flex", "s-."), ("reference", "^-."), ("triton", "D-")]:
+        for method, style in [("sdpa", "o--"), ("cudnn", "v:"), ("cudnn-segments", "x:"), ("flex", "s-."),
+                              ("reference", "^-."), ("triton", "D-")]:
             for c, (D, H, Hk) in enumerate(shapes):
                 pts = sorted((r["N"], r["ms"], r["peak_gib"]) for r in rows if r["mode"] == mode
                              and r["method"] == method and (r["D"], r["H"], r["Hk"]) == (D, H, Hk) and "ms" in r)

@@ -6,6 +6,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -199,3 +200,16 @@ def test_ratios_of_a_resumed_run_use_the_baselines_measured_since():
     bench.add_ratios(rows)
     assert "sdpa_ratio_from_N" not in rows[1]
     assert rows[1]["tflops_ratio_vs_sdpa"] == 1.2 and rows[1]["tflops_ratio_vs_cudnn"] == 0.6
+    assert "tflops_ratio_vs_cudnn_segments" not in rows[1]
+    rows.append(row(262144, "cudnn-segments", 440.0))  # cuDNN on the same segments: the same useful FLOPs
+    bench.add_ratios(rows)
+    assert rows[1]["tflops_ratio_vs_cudnn_segments"] == 0.75
+
+
+def test_methods_are_checked_by_name(capsys):
+    """``--methods`` takes the known methods only (an unknown name once ran the PyTorch reference under it)."""
+    with pytest.raises(SystemExit):
+        with mock.patch.object(sys, "argv", ["bench_attention.py", "--methods", "triton", "flash"]):
+            bench.main()
+    err = capsys.readouterr().err
+    assert "--methods" in err and "cudnn-segments" in err

@@ -374,9 +374,11 @@ def test_gap_by_segment_cases_and_a_cpu_run(tmp_path, capsys):
     assert js.with_suffix(".png").stat().st_size > 0
 
 
-def test_gap_by_segment_runs_dense_attention_on_exactly_the_dilated_segments():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gap_by_segment as tool
+def test_cudnn_segments_run_dense_attention_on_exactly_the_dilated_segments():
+    """``cudnn-segments`` (``bench_attention.segment_calls``, run by ``gap_by_segment.py`` and the issue-14 benchmark):
+    each branch's rows gathered into dense causal sequences of ``w / r`` rows, and SDPA run on each."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_attention as tool
     import torch
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
