@@ -20,9 +20,14 @@ assembled by the ptxas that ships with Triton (``-v``: registers, spills) and di
     python benchmarks/kernel_resources.py --quick --json new.json --compare old.json   # did a change alter the code?
     python benchmarks/kernel_resources.py --quick --kernels bs_bwd_dkdv   # one kernel's launches only (seconds)
     python benchmarks/kernel_resources.py --candidates --shapes 8/2/256    # hf-dilated tune's candidates, every path
+    python benchmarks/kernel_resources.py --quick --kernels dkdv_ws --loops --sass /tmp/sass   # spills per tile loop
+
+The ``in loops`` column counts spill instructions inside tile loops / in the whole kernel; ``--loops`` lists each
+innermost tile loop (instructions, tensor-core instructions, spill stores / loads: a warp-specialized kernel has one
+per consumer partition, which the column adds up), and ``--sass`` keeps each kernel's listing to read them in.
 
 ``KERNEL_RESOURCES_FULL_ERRORS=1`` (or ``true`` / ``on`` / ``yes``; unset: off) prints a failed compile's whole
-message, not its first line; any other value than those and ``0`` / ``false`` / ``off`` / ``no`` is refused.
+message and what it was raised from, not its first line; any other value than those and ``0`` / ``false`` / ``off`` / ``no`` is refused.
 Exits 1 when a kernel fails to compile or needs more shared memory than the target has. The numbers come from the
 installed Triton: the GPU image's version may allocate registers differently (the report names the version).
 """
@@ -101,6 +106,9 @@ class Resources:
     warps_per_sm: int | None = None
     leanest_loop_instructions: int | None = None
     leanest_loop_mma: int | None = None
+    # per innermost tile loop, in address order: [instructions, tensor-core instructions, spill stores, spill loads]
+    # (a warp-specialized kernel has one per consumer partition)
+    loop_spills: list | None = None
     wgmma_serialized: bool | None = None
     wgmma_reason: str | None = None
     ptx_sha: str | None = None
@@ -267,7 +275,7 @@ def resident_warps(arch: int, registers: int | None, shared: int, warps: int) ->
 BACK_BRANCH = re.compile(r"\bBRA(?:\.[A-Z0-9]+)*\s+(?:!?U?P[T0-9]+\s*,\s*)?0x([0-9a-f]+)")
 
 
-def sass_summary(cubin: bytes) -> dict:
+def sass_summary(cubin: bytes, sass_path: str | None = None) -> dict:
     """What the kernel's SASS (``cuobjdump -sass``) says about its hot path. A spill in a loop over tiles costs on
     every iteration, one before or after it once per program: ``spill_instructions`` counts the local-memory
     instructions, ``spill_instructions_in_loops`` those inside a tile loop (the spans of backward branches that hold a
@@ -282,6 +290,9 @@ def sass_summary(cubin: bytes) -> dict:
         with open(path, "wb") as f:
             f.write(cubin)
         sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    if sass_path:  # the whole listing, to read what the counts below point at
+        with open(sass_path, "w") as f:
+            f.write(sass)
     code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     # ptxas places the wait loops of TMA / mbarrier code after the kernel's last EXIT, branching back into the body:
     # those branches are not loops.
@@ -298,6 +309,11 @@ def sass_summary(cubin: bytes) -> dict:
                spill_instructions_in_loops=sum(1 for at in local if any(lo <= at <= hi for lo, hi in innermost))
                if innermost else None)
     if innermost:
+        out["loop_spills"] = [
+            [sum(1 for at, _ in code if lo <= at <= hi), sum(1 for at in mma if lo <= at <= hi),
+             sum(1 for at, ins in code if lo <= at <= hi and re.search(r"\bSTL\b", ins)),
+             sum(1 for at, ins in code if lo <= at <= hi and re.search(r"\bLDL\b", ins))]
+            for lo, hi in sorted(innermost)]
         lo, hi = min(innermost, key=lambda a: a[1] - a[0])
         out["leanest_loop_instructions"] = sum(1 for at, _ in code if lo <= at <= hi)
         out["leanest_loop_mma"] = sum(1 for at in mma if lo <= at <= hi)
@@ -325,9 +341,9 @@ def specialisation(launch: Launch, arch: int) -> tuple[tuple, str]:
     return key, " ".join(flags)
 
 
-def compile_launch(launch: Launch, arch: int, full_errors: bool = False) -> Resources:
+def compile_launch(launch: Launch, arch: int, full_errors: bool = False, sass_path: str | None = None) -> Resources:
     """Compile ``launch`` as Triton would for the target and measure it; a failure's message whole (``full_errors``)
-    or its first line."""
+    or its first line; the SASS listing written to ``sass_path`` where given."""
     fn = launch.fn
     target, backend, bound, specialization, options = _bind(launch, arch)
     options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
@@ -341,7 +357,7 @@ def compile_launch(launch: Launch, arch: int, full_errors: bool = False) -> Reso
                                   options=options.__dict__)
         res.shared = int(compiled.metadata.shared)
         res.ptx_sha = ptx_fingerprint(compiled.asm["ptx"])
-        for name, value in sass_summary(compiled.asm["cubin"]).items():
+        for name, value in sass_summary(compiled.asm["cubin"], sass_path).items():
             setattr(res, name, value)
         for name, value in _ptxas_report(compiled.asm["ptx"], arch).items():
             setattr(res, name, value)
@@ -452,6 +468,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", nargs="+", metavar="NAME",
                     help="compile only the launches of kernels whose name contains one of these (the paths still run "
                          "whole; compiling is the slow part): a change to one kernel checked in seconds")
+    ap.add_argument("--loops", action="store_true",
+                    help="under each kernel, its innermost tile loops: instructions, tensor-core instructions, spill "
+                         "stores and loads (one loop per consumer partition in a warp-specialized kernel)")
+    ap.add_argument("--sass", metavar="DIR", help="write each distinct kernel's SASS to DIR/<kernel>-<launch key>.sass")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--compare", help="a report of another checkout (--json, same arguments): list the kernels whose "
                                       "code differs, with their registers and spills before and after")
@@ -479,13 +499,17 @@ def main(argv=None) -> int:
         launches = [launch for launch in launches if any(k in launch.fn.__name__ for k in args.kernels)]
         if not launches:
             ap.error(f"--kernels {' '.join(args.kernels)} matched none of the kernels launched: {', '.join(names)}")
+    if args.sass:
+        os.makedirs(args.sass, exist_ok=True)
     unique: dict[tuple, Resources] = {}
     for launch in tqdm(launches, desc=f"compiling for sm_{args.arch}", unit="launch", file=sys.stderr):
         key, flags = specialisation(launch, args.arch)
         if key not in unique:
-            unique[key] = compile_launch(launch, args.arch, full_errors)
+            launch_key = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+            sass = os.path.join(args.sass, f"{launch.fn.__name__}-{launch_key}.sass") if args.sass else None
+            unique[key] = compile_launch(launch, args.arch, full_errors, sass)
             unique[key].specialised = flags
-            unique[key].launch_key = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+            unique[key].launch_key = launch_key
         unique[key].cases.append(launch.case)
     rows = list(unique.values())
     print(f"Triton {triton.__version__}, sm_{args.arch}, {len(launches)} launches, {len(rows)} distinct kernels")
@@ -501,6 +525,10 @@ def main(argv=None) -> int:
         print(f"{r.kernel:26} {cfg:40} {r.specialised:30} {r.registers or '':>4} {spill:>11} {hot:>8} {loop:>12} "
               f"{smem:>7} {r.warps_per_sm or '':>8} {'serial' if r.wgmma_serialized else '':>6}  {r.cases[0]}"
               + (f"\n    ERROR {r.error}" if r.error else ""))
+        if args.loops and r.loop_spills:
+            print("    tile loops: " + "; ".join(f"{ins} ins, {mma} mma, spills {st} st / {ld} ld"
+                                             for ins, mma, st, ld in r.loop_spills)
+                  + (f"  (SASS: {r.launch_key})" if args.sass else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "torch": torch.__version__, "arch": args.arch,

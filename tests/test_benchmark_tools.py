@@ -273,9 +273,19 @@ print("ok")
 
 def test_kernel_resources_compiles_only_the_kernels_asked_for(tmp_path):
     """``--kernels`` compiles the launches of the named kernels alone (a one-kernel change checked in seconds), and a
-    name that matches no launched kernel is refused with the names that would."""
-    kernels = _compiled_kernels(tmp_path, "--quick", "--arch", "80", "--kernels", "bs_bwd_dq")
+    name that matches no launched kernel is refused with the names that would; ``--loops`` / ``--sass`` report each
+    tile loop's spills and keep the SASS."""
+    kernels = _compiled_kernels(tmp_path, "--quick", "--arch", "80", "--kernels", "bs_bwd_dq", "--loops", "--sass",
+                                str(tmp_path / "sass"))
     assert kernels and {k["kernel"] for k in kernels} == {"bs_bwd_dq_kernel"}, kernels
+    # --sass: each distinct kernel's listing; per innermost tile loop its instructions, tensor-core instructions and
+    # spill stores / loads, which add up to the kernel's spill instructions inside loops
+    for k in kernels:
+        listing = tmp_path / "sass" / f"bs_bwd_dq_kernel-{k['launch_key']}.sass"
+        assert "HMMA" in listing.read_text(), listing
+        assert k["loop_spills"] and len(k["loop_spills"]) == k["tile_loops"], k
+        assert all(ins > mma >= 1 and st >= 0 and ld >= 0 for ins, mma, st, ld in k["loop_spills"]), k
+        assert sum(st + ld for _, _, st, ld in k["loop_spills"]) == k["spill_instructions_in_loops"], k
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--quick", "--n", "512",
                           "--kernels", "no_such_kernel"], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, TRITON_INTERPRET="0"), cwd=ROOT)

@@ -73,8 +73,9 @@ bit for bit those of the 8-warp program. To fit 240 registers (the 8-warp progra
 shared memory where they are used, ``dP^T`` is issued after the exponentials, and ``dS^T``'s double buffer keeps the
 dQ product's operand descriptors from being hoisted out of the step loop and spilled (360 -> 80-108 bytes of spills,
 4-7 reloads a step). Backward 1.02-1.04x at H 16 and 0.99-1.02x with GQA 32 / 8 (16K-256K, H100,
-``results/ab_ws_dkdv_backward-dilated-session29-*``). With several heads a class (GQA's r = 1, 2 launches) its
-consumers spilled 240-400 bytes, 105-164 reloads in the loop: those keep the 8-warp program.
+``results/ab_ws_dkdv_backward-dilated-session29-*``). Several heads a class (GQA's r = 1, 2 launches) keep the 8-warp
+program: a head loop here compiled (9-13 reloads a step, ``results/ws_dkdv_head_loop-session29-compile_only.json``)
+but has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -706,7 +707,7 @@ def dkdv_kernel(cfg: dict, heads: int):
     """The dK/dV kernel and its launch options for config ``cfg`` (``dkdv_launch_configs`` / ``fused_dq_launch_config``)
     at ``heads`` query heads per class: the warp-specialized one where the fused config asks for it
     (``HF_DILATED_WS_DKDV``, on by default) and a class holds one head, else ``dilated_bwd_dkdv_hopper_kernel`` (with
-    several heads a class, the warp-specialized consumers spilled 240-400 bytes, 105-164 reloads in their loop:
+    several heads a class, a head loop in the warp-specialized kernel is compiled but not yet run on a GPU:
     ``benchmarks/NOTES_triton.md``, session 29)."""
     if "CONSUMER_REGS" in cfg:
         if heads == 1:
