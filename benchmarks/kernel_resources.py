@@ -20,14 +20,15 @@ assembled by the ptxas that ships with Triton (``-v``: registers, spills) and di
     python benchmarks/kernel_resources.py --quick --json new.json --compare old.json   # did a change alter the code?
     python benchmarks/kernel_resources.py --quick --kernels bs_bwd_dkdv   # one kernel's launches only (seconds)
     python benchmarks/kernel_resources.py --candidates --shapes 8/2/256    # hf-dilated tune's candidates, every path
-    python benchmarks/kernel_resources.py --quick --kernels dkdv_ws --loops --sass /tmp/sass   # spills per tile loop
+    python benchmarks/kernel_resources.py --quick --kernels dkdv_ws --loops --sass /tmp/sass  # spills by loop
 
 The ``in loops`` column counts spill instructions inside tile loops / in the whole kernel; ``--loops`` lists each
 innermost tile loop (instructions, tensor-core instructions, spill stores / loads: a warp-specialized kernel has one
 per consumer partition, which the column adds up), and ``--sass`` keeps each kernel's listing to read them in.
 
 ``KERNEL_RESOURCES_FULL_ERRORS=1`` (or ``true`` / ``on`` / ``yes``; unset: off) prints a failed compile's whole
-message and what it was raised from, not its first line; any other value than those and ``0`` / ``false`` / ``off`` / ``no`` is refused.
+message and what it was raised from, not its first line; any other value than those and ``0`` / ``false`` / ``off`` /
+``no`` is refused.
 Exits 1 when a kernel fails to compile or needs more shared memory than the target has. The numbers come from the
 installed Triton: the GPU image's version may allocate registers differently (the report names the version).
 """
