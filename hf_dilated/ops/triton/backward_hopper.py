@@ -330,14 +330,8 @@ if gluon is not None:
         mbarrier.invalidate(ready.index(0))
         mbarrier.invalidate(ready.index(1))
 
-        kr = j_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
-        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
-        kp = k_first + kr * r
-        kc64 = (kbase + kp).to(gl.int64)[:, None]
-        kin = kr < n_k
-        seen = kin
-        if MERGE:
-            seen = kin & written_before(kp, kvh * group, head_offset, PREV, n_prev, group)
+        kc64, d, kin, seen = _key_rows(j_first, k_first, kbase, n_k, r, kvh * group, group, head_offset, PREV, n_prev,
+                                       BLOCK_N, HEAD_DIM, g_layout, MERGE)
         if PART == 0:
             _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh,
                     DK_OUT + b * stride_xkb + kvh64 * stride_xkh, kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE,
@@ -567,14 +561,8 @@ if gluon is not None:
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         tma.store_wait(0)
 
-        kr = j_first + WG * KW + gl.arange(0, KW, layout=gl.SliceLayout(1, g_layout))
-        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
-        kp = k_first + kr * r
-        kc64 = (kbase + kp).to(gl.int64)[:, None]
-        kin = kr < n_k
-        seen = kin
-        if MERGE:
-            seen = kin & written_before(kp, g0, head_offset, PREV, n_prev, group)  # any head of the kv head's group
+        kc64, d, kin, seen = _key_rows(j_first + WG * KW, k_first, kbase, n_k, r, g0, group, head_offset, PREV, n_prev,
+                                       KW, HEAD_DIM, g_layout, MERGE)
         _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh, DK_OUT + b * stride_xkb + kvh64 * stride_xkh,
                 kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE, LAST)
         _finish(dv, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh, kc64, d,
@@ -666,6 +654,22 @@ if gluon is not None:
                             (_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, IS_CAUSAL, MERGE, LAST, 1, dq_desc1)),
                             (_dkdv_ws_producer, (a, HEAD_DIM, BLOCK_Q, q_desc, do_desc, k_desc, v_desc))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    @gluon.jit
+    def _key_rows(first, k_first, kbase, n_k, r, head0, heads, head_offset, PREV, n_prev, ROWS: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, g_layout: gl.constexpr, MERGE: gl.constexpr):
+        """A dK/dV epilogue's ``ROWS`` dilated key rows from row ``first``, in the gradient tile's layout: their
+        columns (int64, ``[ROWS, 1]``), the head-dim index, which lie in the item, and which an earlier launch wrote
+        for one of the heads ``head0 .. head0 + heads - 1`` (``MERGE``; else those in the item)."""
+        kr = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, g_layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
+        kp = k_first + kr * r
+        kc64 = (kbase + kp).to(gl.int64)[:, None]
+        kin = kr < n_k
+        seen = kin
+        if MERGE:
+            seen = kin & written_before(kp, head0, head_offset, PREV, n_prev, heads)
+        return kc64, d, kin, seen
 
     @gluon.jit
     def _finish(acc, SUMS, OUT, rows64, d, rmask, seen, stride_sn, stride_on, MERGE: gl.constexpr,
