@@ -717,7 +717,8 @@ def dkdv_kernel(cfg: dict, heads: int):
     if "CONSUMER_REGS" in cfg:
         if heads == 1:
             return dilated_bwd_dkdv_ws_kernel, cfg
-        cfg = {k: cfg[k] for k in ("BLOCK_N", "BLOCK_Q", "PART", "FUSED_DQ")} | dict(num_warps=FUSED_DQ_STEPS[128][2])
+        # the same tile without the warp-specialized launch options: one program of FUSED_DQ_STEPS' warps
+        cfg = {k: v for k, v in cfg.items() if k not in WS_LAUNCH} | dict(num_warps=FUSED_DQ_STEPS[128][2])
     return dilated_bwd_dkdv_hopper_kernel, cfg
 
 
