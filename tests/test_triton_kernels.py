@@ -788,16 +788,16 @@ def test_gluon_kernels_coverage(monkeypatch, which):
         # at head dim 128 one dK/dV launch adds dQ too (two warpgroups, 128 keys), unless switched off or
         # deterministic algorithms are asked for (its reduce-adds land in no fixed order)
         assert [d for d in (64, 128, 256) if kernel.fused_dq_launch_config(d)] == [128]
-        # warp-specialized (a producer warp, two consumer warpgroups), unless HF_DILATED_WS_DKDV is off: then one
-        # program of 8 warps
+        # warp-specialized (a producer warp, two consumer warpgroups) where a class holds one query head, unless
+        # HF_DILATED_WS_DKDV is off: then one program of 8 warps, as with several heads a class
         ws = kernel.fused_dq_launch_config(128)
         assert ws == dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True, **hopper.WS_LAUNCH)
-        assert kernel.dkdv_kernel(ws) is kernel.dilated_bwd_dkdv_ws_kernel
+        one = dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True, num_warps=8)
+        assert kernel.dkdv_kernel(ws, 1) == (kernel.dilated_bwd_dkdv_ws_kernel, ws)
+        assert kernel.dkdv_kernel(ws, 2) == (kernel.dilated_bwd_dkdv_hopper_kernel, one)
         monkeypatch.setenv("HF_DILATED_WS_DKDV", "off")
-        one = kernel.fused_dq_launch_config(128)
-        assert one == dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True, num_warps=8)
-        assert kernel.dkdv_kernel(one) is kernel.dilated_bwd_dkdv_hopper_kernel
-        assert kernel.dkdv_kernel(kernel.dkdv_launch_configs(128)[0]) is kernel.dilated_bwd_dkdv_hopper_kernel
+        assert kernel.fused_dq_launch_config(128) == one
+        assert kernel.dkdv_kernel(one, 1) == (kernel.dilated_bwd_dkdv_hopper_kernel, one)
         monkeypatch.setenv("HF_DILATED_WS_DKDV", "sometimes")
         with pytest.raises(ValueError, match="HF_DILATED_WS_DKDV must be one of"):
             kernel.fused_dq_launch_config(128)
@@ -919,11 +919,11 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws):
 
 @pytest.mark.gpu
 def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
-    """By default (``HF_DILATED_WS_DKDV``) at head dim 128 the fused dK/dV runs warp-specialized (a producer warp,
-    two consumer warpgroups of 64 keys that meet once a step for dQ), with one or several query heads a class (the
-    heads' steps one after another); against the float64 oracle (causal and bidirectional, ragged segments, GQA with
-    one and several heads a class, padding, head chunks), dK and dV bit for bit those of the one-program kernel (the
-    same products in the same order), dQ to rounding (reduce-adds in no fixed order), and the warp-specialized kernel seen to run."""
+    """By default (``HF_DILATED_WS_DKDV``) at head dim 128 the fused dK/dV runs warp-specialized (a producer warp, two consumer
+    warpgroups of 64 keys that meet once a step for dQ) where a class holds one query head, the one-program kernel
+    elsewhere; against the float64 oracle (causal and bidirectional, ragged segments, GQA with one and several heads a
+    class, padding, head chunks), dK and dV bit for bit those of the one-program kernel (the same products in the same
+    order), dQ to rounding (reduce-adds in no fixed order), and the warp-specialized kernel seen to run."""
     _gpu_skip()
     from hf_dilated.ops.triton import backward_hopper, configs
 
@@ -933,12 +933,10 @@ def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
     assert "CONSUMER_REGS" in backward_hopper.fused_dq_launch_config(128)
     bf16 = torch.bfloat16
 
-    def run(q, k, v, branches=LONGNET_SMALL, heads_loop=False, **kw):
-        before, loops_before = launch.LAUNCHES["dkdv_ws"], launch.LAUNCHES["dkdv_ws_heads"]
+    def run(q, k, v, branches=LONGNET_SMALL, **kw):
+        before = launch.LAUNCHES["dkdv_ws"]
         check(q, k, v, branches, TOL[q.dtype], use_naive=False, **kw)
         assert launch.LAUNCHES["dkdv_ws"] > before, "the warp-specialized dK/dV did not run"
-        if heads_loop:
-            assert launch.LAUNCHES["dkdv_ws_heads"] > loops_before, "no warp-specialized launch looped over heads"
         do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", q.dtype)
         ws, rs = [w for w, _ in branches], [r for _, r in branches]
         grads = {}
@@ -953,10 +951,7 @@ def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
 
     run(*make_qkv(rng, 2, 8, 8, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
     run(*make_qkv(rng, 1, 8, 8, 2500, 2500, 128, torch.float16, "cuda"), is_causal=False, head_offset=1)
-    run(*make_qkv(rng, 1, 16, 4, 2200, 2200, 128, bf16, "cuda"), heads_loop=True, head_offset=1)  # 4 a class at r 1
-    # 6 / 3 / 2 heads a class at r 1 / 2 / 4 (at r 4 two classes of 2 and two of 1: a class with fewer)
-    run(*make_qkv(rng, 2, 24, 4, 1800, 1800, 128, bf16, "cuda"), heads_loop=True, head_offset=2)
-    run(*make_qkv(rng, 1, 12, 4, 1700, 1700, 128, torch.float16, "cuda"), heads_loop=True, is_causal=False)
+    run(*make_qkv(rng, 1, 16, 4, 2200, 2200, 128, bf16, "cuda"), head_offset=1)  # 4 heads a class at r 1, 1 at r 4
     mask = torch.ones(2, 2048, dtype=torch.bool, device="cuda")
     mask[1, :777] = False
     run(*make_qkv(rng, 2, 8, 8, 2048, 2048, 128, bf16, "cuda"), attention_mask=mask)
@@ -964,7 +959,6 @@ def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
     monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head at a time: heads from h0 > 0 in the kernel
     monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
     run(*make_qkv(rng, 1, 4, 4, 2100, 2100, 128, bf16, "cuda"), head_offset=2)
-    run(*make_qkv(rng, 1, 8, 2, 2100, 2100, 128, bf16, "cuda"), heads_loop=True, head_offset=2)
 
 
 def _ws_schedules(rng, monkeypatch, run):

@@ -62,7 +62,7 @@ Measured (H100, bf16, LongNet branches, ``results/*fused-dq*session20*``):
 - D = 64 (9 / 3 heads): no gain (64K: 3.79 / 4.21 ms with 64 / 128 keys against 3.73 ms), it is not power-capped
   there; D = 256: a float32 dQ tile of 64 rows would take 64 KB more shared memory. Both keep the dQ kernel.
 
-The fused dK/dV warp-specialized (``dilated_bwd_dkdv_ws_kernel``, the default at head dim 128 on sm_90;
+The fused dK/dV warp-specialized (``dilated_bwd_dkdv_ws_kernel``, the default where a class holds one query head;
 ``HF_DILATED_WS_DKDV=0`` keeps the program of 8 warps): a producer warp copies K / V once and each step's Q / dO into
 two buffers; each consumer warpgroup owns 64 of the 128 keys, its ``S^T``, ``dP^T``, ``P^T``, ``dS^T`` and dK / dV
 sums, and adds columns ``64 WG ..`` of each step's dQ share (``dS`` of all 128 keys times its half of K's columns, read
@@ -73,8 +73,9 @@ bit for bit those of the 8-warp program. To fit 240 registers (the 8-warp progra
 shared memory where they are used, ``dP^T`` is issued after the exponentials, and ``dS^T``'s double buffer keeps the
 dQ product's operand descriptors from being hoisted out of the step loop and spilled (360 -> 80-108 bytes of spills,
 4-7 reloads a step). Backward 1.02-1.04x at H 16 and 0.99-1.02x with GQA 32 / 8 (16K-256K, H100,
-``results/ab_ws_dkdv_backward-dilated-session29-*``). Several query heads a class (GQA's launches where r < group)
-run the heads' steps one after another in the same program (session 30; ``benchmarks/NOTES_triton.md``).
+``results/ab_ws_dkdv_backward-dilated-session29-*``). Several heads a class (GQA's r = 1, 2 launches) keep the 8-warp
+program: a head loop here compiled (9-13 reloads a step, ``results/ws_dkdv_head_loop-session29-compile_only.json``)
+but has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -437,20 +438,17 @@ if gluon is not None:
                     qc64, d, in_range, seen, stride_dqn, stride_xqn, MERGE, LAST)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
-    # ---- the warp-specialized fused dK/dV (head dim 128) ------------------------------------------------------------
+    # ---- the warp-specialized fused dK/dV (head dim 128, one query head per class) --------------------------------
     # ``dilated_bwd_dkdv_hopper_kernel``'s FUSED_DQ program (128 keys, 64-query steps, dQ by TMA reduce-add) with its
     # roles split: a producer warp copies K / V once and each step's Q / dO (two buffers, released by both consumers),
     # and each consumer warpgroup owns 64 of the keys. A consumer's dV / dK products, its P^T / dS^T and its dK / dV
     # sums are its own; the step's dQ needs dS^T of all 128 keys, so the two meet once a step (``ds_ready``: both
-    # halves written, in buffer it % 2) and each adds its half of dQ's columns. With several query heads a class (GQA
-    # where r < group) the steps run head after head (``it``: the steps before, over the class's heads), each head's
-    # Q / dO / dQ descriptors made in the partition that reads or adds through them.
+    # halves written, in buffer s % 2) and each adds its half of dQ's columns.
 
     @gluon.jit
-    def _dkdv_ws_producer(a, hx, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr, q_desc, do_desc,
-                          k_desc, v_desc):
-        """K and V of the program's keys, then each step's Q and dO, head after head of the class, into buffer
-        ``it % 2`` (``it``: the steps before, over all heads) once both consumers released its last use."""
+    def _dkdv_ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, q_desc, do_desc, k_desc, v_desc):
+        """K and V of the program's keys, then each step's Q and dO into buffer ``s % 2`` once both consumers
+        released its last use."""
         (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, head_offset, r, n_prev, kbase, k_first, n_k,
          j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb,
          stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb,
@@ -463,33 +461,21 @@ if gluon is not None:
             mbarrier.expect(kv_bar, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
             tma_load(k_desc, [j_first, 0], kv_bar, k_smem)
             tma_load(v_desc, [j_first, 0], kv_bar, v_smem)
-        (q_rows, do_rows, dq_rows, n_heads, n_qdesc, stride_qh, stride_qn, stride_dh, stride_dn, stride_dqh,
-         stride_dqn) = hx
-        for g in range(0, HEADS):  # the class's heads h0, h0 + r, ... (a constexpr bound: with one, no loop)
-            n_steps_h = n_steps
-            if HEADS > 1:  # descriptors over head h0 + g r's rows (with one head, the kernel's)
-                n_steps_h = gl.where(g < n_heads, n_steps, 0)
-                h64 = (h0 + g * r).to(gl.int64)
-                q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
-                q_desc = row_desc(q_rows + h64 * stride_qh, n_qdesc, r * stride_qn, BLOCK_Q, HEAD_DIM, q_layout)
-                do_desc = row_desc(do_rows + h64 * stride_dh, n_qdesc, r * stride_dn, BLOCK_Q, HEAD_DIM, q_layout)
-            q_cur = start_q
-            for s in range(n_steps_h):
-                it = g * n_steps + s
-                buf = it % 2
-                mbarrier.wait(empty.index(buf), ((it // 2) & 1) ^ 1)
-                mbarrier.expect(ready.index(buf), 2 * TILE_BYTES)
-                tma_load(q_desc, [q_cur, 0], ready.index(buf), q_smem.index(buf))
-                tma_load(do_desc, [q_cur, 0], ready.index(buf), do_smem.index(buf))
-                q_cur += BLOCK_Q
+        q_cur = start_q
+        for s in range(n_steps):
+            buf = s % 2
+            mbarrier.wait(empty.index(buf), ((s // 2) & 1) ^ 1)
+            mbarrier.expect(ready.index(buf), 2 * TILE_BYTES)
+            tma_load(q_desc, [q_cur, 0], ready.index(buf), q_smem.index(buf))
+            tma_load(do_desc, [q_cur, 0], ready.index(buf), do_smem.index(buf))
+            q_cur += BLOCK_Q
 
     @gluon.jit
-    def _dkdv_ws_consumer(a, hx, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
-                          IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc):
-        """dK and dV of keys ``64 WG ..`` of the program's tile over the class's heads, and columns
-        ``HEAD_DIM / 2 * WG ..`` of each step's dQ share (``dq_desc``, or with several heads one made per head):
-        ``hopper.dkdv_dq_products``'s products, each summed in the same order (``dP^T`` is issued after the
-        exponentials rather than beside ``S^T``: 32 registers fewer while they run)."""
+    def _dkdv_ws_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                          MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc):
+        """dK and dV of keys ``64 WG ..`` of the program's tile, and columns ``HEAD_DIM / 2 * WG ..`` of each step's
+        dQ share (``dq_desc``): ``hopper.dkdv_dq_products``'s products, each summed in the same order (``dP^T`` is
+        issued after the exponentials rather than beside ``S^T``: 32 registers fewer while they run)."""
         (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, head_offset, r, n_prev, kbase, k_first, n_k,
          j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb,
          stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb,
@@ -516,72 +502,62 @@ if gluon is not None:
         s_zero = gl.zeros([KW, BLOCK_Q], gl.float32, layout=s_layout)
         dk = warpgroup_mma_init(gl.zeros([KW, HEAD_DIM], gl.float32, layout=g_layout))
         dv = warpgroup_mma_init(gl.zeros([KW, HEAD_DIM], gl.float32, layout=g_layout))
-        (q_rows, do_rows, dq_rows, n_heads, n_qdesc, stride_qh, stride_qn, stride_dh, stride_dn, stride_dqh,
-         stride_dqn) = hx
+        h64 = h0.to(gl.int64)
+        l_row = L + b * stride_lb + h64 * stride_lh + q0_row
+        dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
+        q_cur = start_q
+        vmask = (q_cur + vrows < n_q) & (n_steps > 0)
+        lse_next = gl.load(l_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+        delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+        if n_steps > 0:
+            mbarrier.wait(kv_bar, 0)
         lse_w = rows_smem[2 * WG]
         delta_w = rows_smem[2 * WG + 1]
-        for g in range(0, HEADS):  # the class's heads h0, h0 + r, ... (a constexpr bound: with one, no loop)
-            n_steps_h = n_steps
-            h64 = (h0 + g * r).to(gl.int64)
-            if HEADS > 1:  # a descriptor over head h0 + g r's dQ sums (with one head, the kernel's)
-                n_steps_h = gl.where(g < n_heads, n_steps, 0)
-                dq_cols: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, DH], gl.float32)
-                dq_desc = row_desc(dq_rows + h64 * stride_dqh + WG * DH, n_qdesc, r * stride_dqn, BLOCK_Q, DH, dq_cols)
-            l_row = L + b * stride_lb + h64 * stride_lh + q0_row
-            dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
-            q_cur = start_q
-            vmask = (q_cur + vrows < n_q) & (n_steps_h > 0)
-            lse_next = gl.load(l_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
-            delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
-            if g == 0:
-                if n_steps > 0:
-                    mbarrier.wait(kv_bar, 0)
-            for s in range(n_steps_h):
-                it = g * n_steps + s  # steps before, over all heads: buffer it % 2, its use it // 2
-                buf = it % 2
-                lse_w.store(gl.where(lse_next == float("-inf"), 0.0, lse_next) * LOG2E)
-                delta_w.store(delta_next)
-                needs_mask = q_cur < full_from
-                diag = q_cur + shift
-                mbarrier.wait(ready.index(buf), (it // 2) & 1)
-                qs = q_smem.index(buf)
-                dos = do_smem.index(buf)
-                sT = warpgroup_mma(k_w, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                sT, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(sT, dk, dv))  # also retires the last dK
-                if it > 0:  # the last step's Q / dO are read by every product that reads them
-                    mbarrier.arrive(empty.index(1 - buf), count=1)
-                if s + 1 < n_steps_h:
-                    vmask = q_cur + BLOCK_Q + vrows < n_q
-                    lse_next = gl.load(l_row + (q_cur + BLOCK_Q + vrows) * r, mask=vmask, other=0.0)
-                    delta_next = gl.load(dl_row + (q_cur + BLOCK_Q + vrows) * r, mask=vmask, other=0.0)
-                pT = gl.exp2(sT * qk_scale - lse_w.load(query_axis)[None, :])
-                if needs_mask:
-                    qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
-                    pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
-                dpT = warpgroup_mma(v_w, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                p_w.store(pT.to(dtype))
-                fence_async_shared()
-                dv = warpgroup_mma(p_w, dos, dv, is_async=True)
-                dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-                ds = (pT * (dpT - delta_w.load(query_axis)[None, :])).to(dtype)
-                # dS^T in buffer it % 2: its last readers, the step before last's dQ products, are done (each
-                # warpgroup's retired before it arrived at the last step's ds_ready, which this one has passed)
-                ds_all = ds_smem.index(buf)
-                ds_w = ds_all.slice(WG * KW, KW)
-                ds_w.store(ds)
-                fence_async_shared()
-                thread_barrier()
-                mbarrier.arrive(ds_ready, count=1)
-                mbarrier.wait(ds_ready, it & 1)  # both halves of dS^T written
-                dq_zero = gl.zeros([BLOCK_Q, DH], gl.float32, layout=dq_layout)
-                dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-                dk = warpgroup_mma(ds_w, qs, dk, is_async=True)
-                dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))  # also retires dV, issued before it
-                tma.store_wait(0)  # the last step's reduce has read the tile
-                dq_w.store(dq * scale)
-                fence_async_shared()
-                tma_reduce_add(dq_desc, [q_cur, 0], dq_w)
-                q_cur += BLOCK_Q
+        for s in range(n_steps):
+            buf = s % 2
+            lse_w.store(gl.where(lse_next == float("-inf"), 0.0, lse_next) * LOG2E)
+            delta_w.store(delta_next)
+            needs_mask = q_cur < full_from
+            diag = q_cur + shift
+            mbarrier.wait(ready.index(buf), (s // 2) & 1)
+            qs = q_smem.index(buf)
+            dos = do_smem.index(buf)
+            sT = warpgroup_mma(k_w, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sT, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(sT, dk, dv))  # also retires the last dK
+            if s > 0:  # the last step's Q / dO are read by every product that reads them
+                mbarrier.arrive(empty.index(1 - buf), count=1)
+            if s + 1 < n_steps:
+                vmask = q_cur + BLOCK_Q + vrows < n_q
+                lse_next = gl.load(l_row + (q_cur + BLOCK_Q + vrows) * r, mask=vmask, other=0.0)
+                delta_next = gl.load(dl_row + (q_cur + BLOCK_Q + vrows) * r, mask=vmask, other=0.0)
+            pT = gl.exp2(sT * qk_scale - lse_w.load(query_axis)[None, :])
+            if needs_mask:
+                qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
+                pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
+            dpT = warpgroup_mma(v_w, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            p_w.store(pT.to(dtype))
+            fence_async_shared()
+            dv = warpgroup_mma(p_w, dos, dv, is_async=True)
+            dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+            ds = (pT * (dpT - delta_w.load(query_axis)[None, :])).to(dtype)
+            # dS^T in buffer s % 2: its last readers, the step before last's dQ products, are done (each
+            # warpgroup's retired before it arrived at the last step's ds_ready, which this one has passed)
+            ds_all = ds_smem.index(buf)
+            ds_w = ds_all.slice(WG * KW, KW)
+            ds_w.store(ds)
+            fence_async_shared()
+            thread_barrier()
+            mbarrier.arrive(ds_ready, count=1)
+            mbarrier.wait(ds_ready, s & 1)  # both halves of dS^T written
+            dq_zero = gl.zeros([BLOCK_Q, DH], gl.float32, layout=dq_layout)
+            dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+            dk = warpgroup_mma(ds_w, qs, dk, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))  # also retires dV, issued before it
+            tma.store_wait(0)  # the last step's reduce has read the tile
+            dq_w.store(dq * scale)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [q_cur, 0], dq_w)
+            q_cur += BLOCK_Q
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         tma.store_wait(0)
 
@@ -610,10 +586,10 @@ if gluon is not None:
         IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, PART: gl.constexpr, FUSED_DQ: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """``dilated_bwd_dkdv_hopper_kernel``'s contract with ``FUSED_DQ``: ``_dkdv_ws_producer`` and two
-        ``_dkdv_ws_consumer`` s (the section's comment), over the ``HEADS`` query heads of a class at most."""
+        """``dilated_bwd_dkdv_hopper_kernel``'s contract with ``FUSED_DQ`` and one query head per class (``HEADS``
+        1): ``_dkdv_ws_producer`` and two ``_dkdv_ws_consumer`` s (the section's comment)."""
         dtype: gl.constexpr = Q.dtype.element_ty
-        gl.static_assert(FUSED_DQ and PART == 0 and BLOCK_N == 128)
+        gl.static_assert(HEADS == 1 and FUSED_DQ and PART == 0 and BLOCK_N == 128)
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
         p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
@@ -622,7 +598,6 @@ if gluon is not None:
         kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = _key_tile(
             T, n_tiles, n_classes, group, head_offset, r, BLOCK_N, BLOCK_Q, IS_CAUSAL)
         n_steps = gl.where(h0 < (kvh + 1) * group, n_steps, 0)
-        n_heads = gl.minimum(((kvh + 1) * group - h0 + r - 1) // r, HEADS)  # h0, h0 + r, ... in the kv head's group
         shift = (q_first - k_first) // r - j_first
         full_from = 0
         if IS_CAUSAL:
@@ -675,13 +650,9 @@ if gluon is not None:
              stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh,
              stride_xkn, stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem,
              rows_smem, kv_bar, ready, empty, ds_ready)
-        # what the partitions need to make a head's descriptors (HEADS > 1), its row origin in the batch row
-        hx = (Q + b * stride_qb + q0_row * stride_qn, DO + b * stride_db + q0_row * stride_dn,
-              DQ + b * stride_dqb + q0_row * stride_dqn, n_heads, n_qdesc, stride_qh, stride_qn, stride_dh, stride_dn,
-              stride_dqh, stride_dqn)
-        gl.warp_specialize([(_dkdv_ws_consumer, (a, hx, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 0, dq_desc0)),
-                            (_dkdv_ws_consumer, (a, hx, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 1, dq_desc1)),
-                            (_dkdv_ws_producer, (a, hx, HEAD_DIM, BLOCK_Q, HEADS, q_desc, do_desc, k_desc, v_desc))],
+        gl.warp_specialize([(_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, IS_CAUSAL, MERGE, LAST, 0, dq_desc0)),
+                            (_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, IS_CAUSAL, MERGE, LAST, 1, dq_desc1)),
+                            (_dkdv_ws_producer, (a, HEAD_DIM, BLOCK_Q, q_desc, do_desc, k_desc, v_desc))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     @gluon.jit
@@ -737,11 +708,18 @@ def fused_dq_launch_config(head_dim: int) -> dict | None:
     return dict(BLOCK_N=n, BLOCK_Q=q_rows, PART=0, FUSED_DQ=True, num_warps=warps)
 
 
-def dkdv_kernel(cfg: dict):
-    """The dK/dV kernel of config ``cfg`` (``dkdv_launch_configs`` / ``fused_dq_launch_config``): the
-    warp-specialized one where the fused config asks for it (``HF_DILATED_WS_DKDV``, on by default), at any number of
-    query heads a class, else ``dilated_bwd_dkdv_hopper_kernel``."""
-    return dilated_bwd_dkdv_ws_kernel if "CONSUMER_REGS" in cfg else dilated_bwd_dkdv_hopper_kernel
+def dkdv_kernel(cfg: dict, heads: int):
+    """The dK/dV kernel and its launch options for config ``cfg`` (``dkdv_launch_configs`` / ``fused_dq_launch_config``)
+    at ``heads`` query heads per class: the warp-specialized one where the fused config asks for it
+    (``HF_DILATED_WS_DKDV``, on by default) and a class holds one head, else ``dilated_bwd_dkdv_hopper_kernel`` (with
+    several heads a class, a head loop in the warp-specialized kernel is compiled but not yet run on a GPU:
+    ``benchmarks/NOTES_triton.md``, session 29)."""
+    if "CONSUMER_REGS" in cfg:
+        if heads == 1:
+            return dilated_bwd_dkdv_ws_kernel, cfg
+        # the same tile without the warp-specialized launch options: one program of FUSED_DQ_STEPS' warps
+        cfg = {k: v for k, v in cfg.items() if k not in WS_LAUNCH} | dict(num_warps=FUSED_DQ_STEPS[128][2])
+    return dilated_bwd_dkdv_hopper_kernel, cfg
 
 
 def dq_launch_config(head_dim: int) -> dict | None:

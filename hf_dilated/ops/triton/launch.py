@@ -378,7 +378,7 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
             n_classes = min(group, r)
             if dkdv_cfgs:
                 for dkdv_cfg in dkdv_cfgs:  # one launch, or at D = 256 one for dV and one for dK
-                    kernel = backward_hopper.dkdv_kernel(dkdv_cfg)
+                    kernel, dkdv_cfg = backward_hopper.dkdv_kernel(dkdv_cfg, cdiv(group, n_classes))
                     grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
                     kernel[grid](
                         *hopper_tensors, it.items, *hopper_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
@@ -387,8 +387,6 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
                     )
                     LAUNCHES["dkdv_hopper"] += 1
                     LAUNCHES["dkdv_ws"] += kernel is not backward_hopper.dilated_bwd_dkdv_hopper_kernel
-                    LAUNCHES["dkdv_ws_heads"] += kernel is not backward_hopper.dilated_bwd_dkdv_hopper_kernel and (
-                        group > n_classes)  # several query heads a class
                     LAUNCHES["dq_fused"] += bool(dkdv_cfg["FUSED_DQ"])
             else:
                 grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
