@@ -952,6 +952,9 @@ def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
     run(*make_qkv(rng, 2, 8, 8, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
     run(*make_qkv(rng, 1, 8, 8, 2500, 2500, 128, torch.float16, "cuda"), is_causal=False, head_offset=1)
     run(*make_qkv(rng, 1, 16, 4, 2200, 2200, 128, bf16, "cuda"), head_offset=1)  # 4 heads a class at r 1, 1 at r 4
+    # 6 / 3 / 2 heads a class at r 1 / 2 / 4 (at r 4 two classes of 2 and two of 1), 3 / 2 (uneven) / 1 at r 1 / 2 / 4
+    run(*make_qkv(rng, 2, 24, 4, 1800, 1800, 128, bf16, "cuda"), head_offset=2)
+    run(*make_qkv(rng, 1, 12, 4, 1700, 1700, 128, torch.float16, "cuda"), is_causal=False)
     mask = torch.ones(2, 2048, dtype=torch.bool, device="cuda")
     mask[1, :777] = False
     run(*make_qkv(rng, 2, 8, 8, 2048, 2048, 128, bf16, "cuda"), attention_mask=mask)
@@ -959,6 +962,7 @@ def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
     monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head at a time: heads from h0 > 0 in the kernel
     monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
     run(*make_qkv(rng, 1, 4, 4, 2100, 2100, 128, bf16, "cuda"), head_offset=2)
+    run(*make_qkv(rng, 1, 8, 2, 2100, 2100, 128, bf16, "cuda"), head_offset=2)  # 4 / 2 heads a class at r 1 / 2
 
 
 def _ws_schedules(rng, monkeypatch, run):

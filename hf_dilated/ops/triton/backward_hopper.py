@@ -262,6 +262,8 @@ if gluon is not None:
             do_desc = row_desc(DO + b * stride_db + h64 * stride_dh + q0_row * stride_dn, n_qdesc, r * stride_dn,
                                BLOCK_Q, HEAD_DIM, q_smem_layout)
             if FUSED_DQ:
+                if g > 0:  # the last head's reduce-adds have read the descriptor this one replaces (its scratch slot)
+                    tma.store_wait(0)
                 dq_desc = row_desc(DQ + b * stride_dqb + h64 * stride_dqh + q0_row * stride_dqn, n_qdesc,
                                    r * stride_dqn, BLOCK_Q, HEAD_DIM, dq_smem_layout)
             l_row = L + b * stride_lb + h64 * stride_lh + q0_row
