@@ -2,7 +2,8 @@
 no-op kernels) measures the Triton launchers, not another path; ``benchmarks/kernel_resources.py`` compiles every
 kernel the launch paths use for Hopper and Ampere (what the interpreter never does) and reports their resources;
 ``benchmarks/kernel_times.py`` (the profile scripts' ``--table`` / ``--launches``) attributes a call's time to its
-kernels and lists its launches in order."""
+kernels and lists its launches in order; ``benchmarks/branch_work.py`` counts the pairs each forward schedule computes
+against a brute-force count of the pattern."""
 
 from __future__ import annotations
 
@@ -448,3 +449,39 @@ def test_run_environment_records_the_kernel_switches(monkeypatch):
     monkeypatch.setenv("HF_DILATED_WS", "off")
     monkeypatch.setenv("HF_DILATED_PERSISTENT", "0")
     assert run_environment(device="cpu")["switches"] == {"HF_DILATED_PERSISTENT": "0", "HF_DILATED_WS": "off"}
+
+
+def _pattern_pairs(branches, n):
+    """The causal pairs each branch selects at head offset 0, summed over branches, from the positions themselves."""
+    total = 0
+    for w, r in branches:
+        for i in range(0, n, r):
+            total += sum(1 for j in range(i // w * w, i + 1, r))
+    return total
+
+
+def test_branch_work_counts_the_pattern_and_the_masked_tiles(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import branch_work
+
+    branches, n = [(64, 1), (128, 2), (256, 4), (1024, 16)], 2048
+    needed = _pattern_pairs(branches, n)
+    for schedule in (branch_work.per_branch, branch_work.one_pass):
+        assert schedule(branches, n, 1, 1) == dict(computed=needed, needed=needed)  # one-pair tiles mask nothing
+        for bm, bn in ((16, 16), (32, 8), (8, 32)):
+            c = schedule(branches, n, bm, bn)
+            assert c["needed"] == needed and c["computed"] > needed
+    # one pass: a class's rows span block_m * stride positions, so its lower-rate key tiles are mostly masked
+    one, per = branch_work.one_pass(branches, n, 16, 16), branch_work.per_branch(branches, n, 16, 16)
+    assert one["computed"] > per["computed"]
+    # a segment of one tile: per branch computes the whole square, half of it masked
+    assert branch_work.per_branch([(16, 1)], 64, 16, 16) == dict(computed=4 * 256, needed=4 * 136)
+    with pytest.raises(ValueError, match="rates and segment lengths must each divide the next"):
+        branch_work.one_pass([(64, 1), (96, 3), (128, 2)], 384, 16, 16)
+    with pytest.raises(ValueError, match="n: 100 must be a multiple"):
+        branch_work.per_branch([(64, 1)], 100, 16, 16)
+    assert branch_work.main(["--n", "32768", "--tiles", "128x128"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["schedule", "tile", "computed", "needed", "extra"] and len(out) == 3
+    with pytest.raises(SystemExit):
+        branch_work.main(["--tiles", "128by128"])
