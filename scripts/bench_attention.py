@@ -10,7 +10,7 @@ of a window ``[a, a + w_max)``, ``a`` a multiple of every ``w``, depend on that 
 Writes ``<out>/<gpu>-<date>.json`` (rows, GPU, versions, command) and a PNG plot (time and peak memory against N,
 log-log) beside it, and prints a table: ms, useful TFLOP/s (the FLOPs of the dilated pattern, or of dense causal
 attention for SDPA), the ratios of TFLOP/s to SDPA-flash, to dense cuDNN and to cuDNN on the same segments at the same
-N, peak memory. Each call is timed twice: eager,
+N, peak memory and its ratio to the bytes the call must hold (``io_bytes``). Each call is timed twice: eager,
 back to back (what a user's loop sees: where the host queues a call slower than the GPU runs it, the host's time), and
 replayed from a CUDA graph (``graph_ms``: the GPU's time alone; calls under ``--graph-max-ms``). Each row also
 records the GPU's mean SM clock, power draw and highest temperature during its eager timing (``gpu_monitor.py``): a
@@ -81,6 +81,15 @@ def dilated_flops(N, branches, D, H, B, causal=True):
 
 def dense_flops(N, D, H, B, causal=True):
     return 4 * D * (N * (N + 1) // 2 if causal else N * N) * H * B
+
+
+def io_bytes(mode, N, D, H, Hk, B, elem=2, nq=None):
+    """The bytes a call cannot do without, what its peak memory is compared with (issue 14: within 1.1x at 1M): q,
+    k, v, the output and its float32 lse; forward+backward adds dO, dQ, dK and dV. ``nq`` query rows (decode: 1)."""
+    nq = N if nq is None else nq
+    queries, keys = B * H * nq * D * elem, B * Hk * N * D * elem
+    per_pass = 2 * queries + 2 * keys  # q, o and k, v; or dO, dQ and dK, dV
+    return per_pass * (2 if mode == "fwdbwd" else 1) + B * H * nq * 4
 
 
 def reps_for(ms_guess):
@@ -395,6 +404,8 @@ def main():
                     guess = (time.time() - t1) * 1e3
                     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                     row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                    row["peak_over_io"] = torch.cuda.max_memory_allocated() / io_bytes(
+                        mode, N, D, H, Hk, B, q.element_size(), nq)
                     row["ms"], gpu_window, warm_calls = timed_on_gpu(
                         fn, lambda f: bench(f, reps_for(guess), warmup=0 if guess > 500 else 1), monitor, args.warm_s)
                     if args.warm_s > 0:
@@ -479,7 +490,8 @@ def add_ratios(rows: list) -> None:
 
 def print_table(rows):
     hdr = (f"{'mode':7} {'N':>8} {'D':>4} {'H/Hk':>6} {'method':14} {'ms':>10} {'TFLOP/s':>8} {'xSDPA':>6} "
-           f"{'xcuDNN':>6} {'xSeg':>5} {'graph ms':>9} {'xSDPA':>6} {'xFlex':>6} {'peak GiB':>9} {'err':>8} {'MHz':>5} "
+           f"{'xcuDNN':>6} {'xSeg':>5} {'graph ms':>9} {'xSDPA':>6} {'xFlex':>6} {'peak GiB':>9} {'xIO':>5} {'err':>8} "
+           f"{'MHz':>5} "
            f"{'W':>4}")
     print(hdr)
     print("-" * len(hdr))
@@ -494,18 +506,21 @@ def print_table(rows):
         cd = f"{r['tflops_ratio_vs_cudnn']:.2f}" if "tflops_ratio_vs_cudnn" in r else "-"
         sg = f"{r['tflops_ratio_vs_cudnn_segments']:.2f}" if "tflops_ratio_vs_cudnn_segments" in r else "-"
         pk = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
+        io = f"{r['peak_over_io']:.2f}" if "peak_over_io" in r else "-"
         gms = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "-"
         gx = f"{r['graph_tflops_ratio_vs_sdpa']:.2f}" if "graph_tflops_ratio_vs_sdpa" in r else "-"
         err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
         mhz = f"{r['gpu_clock_mhz']:.0f}" if "gpu_clock_mhz" in r else "-"
         watts = f"{r['gpu_power_w']:.0f}" if "gpu_power_w" in r else "-"
         print(f"{r['mode']:7} {r['N']:>8} {r['D']:>4} {str(r['H']) + '/' + str(r['Hk']):>6} {r['method']:14} {ms:>10} "
-              f"{tf:>8} {ratio:>6} {cd:>6} {sg:>5} {gms:>9} {gx:>6} {fx:>6} {pk:>9} {err:>8} {mhz:>5} {watts:>4}")
+              f"{tf:>8} {ratio:>6} {cd:>6} {sg:>5} {gms:>9} {gx:>6} {fx:>6} {pk:>9} {io:>5} {err:>8} {mhz:>5} "
+              f"{watts:>4}")
     print("xSDPA: useful TFLOP/s over SDPA-flash's (decode: SDPA time / time); * = SDPA measured at a smaller N."
           " xcuDNN: useful TFLOP/s over dense cuDNN's; xSeg: over cuDNN's on the same segments (cudnn-segments)."
           " xFlex: FlexAttention time / Triton time.\n"
           "ms: back-to-back eager calls (host and GPU: where the host is slower, its time); graph ms: the same call"
           " replayed from a CUDA graph (the GPU's time alone), and its xSDPA against SDPA's graph time.\n"
+          "xIO: peak memory over the bytes of q, k, v, o and lse (fwd+bwd: and dO, dQ, dK, dV).\n"
           "MHz, W: the GPU's mean SM clock and power draw while the eager time was taken (- : not sampled).")
 
 

@@ -122,6 +122,19 @@ def test_timed_on_gpu_reads_the_monitor_over_the_timed_calls_only():
     assert gpu == {} and ms == 1.0
 
 
+def test_peak_memory_is_compared_with_the_bytes_a_call_must_hold():
+    """``io_bytes``: q, k, v, o and the float32 lse; forward+backward adds dO, dQ, dK, dV (issue 14's memory target:
+    1M tokens, H 16, D 128, forward+backward, 32.06 GiB)."""
+    gib = 2**30
+    assert bench.io_bytes("fwdbwd", 2**20, 128, 16, 16, 1) == 32 * gib + 16 * 2**22
+    assert bench.io_bytes("fwd", 2**20, 128, 16, 16, 1) == 16 * gib + 16 * 2**22
+    # GQA: the keys and values at their own heads; decode: one query row against the whole cache
+    assert bench.io_bytes("fwd", 1024, 64, 32, 8, 2) == 2 * (2 * 4 + 2 * 1) * 2**20 + 2 * 32 * 1024 * 4
+    assert bench.io_bytes("decode", 1024, 64, 32, 8, 1, nq=1) == 2 * 32 * 64 * 2 + 2 * 2**20 + 32 * 4
+    lse = 4 * 1024 * 4
+    assert bench.io_bytes("fwd", 1024, 64, 4, 4, 1, elem=4) == 2 * bench.io_bytes("fwd", 1024, 64, 4, 4, 1) - lse
+
+
 def test_table_shows_the_clock_and_power_of_each_timing(capsys):
     rows = [dict(mode="fwd", N=1024, D=64, H=9, Hk=3, method="triton", ms=1.0, tflops=100.0, gpu_clock_mhz=1770.4,
                  gpu_power_w=690.0),
@@ -130,6 +143,7 @@ def test_table_shows_the_clock_and_power_of_each_timing(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[-2:] == ["MHz", "W"]
     assert lines[2].split()[-2:] == ["1770", "690"] and lines[3].split()[-2:] == ["-", "-"]
+    assert lines[0].split().index("xIO") == lines[0].split().index("GiB") + 1
 
 
 def test_a_timeout_still_leaves_the_cases_measured():
