@@ -342,20 +342,26 @@ def specialisation(launch: Launch, arch: int) -> tuple[tuple, str]:
     return key, " ".join(flags)
 
 
+def compiled_kernel(launch: Launch, arch: int):
+    """``launch`` compiled as Triton's launcher would on the target, through Triton's cache (``TRITON_CACHE_DIR``):
+    the same cache key, so what lands in the cache is what the GPU would look up (``triton_cache.py``)."""
+    fn = launch.fn
+    target, backend, bound, specialization, options = _bind(launch, arch)
+    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
+    source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+    return triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
 def compile_launch(launch: Launch, arch: int, full_errors: bool = False, sass_path: str | None = None) -> Resources:
     """Compile ``launch`` as Triton would for the target and measure it; a failure's message whole (``full_errors``)
     or its first line; the SASS listing written to ``sass_path`` where given."""
     fn = launch.fn
-    target, backend, bound, specialization, options = _bind(launch, arch)
-    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
     config = {name: launch.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK", "num_warps", "num_stages", "TMA")
               if name in launch.kwargs}
     res = Resources(fn.__name__, launch.case, config)
     start = time.perf_counter()
     try:
-        source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
-        compiled = triton.compile(source(fn, signature, constexprs, attrs), target=target,
-                                  options=options.__dict__)
+        compiled = compiled_kernel(launch, arch)
         res.shared = int(compiled.metadata.shared)
         res.ptx_sha = ptx_fingerprint(compiled.asm["ptx"])
         for name, value in sass_summary(compiled.asm["cubin"], sass_path).items():

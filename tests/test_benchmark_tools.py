@@ -385,6 +385,35 @@ def test_gap_by_segment_cases_and_a_cpu_run(tmp_path, capsys):
     assert js.with_suffix(".png").stat().st_size > 0
 
 
+def test_triton_cache_bundle_is_hit_where_it_is_installed(tmp_path):
+    """``benchmarks/triton_cache.py``: a kernel compiled for sm_90 into one cache (as ``kernel_resources.py`` does),
+    exported without its IR and installed into another cache, is what ``triton.compile`` loads there: no recompile."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_cache_hit.py"), str(ROOT / "benchmarks"),
+                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("hit"), run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def test_triton_cache_refuses_bad_paths_by_name(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import triton_cache as tool
+
+    with pytest.raises(ValueError, match="bundle: .* must end in .tar.xz"):
+        tool.export(str(tmp_path), str(tmp_path / "kernels.zip"))
+    with pytest.raises(ValueError, match="cache: .* is not a directory"):
+        tool.export(str(tmp_path / "missing"), str(tmp_path / "k.tar.xz"))
+    with pytest.raises(SystemExit):
+        tool.main(["install", str(tmp_path / "missing.tar.xz")])
+    assert "bundle: " in capsys.readouterr().err
+    assert tool.count(str(tmp_path / "nothing")) == 0
+    # a group whose binary is missing (a failed compile) is left out of the bundle
+    (tmp_path / "c" / "KEY").mkdir(parents=True)
+    meta = tmp_path / "c" / "KEY" / "k.json"
+    meta.write_text("{}")
+    (tmp_path / "c" / "KEY" / "__grp__k.json").write_text(json.dumps({"child_paths": {"k.json": str(meta)}}))
+    assert tool.export(str(tmp_path / "c"), str(tmp_path / "k.tar.xz"))[0] == 0
+
+
 def test_cudnn_segments_run_dense_attention_on_exactly_the_dilated_segments():
     """``cudnn-segments`` (``bench_attention.segment_calls``, run by ``gap_by_segment.py`` and the issue-14 benchmark):
     each branch's rows gathered into dense causal sequences of ``w / r`` rows, and SDPA run on each."""

@@ -1,0 +1,146 @@
+"""Carry Triton's compiled kernels to a lent GPU machine, so that its device time runs kernels rather than compiles.
+
+A lent machine starts with an empty Triton cache, and compiling this package's kernels there costs minutes of a
+session's device time (session 30: two GPU tests still compiling after 175 s). Triton's cache key is made of the
+kernel's source and specialisation, the target and the compiler build; the machine plays no part. So the kernels
+``kernel_resources.py`` compiles for sm_90 on a CPU machine (through Triton's own binder and ``triton.compile``) are the
+entries a GPU with the same Triton build would look up.
+
+- ``export CACHE BUNDLE``: pack a cache directory's kernels into one ``.tar.xz``, each kernel's metadata and binary
+  (cubin) only. The IR files (TTIR, TTGIR, LLVM IR, PTX) are what make a cache large, and launching needs none of them.
+- ``install BUNDLE``: unpack into this machine's cache (``TRITON_CACHE_DIR``, else ``~/.triton/cache``), rewriting each
+  kernel's group file: Triton records absolute paths there. Kernels already in the cache are left as they are.
+- ``count``: the kernels in the cache. Counted before and after a run, it says how many the run compiled anew.
+
+    TRITON_CACHE_DIR=/tmp/tc python benchmarks/kernel_resources.py --n 65536   # on the CPU machine
+    python benchmarks/triton_cache.py export /tmp/tc .base/triton-sm90.tar.xz
+    python benchmarks/triton_cache.py install .base/triton-sm90.tar.xz         # on the GPU machine (carry .base)
+
+A bundle is for the GPU machine only. Its kernels carry no PTX, so ``kernel_resources.py`` (which reads the PTX)
+cannot run against a cache they were installed into. A specialisation that differs misses and is compiled as before.
+Triton specialises integer arguments equal to 1 or divisible by 16, so drive ``kernel_resources.py`` at the lengths
+that will run (``--n``)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tarfile
+
+BINARIES = (".cubin", ".hsaco")  # what a launch loads, per backend
+GROUP = "__grp__"
+
+
+def cache_dir(path: str | None = None) -> str:
+    """The Triton cache this process uses: ``path``, else ``TRITON_CACHE_DIR``, else ``~/.triton/cache``."""
+    return path or os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+
+
+def _groups(root: str):
+    """``(key, group name, {child name: absolute path})`` of every kernel group under a cache directory."""
+    if not os.path.isdir(root):
+        raise ValueError(f"cache: {root!r} is not a directory")
+    for key in sorted(os.listdir(root)):
+        d = os.path.join(root, key)
+        if not os.path.isdir(d):
+            continue
+        for name in sorted(os.listdir(d)):
+            if name.startswith(GROUP) and name.endswith(".json"):
+                with open(os.path.join(d, name)) as f:
+                    children = json.load(f).get("child_paths")
+                if isinstance(children, dict):
+                    yield key, name, children
+
+
+def count(root: str | None = None) -> int:
+    """How many compiled kernels (groups with a binary) the cache holds."""
+    root = cache_dir(root)
+    if not os.path.isdir(root):
+        return 0
+    return sum(1 for _, _, children in _groups(root) if any(c.endswith(BINARIES) for c in children))
+
+
+def export(src: str, bundle: str) -> tuple[int, int]:
+    """Pack every kernel of cache ``src`` (metadata and binary) into ``bundle`` (``.tar.xz``), each group file
+    listing its children by name. Returns ``(kernels, bytes written)``."""
+    if not bundle.endswith(".tar.xz"):
+        raise ValueError(f"bundle: {bundle!r} must end in .tar.xz")
+    n = 0
+    os.makedirs(os.path.dirname(os.path.abspath(bundle)), exist_ok=True)
+    with tarfile.open(bundle, "w:xz") as tar:
+        for key, name, children in _groups(src):
+            keep = {c: p for c, p in children.items() if c.endswith(".json") or c.endswith(BINARIES)}
+            if not any(c.endswith(BINARIES) for c in keep) or not all(os.path.exists(p) for p in keep.values()):
+                continue  # a failed or partial compile: nothing a launch could load
+            for child, path in keep.items():
+                tar.add(path, arcname=f"{key}/{child}")
+            data = json.dumps({"child_paths": sorted(keep)}).encode()
+            info = tarfile.TarInfo(f"{key}/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            n += 1
+    return n, os.path.getsize(bundle)
+
+
+def install(bundle: str, dst: str | None = None) -> int:
+    """Unpack ``bundle`` into cache ``dst`` (``cache_dir``), each group file pointing at its children's new absolute
+    paths; kernels whose group the cache already has are skipped. Returns how many were added."""
+    dst = cache_dir(dst)
+    if not os.path.isfile(bundle):
+        raise ValueError(f"bundle: {bundle!r} is not a file")
+    added = 0
+    with tarfile.open(bundle, "r:xz") as tar:
+        members = {m.name: m for m in tar.getmembers() if m.isfile()}
+        for arc, member in members.items():
+            key, name = os.path.split(arc)
+            if not name.startswith(GROUP) or os.path.dirname(key) or key in ("", ".", ".."):
+                continue
+            target = os.path.join(dst, key)
+            if os.path.exists(os.path.join(target, name)):
+                continue
+            children = json.load(tar.extractfile(member))["child_paths"]
+            os.makedirs(target, exist_ok=True)
+            paths = {}
+            for child in children:
+                if os.path.basename(child) != child or f"{key}/{child}" not in members:
+                    raise ValueError(f"bundle: {bundle!r} names {child!r} in {arc} but does not hold it")
+                with open(os.path.join(target, child), "wb") as f:
+                    f.write(tar.extractfile(members[f"{key}/{child}"]).read())
+                paths[child] = os.path.join(target, child)
+            with open(os.path.join(target, name), "w") as f:  # last: Triton looks for the group file first
+                json.dump({"child_paths": paths}, f)
+            added += 1
+    return added
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="pack a cache's kernels (metadata and binary) into a .tar.xz")
+    ex.add_argument("cache")
+    ex.add_argument("bundle")
+    ins = sub.add_parser("install", help="unpack a bundle into this machine's Triton cache")
+    ins.add_argument("bundle")
+    ins.add_argument("--cache", help="the cache to fill (default: TRITON_CACHE_DIR, else ~/.triton/cache)")
+    cnt = sub.add_parser("count", help="how many compiled kernels a cache holds")
+    cnt.add_argument("--cache")
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "export":
+            n, size = export(args.cache, args.bundle)
+            print(f"exported {n} kernels from {args.cache} to {args.bundle} ({size / 2**20:.1f} MiB)")
+        elif args.command == "install":
+            n = install(args.bundle, args.cache)
+            print(f"installed {n} kernels into {cache_dir(args.cache)} ({count(args.cache)} there now)")
+        else:
+            print(count(args.cache))
+    except ValueError as e:
+        ap.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
