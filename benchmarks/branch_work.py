@@ -34,7 +34,12 @@ def _cdiv(a: int, b: int) -> int:
 
 def _check(branches: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
     """The branches sorted by rate; ``ValueError`` unless every segment length is a multiple of its rate and of the
-    lower rates' segment lengths, each rate divides the next, and ``n`` is a multiple of every segment length."""
+    lower rates' segment lengths, each rate divides the next, and ``n`` is a positive multiple of every segment
+    length."""
+    if not branches:
+        raise ValueError("branches: at least one (w, r) is needed")
+    if n <= 0:
+        raise ValueError(f"n: must be positive, got {n}")
     out = sorted(branches, key=lambda b: b[1])
     for i, (w, r) in enumerate(out):
         if w <= 0 or r <= 0 or w % r:

@@ -68,6 +68,8 @@ def export(src: str, bundle: str) -> tuple[int, int]:
     listing its children by name. Returns ``(kernels, bytes written)``."""
     if not bundle.endswith(".tar.xz"):
         raise ValueError(f"bundle: {bundle!r} must end in .tar.xz")
+    if not os.path.isdir(src):  # before the bundle is opened: a bad cache path writes nothing
+        raise ValueError(f"cache: {src!r} is not a directory")
     n = 0
     os.makedirs(os.path.dirname(os.path.abspath(bundle)), exist_ok=True)
     with tarfile.open(bundle, "w:xz") as tar:

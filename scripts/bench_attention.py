@@ -402,10 +402,10 @@ def main():
                     fn()
                     torch.cuda.synchronize()
                     guess = (time.time() - t1) * 1e3
-                    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                    row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-                    row["peak_over_io"] = torch.cuda.max_memory_allocated() / io_bytes(
-                        mode, N, D, H, Hk, B, q.element_size(), nq)
+                    peak = torch.cuda.max_memory_allocated()
+                    row["peak_gib"] = peak / 2**30
+                    row["peak_extra_gib"] = (peak - base) / 2**30
+                    row["peak_over_io"] = peak / io_bytes(mode, N, D, H, Hk, B, q.element_size(), nq)
                     row["ms"], gpu_window, warm_calls = timed_on_gpu(
                         fn, lambda f: bench(f, reps_for(guess), warmup=0 if guess > 500 else 1), monitor, args.warm_s)
                     if args.warm_s > 0:

@@ -402,6 +402,7 @@ def test_triton_cache_refuses_bad_paths_by_name(tmp_path, capsys):
         tool.export(str(tmp_path), str(tmp_path / "kernels.zip"))
     with pytest.raises(ValueError, match="cache: .* is not a directory"):
         tool.export(str(tmp_path / "missing"), str(tmp_path / "k.tar.xz"))
+    assert not (tmp_path / "k.tar.xz").exists()  # refused before the bundle was opened
     with pytest.raises(SystemExit):
         tool.main(["install", str(tmp_path / "missing.tar.xz")])
     assert "bundle: " in capsys.readouterr().err
@@ -509,6 +510,10 @@ def test_branch_work_counts_the_pattern_and_the_masked_tiles(capsys):
         branch_work.one_pass([(64, 1), (96, 3), (128, 2)], 384, 16, 16)
     with pytest.raises(ValueError, match="n: 100 must be a multiple"):
         branch_work.per_branch([(64, 1)], 100, 16, 16)
+    with pytest.raises(ValueError, match="n: must be positive"):
+        branch_work.one_pass([(64, 1)], 0, 16, 16)
+    with pytest.raises(ValueError, match="branches: at least one"):
+        branch_work.per_branch([], 64, 16, 16)
     assert branch_work.main(["--n", "32768", "--tiles", "128x128"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["schedule", "tile", "computed", "needed", "extra"] and len(out) == 3
