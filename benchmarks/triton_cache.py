@@ -1,25 +1,33 @@
-"""Carry Triton's compiled kernels to a lent GPU machine, so that its device time runs kernels rather than compiles.
+"""Carry Triton's compiled kernels from one device call to the next, so that its device time runs kernels rather than
+compiles.
 
 A lent machine starts with an empty Triton cache, and compiling this package's kernels there costs minutes of a
-session's device time (session 30: two GPU tests still compiling after 175 s). Triton's cache key is made of the
-kernel's source and specialisation, the target and the compiler build; the machine plays no part. So the kernels
-``kernel_resources.py`` compiles for sm_90 on a CPU machine (through Triton's own binder and ``triton.compile``) are the
-entries a GPU with the same Triton build would look up.
+session's device time (session 31: the GPU suite compiled 955 kernels, and its largest test was still compiling when
+a 230 s cap cut it off). Triton's cache key is made of the kernel's source and specialisation, the target, the
+compiler build (a hash of the installed Triton, its ``libtriton`` binary included) and the options; the machine's
+name and the cache's path play no part. So the kernels one call compiled are the entries the next call looks up, on
+any machine with the same Triton install.
 
 - ``export CACHE BUNDLE``: pack a cache directory's kernels into one ``.tar.xz``, each kernel's metadata and binary
   (cubin) only. The IR files (TTIR, TTGIR, LLVM IR, PTX) are what make a cache large, and launching needs none of them.
 - ``install BUNDLE``: unpack into this machine's cache (``TRITON_CACHE_DIR``, else ``~/.triton/cache``), rewriting each
-  kernel's group file: Triton records absolute paths there. Kernels already in the cache are left as they are.
+  kernel's group file: Triton records absolute paths there. Kernels already in the cache are left as they are. The
+  bundle is read once, front to back (an ``.xz`` stream cannot seek back without decompressing again from its start:
+  session 31's first version did that per kernel and took 101 s for 330 kernels, minutes for 708).
 - ``count``: the kernels in the cache. Counted before and after a run, it says how many the run compiled anew.
 
-    TRITON_CACHE_DIR=/tmp/tc python benchmarks/kernel_resources.py --n 65536   # on the CPU machine
-    python benchmarks/triton_cache.py export /tmp/tc .base/triton-sm90.tar.xz
-    python benchmarks/triton_cache.py install .base/triton-sm90.tar.xz         # on the GPU machine (carry .base)
+End each device call by exporting that machine's cache, and start the next by installing it (carry ``.base``):
 
-A bundle is for the GPU machine only. Its kernels carry no PTX, so ``kernel_resources.py`` (which reads the PTX)
-cannot run against a cache they were installed into. A specialisation that differs misses and is compiled as before.
-Triton specialises integer arguments equal to 1 or divisible by 16, so drive ``kernel_resources.py`` at the lengths
-that will run (``--n``)."""
+    python benchmarks/triton_cache.py install .base/triton-gpu.tar.xz       # first, in the call (absent: skip)
+    ...                                                                     # tests, benchmarks
+    python benchmarks/triton_cache.py export ~/.triton/cache $OUT/triton-gpu.tar.xz   # last; copy it to .base/
+
+Kernels compiled here for sm_90 (``TRITON_CACHE_DIR=/tmp/tc python benchmarks/kernel_resources.py --n 16384``, then
+``export /tmp/tc ...``) hit only where the GPU runs the same Triton wheel: the lent image's Python 3.12 build of
+Triton 3.6 hashes to another key than this machine's Python 3.11 build, and session 31's GPU compiled the kernels of
+such a bundle's shapes anew. A bundle's kernels carry no PTX, so ``kernel_resources.py`` (which reads the PTX) cannot
+run against a cache they were installed into. Triton specialises integer arguments equal to 1 or divisible by 16, so a
+kernel compiled for one length serves the lengths that specialise alike."""
 
 from __future__ import annotations
 
@@ -94,27 +102,33 @@ def install(bundle: str, dst: str | None = None) -> int:
     if not os.path.isfile(bundle):
         raise ValueError(f"bundle: {bundle!r} is not a file")
     added = 0
-    with tarfile.open(bundle, "r:xz") as tar:
-        members = {m.name: m for m in tar.getmembers() if m.isfile()}
-        for arc, member in members.items():
-            key, name = os.path.split(arc)
-            if not name.startswith(GROUP) or os.path.dirname(key) or key in ("", ".", ".."):
+    groups, files = [], {}
+    with tarfile.open(bundle, "r|xz") as tar:  # one pass, front to back: a stream refuses to seek back
+        for member in tar:
+            key, name = os.path.split(member.name)
+            if not member.isfile() or os.path.dirname(key) or key in ("", ".", ".."):
                 continue
-            target = os.path.join(dst, key)
-            if os.path.exists(os.path.join(target, name)):
-                continue
-            children = json.load(tar.extractfile(member))["child_paths"]
-            os.makedirs(target, exist_ok=True)
-            paths = {}
-            for child in children:
-                if os.path.basename(child) != child or f"{key}/{child}" not in members:
-                    raise ValueError(f"bundle: {bundle!r} names {child!r} in {arc} but does not hold it")
-                with open(os.path.join(target, child), "wb") as f:
-                    f.write(tar.extractfile(members[f"{key}/{child}"]).read())
-                paths[child] = os.path.join(target, child)
-            with open(os.path.join(target, name), "w") as f:  # last: Triton looks for the group file first
-                json.dump({"child_paths": paths}, f)
-            added += 1
+            data = tar.extractfile(member).read()
+            if name.startswith(GROUP):
+                groups.append((key, name, json.loads(data)["child_paths"]))
+            else:
+                files[member.name] = data
+    for key, name, children in groups:
+        target = os.path.join(dst, key)
+        if os.path.exists(os.path.join(target, name)):
+            continue
+        for child in children:
+            if os.path.basename(child) != child or f"{key}/{child}" not in files:
+                raise ValueError(f"bundle: {bundle!r} names {child!r} in {key}/{name} but does not hold it")
+        os.makedirs(target, exist_ok=True)
+        paths = {}
+        for child in children:
+            with open(os.path.join(target, child), "wb") as f:
+                f.write(files[f"{key}/{child}"])
+            paths[child] = os.path.join(target, child)
+        with open(os.path.join(target, name), "w") as f:  # last: Triton looks for the group file first
+            json.dump({"child_paths": paths}, f)
+        added += 1
     return added
 
 
