@@ -598,7 +598,7 @@ def plot(rows: list, gpu: str, png: str) -> None:
             axes[i, j].set_xlabel("N (tokens)")
             axes[i, j].grid(True, which="both", alpha=0.3)
     axes[0, 0].legend(fontsize=6)
-    fig.suptitle(f"Dilated attention (LongNet branches), bf16, causal, B=1 - {gpu}")
+    fig.suptitle(f"Dilated attention (LongNet branches), bf16, causal, B=1\n{gpu}")  # two lines: one mode is narrow
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print("wrote", png)
