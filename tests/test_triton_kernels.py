@@ -862,16 +862,59 @@ def test_gluon_kernels_coverage(monkeypatch, which):
     assert not kernel.applies(q, plain, True)
 
 
+def _gluon_parts():
+    """The cases of ``test_gpu_gluon_kernels_on_hopper`` in parts of about equal compile work, so that xdist runs them
+    side by side: a cold GPU machine compiled the whole list in one test for over 230 s (session 31), longer than a
+    device call could wait for it."""
+    bf16, fp16 = torch.bfloat16, torch.float16
+
+    def head_dims(rng, run, monkeypatch):
+        run(*make_qkv(rng, 2, 16, 4, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
+        run(*make_qkv(rng, 1, 8, 8, 2500, 2500, 64, fp16, "cuda"), is_causal=False, head_offset=1)
+        run(*make_qkv(rng, 1, 9, 3, 1700, 1700, 64, bf16, "cuda"))
+
+    def gemma(rng, run, monkeypatch):  # Gemma-style heads
+        run(*make_qkv(rng, 1, 8, 2, 2300, 2300, 256, bf16, "cuda"), head_offset=1)
+        run(*make_qkv(rng, 1, 4, 4, 1100, 1100, 256, fp16, "cuda"), is_causal=False)
+
+    def layouts(rng, run, monkeypatch):
+        run(*make_qkv(rng, 1, 8, 2, 700, 2000, 128, bf16, "cuda"), head_offset=2)
+        mask = torch.ones(2, 2048, dtype=torch.bool, device="cuda")
+        mask[1, :777] = False
+        run(*make_qkv(rng, 2, 8, 4, 2048, 2048, 128, bf16, "cuda"), attention_mask=mask)
+        lengths = [1000, 2500, 596]
+        cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+        run(*make_qkv(rng, 1, 8, 4, sum(lengths), sum(lengths), 128, fp16, "cuda"), cu_seqlens_q=cu, cu_seqlens_k=cu)
+        run(*make_qkv(rng, 1, 8, 2, 2000, 2000, 128, bf16, "cuda"), global_tokens=5, head_offset=1)  # keys below g
+
+    def one_launch_and_chunks(rng, run, monkeypatch):
+        run(*make_qkv(rng, 1, 4, 4, 1500, 1500, 128, bf16, "cuda"), branches=[(DENSE_SEGMENT, 1)])  # one launch
+        monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head at a time: heads from h0 > 0 in kernels
+        monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
+        run(*make_qkv(rng, 1, 8, 4, 2100, 2100, 64, bf16, "cuda"), head_offset=2)
+        run(*make_qkv(rng, 1, 8, 4, 2100, 2100, 128, bf16, "cuda"), head_offset=2)  # dQ sums per head chunk (fused)
+
+    return dict(head_dims=head_dims, gemma=gemma, layouts=layouts, one_launch_and_chunks=one_launch_and_chunks,
+                ws_schedules=lambda rng, run, monkeypatch: _ws_schedules(rng, monkeypatch, run))
+
+
+GLUON_PARTS = _gluon_parts()
+# (HF_DILATED_GLUON, HF_DILATED_FUSED_DQ, HF_DILATED_WS) x the parts; the forward's schedules where it runs
+GLUON_CASES = [pytest.param(*switches, part, id=f"{part}-{''.join(switches)}")
+               for switches in (("1", "1", "1"), ("1", "0", "0"), ("0", "1", "1")) for part in GLUON_PARTS
+               if part != "ws_schedules" or switches == ("1", "1", "1")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("gluon, fused_dq, ws", [("1", "1", "1"), ("1", "0", "0"), ("0", "1", "1")])
-def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws):
+@pytest.mark.parametrize("gluon, fused_dq, ws, part", GLUON_CASES)
+def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws, part):
     """On sm_90 the dilated forward, dK/dV (head dim 64 / 128 in one launch, 256 in two) and dQ (128 / 256) run in
     Gluon where they apply, at head dim 128 dQ from the dK/dV launch unless ``HF_DILATED_FUSED_DQ=0`` and the
     warp-specialized forward unless ``HF_DILATED_WS=0``, and the portable kernels with ``HF_DILATED_GLUON=0``; all
-    against the float64 oracle: GQA
-    with several offset classes, ragged segments, bidirectional, padding, packed sequences, fewer queries than keys
-    (queries and keys of a segment at different rows), global tokens, a dense layer (one launch, which writes the
-    gradients with no float32 buffer), the backward's head chunks, and Gemma-style head dim 256."""
+    against the float64 oracle (``GLUON_PARTS``): GQA with several offset classes, ragged segments, bidirectional,
+    padding, packed sequences, fewer queries than keys (queries and keys of a segment at different rows), global
+    tokens, a dense layer (one launch, which writes the gradients with no float32 buffer), the backward's head chunks,
+    Gemma-style head dim 256, and the warp-specialized forward's schedules (with it on)."""
     _gpu_skip()
     from hf_dilated.ops.triton import configs, hopper
 
@@ -881,7 +924,6 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws):
     monkeypatch.setenv("HF_DILATED_GLUON", gluon)
     monkeypatch.setenv("HF_DILATED_FUSED_DQ", fused_dq)
     monkeypatch.setenv("HF_DILATED_WS", ws)
-    bf16, fp16 = torch.bfloat16, torch.float16
 
     def run(q, k, v, branches=LONGNET_SMALL, **kw):
         before = dict(launch.LAUNCHES)
@@ -895,26 +937,7 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws):
         assert ran == {"dkdv_hopper": on, "dq_hopper": on and d in (128, 256) and not fused, "dq_fused": fused,
                        "forward_hopper": on and not specialized, "forward_ws": specialized}, ran
 
-    run(*make_qkv(rng, 2, 16, 4, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
-    run(*make_qkv(rng, 1, 8, 8, 2500, 2500, 64, fp16, "cuda"), is_causal=False, head_offset=1)
-    run(*make_qkv(rng, 1, 9, 3, 1700, 1700, 64, bf16, "cuda"))
-    run(*make_qkv(rng, 1, 8, 2, 2300, 2300, 256, bf16, "cuda"), head_offset=1)  # Gemma-style heads
-    run(*make_qkv(rng, 1, 4, 4, 1100, 1100, 256, fp16, "cuda"), is_causal=False)
-    run(*make_qkv(rng, 1, 8, 2, 700, 2000, 128, bf16, "cuda"), head_offset=2)
-    mask = torch.ones(2, 2048, dtype=torch.bool, device="cuda")
-    mask[1, :777] = False
-    run(*make_qkv(rng, 2, 8, 4, 2048, 2048, 128, bf16, "cuda"), attention_mask=mask)
-    lengths = [1000, 2500, 596]
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
-    run(*make_qkv(rng, 1, 8, 4, sum(lengths), sum(lengths), 128, fp16, "cuda"), cu_seqlens_q=cu, cu_seqlens_k=cu)
-    run(*make_qkv(rng, 1, 8, 2, 2000, 2000, 128, bf16, "cuda"), global_tokens=5, head_offset=1)  # keys below g
-    if gluon == "1" and ws == "1":
-        _ws_schedules(rng, monkeypatch, run)
-    run(*make_qkv(rng, 1, 4, 4, 1500, 1500, 128, bf16, "cuda"), branches=[(DENSE_SEGMENT, 1)])  # one launch
-    monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head at a time: heads from h0 > 0 in the kernels
-    monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
-    run(*make_qkv(rng, 1, 8, 4, 2100, 2100, 64, bf16, "cuda"), head_offset=2)
-    run(*make_qkv(rng, 1, 8, 4, 2100, 2100, 128, bf16, "cuda"), head_offset=2)  # dQ sums per head chunk (fused)
+    GLUON_PARTS[part](rng, run, monkeypatch)
 
 
 @pytest.mark.gpu
