@@ -21,10 +21,14 @@ assembled by the ptxas that ships with Triton (``-v``: registers, spills) and di
     python benchmarks/kernel_resources.py --quick --kernels bs_bwd_dkdv   # one kernel's launches only (seconds)
     python benchmarks/kernel_resources.py --candidates --shapes 8/2/256    # hf-dilated tune's candidates, every path
     python benchmarks/kernel_resources.py --quick --kernels dkdv_ws --loops --sass /tmp/sass  # spills by loop
+    TRITON_CACHE_DIR=/tmp/tc python benchmarks/kernel_resources.py --n 16384 --key-as-wheel W.whl  # a GPU's cache
 
 The ``in loops`` column counts spill instructions inside tile loops / in the whole kernel; ``--loops`` lists each
 innermost tile loop (instructions, tensor-core instructions, spill stores / loads: a warp-specialized kernel has one
 per consumer partition, which the column adds up), and ``--sass`` keeps each kernel's listing to read them in.
+
+``--key-as-wheel`` compiles under the cache keys of another build of the installed Triton (the lent GPU image's
+Python 3.12 wheel): the cache then holds kernels that machine finds instead of compiling (``triton_cache.py``).
 
 ``KERNEL_RESOURCES_FULL_ERRORS=1`` (or ``true`` / ``on`` / ``yes``; unset: off) prints a failed compile's whole
 message and what it was raised from, not its first line; any other value than those and ``0`` / ``false`` / ``off`` /
@@ -479,12 +483,23 @@ def main(argv=None) -> int:
                     help="under each kernel, its innermost tile loops: instructions, tensor-core instructions, spill "
                          "stores and loads (one loop per consumer partition in a warp-specialized kernel)")
     ap.add_argument("--sass", metavar="DIR", help="write each distinct kernel's SASS to DIR/<kernel>-<launch key>.sass")
+    ap.add_argument("--key-as-wheel", metavar="WHEEL",
+                    help="compile under the cache keys of this Triton wheel (the installed version, built for "
+                         "another Python, e.g. the lent GPU image's 3.12): with TRITON_CACHE_DIR set, the cache then "
+                         "holds what that machine looks up (triton_cache.py export / install carry it there)")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--compare", help="a report of another checkout (--json, same arguments): list the kernels whose "
                                       "code differs, with their registers and spills before and after")
     args = ap.parse_args(argv)
     if args.arch not in SHARED_LIMIT:
         ap.error(f"--arch must be one of {sorted(SHARED_LIMIT)}, got {args.arch}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from triton_cache import keyed_as, libtriton_hash
+
+    try:  # before the drive: a wrong wheel is refused in seconds, not after the compiles
+        their_key = libtriton_hash(args.key_as_wheel) if args.key_as_wheel else None
+    except ValueError as err:
+        ap.error(f"--key-as-wheel: {err}")
     from hf_dilated.ops.triton.hopper import switch
 
     try:
@@ -509,15 +524,16 @@ def main(argv=None) -> int:
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
     unique: dict[tuple, Resources] = {}
-    for launch in tqdm(launches, desc=f"compiling for sm_{args.arch}", unit="launch", file=sys.stderr):
-        key, flags = specialisation(launch, args.arch)
-        if key not in unique:
-            launch_key = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-            sass = os.path.join(args.sass, f"{launch.fn.__name__}-{launch_key}.sass") if args.sass else None
-            unique[key] = compile_launch(launch, args.arch, full_errors, sass)
-            unique[key].specialised = flags
-            unique[key].launch_key = launch_key
-        unique[key].cases.append(launch.case)
+    with keyed_as(their_key):
+        for launch in tqdm(launches, desc=f"compiling for sm_{args.arch}", unit="launch", file=sys.stderr):
+            key, flags = specialisation(launch, args.arch)
+            if key not in unique:
+                launch_key = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+                sass = os.path.join(args.sass, f"{launch.fn.__name__}-{launch_key}.sass") if args.sass else None
+                unique[key] = compile_launch(launch, args.arch, full_errors, sass)
+                unique[key].specialised = flags
+                unique[key].launch_key = launch_key
+            unique[key].cases.append(launch.case)
     rows = list(unique.values())
     print(f"Triton {triton.__version__}, sm_{args.arch}, {len(launches)} launches, {len(rows)} distinct kernels")
     print(f"{'kernel':26} {'config':40} {'specialised':30} {'regs':>4} {'spill st/ld':>11} {'in loops':>8} "

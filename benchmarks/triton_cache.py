@@ -16,27 +16,44 @@ any machine with the same Triton install.
   session 31's first version did that per kernel and took 101 s for 330 kernels, minutes for 708).
 - ``count``: the kernels in the cache. Counted before and after a run, it says how many the run compiled anew.
 
-End each device call by exporting that machine's cache, and start the next by installing it (carry ``.base``):
+Two ways to fill a bundle, both carried in ``.base`` (which travels with ``carry``):
 
-    python benchmarks/triton_cache.py install .base/triton-gpu.tar.xz       # first, in the call (absent: skip)
-    ...                                                                     # tests, benchmarks
-    python benchmarks/triton_cache.py export ~/.triton/cache $OUT/triton-gpu.tar.xz   # last; copy it to .base/
+1. End each device call by exporting that machine's cache, and start the next by installing it:
 
-Kernels compiled here for sm_90 (``TRITON_CACHE_DIR=/tmp/tc python benchmarks/kernel_resources.py --n 16384``, then
-``export /tmp/tc ...``) hit only where the GPU runs the same Triton wheel: the lent image's Python 3.12 build of
-Triton 3.6 hashes to another key than this machine's Python 3.11 build, and session 31's GPU compiled the kernels of
-such a bundle's shapes anew. A bundle's kernels carry no PTX, so ``kernel_resources.py`` (which reads the PTX) cannot
-run against a cache they were installed into. Triton specialises integer arguments equal to 1 or divisible by 16, so a
-kernel compiled for one length serves the lengths that specialise alike."""
+       python benchmarks/triton_cache.py install .base/triton-gpu.tar.xz       # first, in the call
+       ...                                                                     # tests, benchmarks
+       python benchmarks/triton_cache.py export ~/.triton/cache $OUT/triton-gpu.tar.xz   # last; copy it to .base/
+
+2. Compile here, for sm_90, under the GPU image's keys. Triton's key hashes its ``libtriton`` binary, which differs
+   between the wheels of one Triton version for two Pythons (the lent image runs Python 3.12, this machine 3.11):
+   ``kernel_resources.py --key-as-wheel`` compiles with that one hash swapped for the image's wheel's
+   (:func:`keyed_as`; session 31: 6 of 6 kernels compiled so here were in the cache the GPU machine exported; without
+   the swap no key can match, the two binaries hashing differently):
+
+       pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_27_x86_64 \
+           --platform manylinux_2_28_x86_64 triton==3.6.0 -d /tmp/tw          # 188 MB: keep it out of .base
+       TRITON_CACHE_DIR=/tmp/tc python benchmarks/kernel_resources.py --n 16384 --key-as-wheel /tmp/tw/triton-*.whl
+       python benchmarks/triton_cache.py export /tmp/tc .base/triton-sm90.tar.xz
+
+   The drive runs the benchmarks' shapes and paths (9-10 minutes on 2 cores), not the GPU tests' odd lengths.
+   ``--n 16384`` specialises as longer lengths mostly do (Triton specialises integers equal to 1 or divisible by 16),
+   and 64K does not fit a 24 GiB machine: the recorded launches keep their tensors.
+
+A bundle's kernels carry no PTX, so ``kernel_resources.py`` (which reads the PTX) cannot run against a cache they were
+installed into."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import io
 import json
 import os
 import sys
+import sysconfig
 import tarfile
+import zipfile
 
 BINARIES = (".cubin", ".hsaco")  # what a launch loads, per backend
 GROUP = "__grp__"
@@ -45,6 +62,63 @@ GROUP = "__grp__"
 def cache_dir(path: str | None = None) -> str:
     """The Triton cache this process uses: ``path``, else ``TRITON_CACHE_DIR``, else ``~/.triton/cache``."""
     return path or os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+
+
+def _sha256(stream) -> str:
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: stream.read(2**20), b""):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def libtriton_hash(wheel: str) -> str:
+    """The hash Triton's cache key takes of the ``libtriton`` binary in ``wheel``: a ``.whl`` of the installed Triton's
+    version, built for another Python (``pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+    manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 triton==3.6.0``)."""
+    import triton
+
+    name = os.path.basename(wheel)
+    if not (name.startswith("triton-") and name.endswith(".whl")) or not os.path.isfile(wheel):
+        raise ValueError(f"wheel: {wheel!r} is not a Triton wheel file (triton-<version>-...whl)")
+    if name.split("-")[1] != triton.__version__:
+        raise ValueError(f"wheel: {wheel!r} is Triton {name.split('-')[1]}, the installed Triton is "
+                         f"{triton.__version__}: only the same version compiles the same kernels")
+    with zipfile.ZipFile(wheel) as z:
+        inside = [n for n in z.namelist() if n.startswith("triton/_C/libtriton.")]
+        if len(inside) != 1:
+            raise ValueError(f"wheel: {wheel!r} holds {len(inside)} triton/_C/libtriton.* files, not one")
+        with z.open(inside[0]) as f:
+            return _sha256(f)
+
+
+@contextlib.contextmanager
+def keyed_as(theirs: str | None):
+    """Inside the block, Triton's cache keys as the Triton whose ``libtriton`` binary hashes to ``theirs``
+    (:func:`libtriton_hash`) computes them; ``None``: unchanged.
+
+    Why: Triton's key hashes its own files, and between the wheels of one version for two Pythons only the
+    ``libtriton`` binary differs (the Python files are the same), so a kernel compiled here with that one hash swapped
+    lands under the key the other build looks up (session 31: a kernel compiled so here, Python 3.11, was in the cache
+    the lent GPU image, Python 3.12, had exported; without the swap none is)."""
+    if theirs is None:
+        yield
+        return
+    import triton
+    import triton.runtime.cache as triton_cache_module
+
+    ext = sysconfig.get_config_var("EXT_SUFFIX").split(".")[-1]  # as triton_key() finds its own binary
+    with open(os.path.join(os.path.dirname(triton.__file__), "_C", f"libtriton.{ext}"), "rb") as f:
+        mine = _sha256(f)
+    real = triton_cache_module.triton_key
+    own = real()
+    if mine not in own:
+        raise RuntimeError(f"Triton {triton.__version__} computes its cache key without its libtriton hash: "
+                           "keyed_as does not know how to stand in for another build")
+    triton_cache_module.triton_key = lambda: own.replace(mine, theirs)
+    try:
+        yield
+    finally:
+        triton_cache_module.triton_key = real
 
 
 def _groups(root: str):

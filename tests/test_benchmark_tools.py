@@ -13,6 +13,7 @@ import random
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -414,6 +415,19 @@ def test_triton_cache_refuses_bad_paths_by_name(tmp_path, capsys):
     meta.write_text("{}")
     (tmp_path / "c" / "KEY" / "__grp__k.json").write_text(json.dumps({"child_paths": {"k.json": str(meta)}}))
     assert tool.export(str(tmp_path / "c"), str(tmp_path / "k.tar.xz"))[0] == 0
+    # --key-as-wheel: a Triton wheel of the installed version only, checked before anything compiles
+    import triton
+
+    with pytest.raises(ValueError, match="is not a Triton wheel file"):
+        tool.libtriton_hash(str(tmp_path / "k.tar.xz"))
+    other = tmp_path / "triton-0.0.1-cp312-cp312-linux_x86_64.whl"
+    other.write_bytes(b"")
+    with pytest.raises(ValueError, match=f"is Triton 0.0.1, the installed Triton is {triton.__version__}"):
+        tool.libtriton_hash(str(other))
+    empty = tmp_path / f"triton-{triton.__version__}-cp312-cp312-linux_x86_64.whl"
+    zipfile.ZipFile(empty, "w").close()
+    with pytest.raises(ValueError, match="holds 0 triton/_C/libtriton"):
+        tool.libtriton_hash(str(empty))
 
 
 def test_triton_cache_installs_many_kernels_in_one_pass(tmp_path, monkeypatch):
