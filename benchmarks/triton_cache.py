@@ -187,13 +187,14 @@ def install(bundle: str, dst: str | None = None) -> int:
                 groups.append((key, name, json.loads(data)["child_paths"]))
             else:
                 files[member.name] = data
+    for key, name, children in groups:  # every group checked before any is written: a bad bundle installs nothing
+        for child in children:
+            if os.path.basename(child) != child or f"{key}/{child}" not in files:
+                raise ValueError(f"bundle: {bundle!r} names {child!r} in {key}/{name} but does not hold it")
     for key, name, children in groups:
         target = os.path.join(dst, key)
         if os.path.exists(os.path.join(target, name)):
             continue
-        for child in children:
-            if os.path.basename(child) != child or f"{key}/{child}" not in files:
-                raise ValueError(f"bundle: {bundle!r} names {child!r} in {key}/{name} but does not hold it")
         os.makedirs(target, exist_ok=True)
         paths = {}
         for child in children:

@@ -491,8 +491,7 @@ def add_ratios(rows: list) -> None:
 def print_table(rows):
     hdr = (f"{'mode':7} {'N':>8} {'D':>4} {'H/Hk':>6} {'method':14} {'ms':>10} {'TFLOP/s':>8} {'xSDPA':>6} "
            f"{'xcuDNN':>6} {'xSeg':>5} {'graph ms':>9} {'xSDPA':>6} {'xFlex':>6} {'peak GiB':>9} {'xIO':>5} {'err':>8} "
-           f"{'MHz':>5} "
-           f"{'W':>4}")
+           f"{'MHz':>5} {'W':>4}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:

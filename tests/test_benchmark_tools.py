@@ -415,6 +415,20 @@ def test_triton_cache_refuses_bad_paths_by_name(tmp_path, capsys):
     meta.write_text("{}")
     (tmp_path / "c" / "KEY" / "__grp__k.json").write_text(json.dumps({"child_paths": {"k.json": str(meta)}}))
     assert tool.export(str(tmp_path / "c"), str(tmp_path / "k.tar.xz"))[0] == 0
+    # a bundle whose group names a file it does not hold is refused whole: not even its good kernels are installed
+    import io
+    import tarfile
+
+    broken = tmp_path / "broken.tar.xz"
+    with tarfile.open(broken, "w:xz") as tar:
+        for arc, data in (("A/a.cubin", b"x"), ("A/__grp__a.json", b'{"child_paths": ["a.cubin"]}'),
+                          ("B/__grp__b.json", b'{"child_paths": ["b.cubin"]}')):
+            info = tarfile.TarInfo(arc)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(ValueError, match="names 'b.cubin' in B/__grp__b.json but does not hold it"):
+        tool.install(str(broken), str(tmp_path / "into"))
+    assert not (tmp_path / "into").exists()
     # --key-as-wheel: a Triton wheel of the installed version only, checked before anything compiles
     import triton
 
