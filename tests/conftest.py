@@ -30,12 +30,20 @@ def shakespeare():
     return text
 
 
-# Fresh random inputs on every run; the seed is printed in the header, and HF_DILATED_TEST_SEED replays it.
-SEED = int(os.environ.get("HF_DILATED_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+# Fresh random inputs on every run; HF_DILATED_TEST_SEED replays a run. The seed is drawn once, in the process that
+# imports this first, and put in the environment: pytest-xdist's workers start after that and inherit it (each drew
+# its own before, so the seed a run printed did not replay its workers' tests).
+SEED = int(os.environ.setdefault("HF_DILATED_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
+SEED_LINE = f"hf_dilated test seed: {SEED} (replay with HF_DILATED_TEST_SEED={SEED})"
 
 
 def pytest_report_header(config):
-    return f"hf_dilated test seed: {SEED} (replay with HF_DILATED_TEST_SEED={SEED})"
+    return SEED_LINE
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The seed again at the end, where ``-q`` (README's test command) still prints it."""
+    terminalreporter.write_line(SEED_LINE)
 
 
 @pytest.fixture
