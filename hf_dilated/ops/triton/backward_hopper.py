@@ -85,9 +85,9 @@ import torch
 from .hopper import (
     WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
     fence_async_shared, first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows,
-    query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc, runnable, score_buffers, switch,
-    thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
-    written_before,
+    mma_layout, query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc, runnable,
+    score_buffers, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init,
+    warpgroup_mma_wait, written_before,
 )
 from .tiles import LOG2E
 
@@ -185,10 +185,8 @@ if gluon is not None:
         adds it to the float32 sums ``DQ`` by a TMA reduce-add (FA3's scheme): no dQ kernel, which would compute
         ``S`` and ``dP`` again."""
         dtype: gl.constexpr = Q.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_Q, 16])
-        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_Q)
+        g_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
         p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
@@ -367,10 +365,8 @@ if gluon is not None:
         resident), over the key tiles it sees (``hopper.dq_step``), added to the rows earlier launches wrote
         (``MERGE``), stored to ``DQ`` or, ``LAST``, to ``DQ_OUT``: the portable dq kernel's grid and contract."""
         dtype: gl.constexpr = Q.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
+        g_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
         ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -486,12 +482,9 @@ if gluon is not None:
         dtype: gl.constexpr = k_smem.dtype
         KW: gl.constexpr = 64  # keys per warpgroup
         DH: gl.constexpr = HEAD_DIM // 2  # dQ columns per warpgroup
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_Q, 16])
-        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DH, 16])
+        s_layout: gl.constexpr = mma_layout(4, BLOCK_Q)
+        g_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
+        dq_layout: gl.constexpr = mma_layout(4, DH)
         key_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_axis: gl.constexpr = gl.SliceLayout(0, s_layout)
         k_w = k_smem.slice(WG * KW, KW)

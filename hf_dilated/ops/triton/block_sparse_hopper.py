@@ -3,8 +3,8 @@ Triton's compiler does not choose for these loops. The forward (``bs_fwd_hopper_
 rows), and at head dim 128 on 128-blocks the warp-specialized forward and dQ (``bs_fwd_ws_kernel``,
 ``bs_bwd_dq_hopper_kernel``: a producer warp streams K / V to two consumer warpgroups, section below); then the dK/dV.
 
-The dK/dV. The portable kernel (``block_sparse.bs_bwd_dkdv_kernel``) runs 32-query x 64-key tiles with K and V in registers;
-its two transposed products (``K Q^T``, ``V dO^T``) are then m64 n32 tensor-core instructions, and it took 2.7 ms per
+The dK/dV. The portable kernel (``block_sparse.bs_bwd_dkdv_kernel``) runs 32-query x 64-key tiles with K and V in
+registers; its two transposed products (``K Q^T``, ``V dO^T``) are then m64 n32 tensor-core instructions, and it took 2.7 ms per
 product against dq's 1.8 ms (Nsight, 64K, benchmarks/NOTES_triton.md). Here, one warpgroup per 64-key tile:
 
 - K and V are read once by TMA and stay in **shared memory**: the A operand of ``K Q^T`` / ``V dO^T`` comes from
@@ -39,7 +39,7 @@ import torch
 
 from .hopper import (
     available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_first, fwd_last, fwd_step, gl,
-    gluon, masked_scores, mbarrier, query_tile_buffers, release_barriers, row_desc, runnable, softmax_first,
+    gluon, masked_scores, mbarrier, mma_layout, query_tile_buffers, release_barriers, row_desc, runnable, softmax_first,
     softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, WS_LAUNCH,
     ws_barriers, ws_copy_kv,
 )
@@ -110,10 +110,8 @@ if gluon is not None:
         for every query head of its GQA group, walked from the layout's transpose."""
         dtype: gl.constexpr = Q.dtype.element_ty
         # Score tiles [keys, queries] and gradient tiles [keys, HEAD_DIM]: keys along M.
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_Q, 16])
-        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_Q)
+        g_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)  # P^T, dS^T
@@ -264,10 +262,8 @@ if gluon is not None:
         ``BLOCK_M`` queries of one head, one online softmax over its query block's active key blocks, in
         ``hopper.fwd_step``'s pipeline; tiles that cross the diagonal or the last key are masked."""
         dtype: gl.constexpr = Q.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
+        o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -366,10 +362,8 @@ if gluon is not None:
         (O, L, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, Nq, Nk, b, h, q0, n_kt, idx_row, qk_scale,
          q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BLOCK) = a
         dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
+        o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         qw = q0 + WG * 64
@@ -537,10 +531,8 @@ if gluon is not None:
         (L, Delta, DQ, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqn, Nq, Nk, b, h, q0, n_kt, idx_row,
          qk_scale, scale, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty) = a
         BLOCK_N: gl.constexpr = 64
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
+        g_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
         ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
         row_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
         qw = q0 + WG * 64  # this warpgroup's first row

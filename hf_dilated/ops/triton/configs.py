@@ -90,7 +90,8 @@ _FWD_HOPPER = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (128, 64, 8, 2)}
 # 16.4 ms). The kernels now run an item's tiles as consecutive programs (tiles.item_tile) and 64-row tiles are the
 # faster ones at 256K too: 13.0 against 13.8 ms forward (H100, D=128, benchmarks/NOTES_triton.md).
 _FWD_OTHER = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
-# dk/dv kernel (BLOCK_M queries streamed, BLOCK_N keys held) and dq kernel (BLOCK_M queries held, BLOCK_N keys streamed).
+# dk/dv kernel (BLOCK_M queries streamed, BLOCK_N keys held) and dq kernel (BLOCK_M queries held, BLOCK_N keys
+# streamed).
 _BWD_KV_HOPPER = {64: (32, 64, 4, 3), 128: (32, 64, 4, 3), 256: (32, 64, 8, 2)}
 # D=128 dq: 3 stages, 13.19 ms against 13.84 backward at 64K (2026-11-22, session 5; dk/dv stays: 8-warp configs
 # that end its register spills ran 35-60% slower).

@@ -34,7 +34,7 @@ import torch
 
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile,
-    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, n_rows, query_tile_buffers, query_tile_keys,
+    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, query_tile_buffers, query_tile_keys,
     release_barriers, row_desc, runnable, softmax_first, softmax_step, switch, tma_load, warpgroup_mma,
     warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
 )
@@ -173,10 +173,8 @@ if gluon is not None:
         """One branch's output rows for one tile of ``BLOCK_M`` dilated query rows of one segment item and head,
         merged into what earlier launches wrote (``MERGE``), stored to ``O`` / ``L`` or, ``LAST``, to ``OUT``."""
         dtype: gl.constexpr = Q.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
+        o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -279,10 +277,8 @@ if gluon is not None:
          qk_scale, k, G, it0, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
          v_ready, empty) = a
         dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
+        o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         qs = q_smem.index(WG)

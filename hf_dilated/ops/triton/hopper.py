@@ -100,6 +100,13 @@ def runnable(tma_path: bool) -> bool:
 
 if gluon is not None:
 
+    @gluon.constexpr_function
+    def mma_layout(warps, columns):
+        """The register layout of a Hopper ``wgmma`` accumulator (and of what lives beside it): ``warps`` warps
+        stacked along the rows, 16 rows a warp an instruction, ``columns`` (a tile's keys or its head dim) an
+        instruction wide. One definition for every Gluon kernel's score, output and gradient tiles."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, columns, 16])
+
     @gluon.jit
     def row_desc(base, n, row_stride, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
         """A TMA descriptor over a head's ``n`` rows (``row_stride`` apart: a head's rows, or its dilated rows with
@@ -528,4 +535,4 @@ else:  # pragma: no cover - a Triton without Gluon: the kernel modules import th
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
     softmax_first = softmax_step = None
-    dq_first = dq_step = dq_last = ws_barriers = ws_copy_kv = None
+    dq_first = dq_step = dq_last = ws_barriers = ws_copy_kv = mma_layout = None
