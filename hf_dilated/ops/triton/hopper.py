@@ -1,6 +1,6 @@
 """What the Gluon kernels for Hopper share: the import of Triton's Gluon API (experimental, so it may be missing or
-named otherwise), the ``HF_DILATED_GLUON`` switch, when a Gluon kernel may run at all, the TMA row descriptor, and
-the forward, dK/dV and dQ steps.
+named otherwise), the ``HF_DILATED_GLUON`` switch, when a Gluon kernel may run at all, the TMA row descriptor, the
+``wgmma`` accumulator layout, and the forward, dK/dV and dQ steps.
 
 Gluon (``triton.experimental.gluon``) lets a kernel say where each operand lives, which ``wgmma`` runs
 asynchronously and when a buffer may be refilled: the arrangement of the dK/dV kernels in ``block_sparse_hopper.py``
