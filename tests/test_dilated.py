@@ -137,3 +137,38 @@ def test_transposed_layout_gets_a_hint():
     k = v = torch.randn(1, 16, 2, 8)
     with pytest.raises(ValueError, match=r"\[B, H, N, D\].*transpose"):
         dilated_attention(q, k, v, [8], [1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("where", ["query", "key", "value"])
+def test_a_nan_in_the_inputs_reaches_the_outputs_that_read_it(rng, backend, where):
+    """A NaN in one entry of q or k comes out NaN in exactly the outputs that read it: the query's row and its lse, or
+    every row that attends the key. A NaN in v reaches every row that attends its key, in its column only; rows of the
+    same tile that do not attend it may read NaN too (``0 * NaN`` in ``P V``, as in SDPA's kernels). float32 on short
+    segments: PyTorch's CPU flash kernel, which the reference runs, returned 0 and lse 0 for a NaN query row under 16
+    rows, and the Triton kernels an lse of -inf. The rows that attend key ``j``: the float64 oracle's output with ``v``
+    one-hot at ``j``."""
+    B, Hq, Hk, N, D = 1, 4, 2, 32, 16
+    q, k, v = (t.float() for t in qkv(rng, B, Hq, Hk, N, D))
+    h, j, d = (int(torch.randint(0, n, (), generator=rng)) for n in ({"query": Hq}.get(where, Hk), N, D))
+    (q if where == "query" else k if where == "key" else v)[0, h, j, d] = math.nan
+    out, lse = attend(q, k, v, resolve_layout(B, N, N, "cpu"), tuple(BRANCHES), is_causal=True, scale=None,
+                      backend=backend)
+    if where == "query":
+        rows = torch.zeros(B, Hq, N, dtype=torch.bool)
+        rows[0, h, j] = True
+    else:
+        onehot = torch.zeros(B, Hk, N, D, dtype=torch.float64)
+        onehot[0, h, j] = 1
+        rows = naive_dilated_attention(q.double(), k.double().nan_to_num(), onehot, BRANCHES)[..., 0] != 0
+    assert rows.any() and not rows.all()
+    if where == "value":
+        column = torch.arange(D) == d
+        assert out[..., column][rows].isnan().all(), "a row that attends the key does not show its value's NaN"
+        assert not out[..., ~column].isnan().any() and not lse.isnan().any()
+        heads = torch.arange(Hq) // (Hq // Hk) == h
+        assert not out[:, ~heads].isnan().any(), "the NaN reached another kv head's query heads"
+    else:
+        nan = out.isnan()
+        assert torch.equal(nan, rows[..., None].expand_as(nan)), f"NaN in {int(nan.sum())} outputs, {int(rows.sum())} rows read it"
+        assert torch.equal(lse.isnan(), rows)

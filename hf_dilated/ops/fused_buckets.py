@@ -40,7 +40,17 @@ _LSE_ALIGN = 32  # the memory-efficient kernel pads its lse rows to a multiple o
 
 
 def _flash_cpu_fwd(q, k, v, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, causal, scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, causal, scale=scale)
+    # PyTorch's CPU flash kernel (2.13, float32 / bf16, under 16 rows) returns 0 and lse 0 for a row whose scores are
+    # all NaN (a NaN in its query, or in the one key a segment's first causal row sees), where SPEC's formula and every
+    # other backend give NaN: put the NaN back on every row that reads a NaN query or key, so a diverging run shows it.
+    q_nan, k_nan = q.isnan().any(-1), k.isnan().any(-1)  # [b, h, L]
+    if q_nan.any() or k_nan.any():
+        k_nan = k_nan.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        seen = k_nan.cummax(-1).values if causal and q.shape[2] == k.shape[2] else k_nan.any(-1, keepdim=True)
+        rows = q_nan | seen
+        out, lse = out.masked_fill(rows[..., None], math.nan), lse.masked_fill(rows, math.nan)
+    return out, lse
 
 
 def _flash_cpu_bwd(do, q, k, v, out, lse, causal, scale):

@@ -117,7 +117,7 @@ def dilated_fwd_branch_kernel(
         a = tl.exp(old_lse - m)
         c = tl.exp(lse_b - m)
         s = a + c
-        reached = s > 0
+        reached = s != 0  # 0: no key in any launch; NaN (a NaN input) stays NaN (tiles.finish)
         s_safe = tl.where(reached, s, 1.0)
         out = (old_o * a[:, None] + o_b * c[:, None]) / s_safe[:, None]
         lse = tl.where(reached, m + tl.log(s_safe), float("-inf"))

@@ -143,7 +143,7 @@ if gluon is not None:
             a = gl.exp(old_lse - m)
             c = gl.exp(lse_b - m)
             tot = a + c
-            reached = tot > 0
+            reached = tot != 0  # 0: no key in any launch; NaN (a NaN input) stays NaN (tiles.finish)
             tot_safe = gl.where(reached, tot, 1.0)
             out = (old_o * a[:, None] + o_b * c[:, None]) / tot_safe[:, None]
             lse = gl.where(reached, m + gl.log(tot_safe), float("-inf"))

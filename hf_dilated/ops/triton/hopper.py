@@ -332,7 +332,7 @@ if gluon is not None:
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         l_o = gl.convert_layout(l_i, o_rows)
         m_o = gl.convert_layout(m_i, o_rows)
-        has = l_o > 0
+        has = l_o != 0  # tiles.finish: 0 is a row that saw no key, NaN (a NaN input) stays NaN
         l_safe = gl.where(has, l_o, 1.0)
         return acc / l_safe[:, None], gl.where(has, (m_o + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 

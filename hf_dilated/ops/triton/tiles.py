@@ -257,8 +257,9 @@ def softmax_step(acc, l_i, m_i, qk, qk_scale, v, row_hash, k_col, drop_threshold
 
 @triton.jit
 def finish(acc, l_i, m_i):
-    """Output ``acc / l`` and natural-log lse of a row (0 and -inf for a row that saw no key)."""
-    has = l_i > 0
+    """Output ``acc / l`` and natural-log lse of a row (0 and -inf for a row that saw no key: ``l`` exactly 0; a NaN
+    ``l``, from a NaN in the inputs, gives NaN in both, as SPEC's formula does)."""
+    has = l_i != 0
     l_safe = tl.where(has, l_i, 1.0)
     return acc / l_safe[:, None], tl.where(has, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
 
