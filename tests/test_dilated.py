@@ -170,5 +170,26 @@ def test_a_nan_in_the_inputs_reaches_the_outputs_that_read_it(rng, backend, wher
         assert not out[:, ~heads].isnan().any(), "the NaN reached another kv head's query heads"
     else:
         nan = out.isnan()
-        assert torch.equal(nan, rows[..., None].expand_as(nan)), f"NaN in {int(nan.sum())} outputs, {int(rows.sum())} rows read it"
+        assert torch.equal(nan, rows[..., None].expand_as(nan)), (
+            f"NaN in {int(nan.sum())} outputs, {int(rows.sum())} rows read it")
         assert torch.equal(lse.isnan(), rows)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("side", ["right", "left", "holes"])
+def test_nan_in_padding_reaches_no_output(rng, backend, side):
+    """Padding tokens are never attended (SPEC), so NaN in their q, k and v changes nothing: every real row equals the
+    run with finite padding, and padding rows stay finite. The reference's kernels read a padding value inside a tile
+    as ``0 * v``, NaN for a NaN v, until the fused path zeroed the padding values (holes take the tiled path)."""
+    B, Hq, Hk, N, D = 2, 4, 2, 32, 16
+    q, k, v = (t.float() for t in qkv(rng, B, Hq, Hk, N, D))
+    mask = torch.ones(B, N, dtype=torch.bool)
+    pad = {"right": torch.arange(N - 7, N), "left": torch.arange(7), "holes": torch.tensor([3, 10, 17, 20])}[side]
+    mask[1, pad] = False
+    clean = dilated_attention(q, k, v, [8, 16], [1, 2], attention_mask=mask, backend=backend)
+    for t in (q, k, v):
+        t[1, :, pad] = math.nan
+    got = dilated_attention(q, k, v, [8, 16], [1, 2], attention_mask=mask, backend=backend)
+    assert not got.isnan().any()
+    real = mask[:, None, :, None].expand_as(got)
+    assert torch.equal(got[real], clean[real])

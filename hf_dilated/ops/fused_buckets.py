@@ -427,8 +427,8 @@ class _BucketedAttention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, groups, kernel, causal, scale, valid):
         out, lse = _forward(q, k, v, groups, kernel, causal, scale)
-        if valid is not None:  # padding rows give 0 and lse -inf, as the tiled path
-            out = out * valid[:, None, :, None]
+        if valid is not None:  # padding rows give 0 and lse -inf, as the tiled path (a fill: 0 * NaN would be NaN)
+            out = out.masked_fill(~valid[:, None, :, None], 0)
             lse = lse.masked_fill(~valid[:, None, :], -math.inf)
         return out, lse
 
@@ -479,6 +479,8 @@ def bucketed_attention(query, key, value, branches, is_causal: bool, scale: floa
     if shift is not None:
         query, key, value, valid = (_rotate(t, shift) for t in (query, key, value, valid[:, None]))
         valid = valid[:, 0]
+    if valid is not None:  # a padding key is never attended (SPEC), but a kernel's P V reads its value as 0 * v, which
+        value = value.masked_fill(~valid[:, None, :, None], 0)  # is NaN for a NaN v: the padding values read as 0
     out, lse = _BucketedAttention.apply(query, key, value, groups, kernel, bool(is_causal), float(scale), valid)
     if shift is not None:
         out, lse = _rotate(out, N - shift), _rotate(lse, N - shift)
