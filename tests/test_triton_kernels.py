@@ -945,6 +945,35 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws, part
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gluon", ["0", "1"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gpu_nan_query_row_is_nan_in_every_forward_kernel(rng, monkeypatch, gluon, D):
+    """A NaN in one query entry gives that row a NaN output and a NaN lse (not -inf, "saw no key"), and leaves every
+    other row finite, in the portable forward and, on sm_90, the Gluon ones (the warp-specialized one at D 128): the
+    ``l != 0`` of ``tiles.finish`` / ``hopper.fwd_last`` and of the branch merges."""
+    _gpu_skip()
+    from hf_dilated.ops.triton import configs
+
+    if gluon == "1" and not configs.wgmma():
+        pytest.skip("the Gluon kernels are for sm_90")
+    monkeypatch.setenv("HF_DILATED_GLUON", gluon)
+    q, k, v = (t.detach() for t in make_qkv(rng, 1, 4, 2, 3000, 3000, D, torch.bfloat16, "cuda"))
+    h, row = int(torch.randint(0, 4, (), generator=rng)), int(torch.randint(0, 3000, (), generator=rng))
+    q[0, h, row, D // 2] = float("nan")
+    before = dict(launch.LAUNCHES)
+    with torch.no_grad(), kernels_run("forward"):
+        out, lse = dilated_attention_triton(q, k, v, tuple(LONGNET_SMALL), resolve_layout(1, 3000, 3000, q.device),
+                                            True, D ** -0.5)
+    if gluon == "1":
+        kind = "forward_ws" if D == 128 else "forward_hopper"
+        assert launch.LAUNCHES[kind] > before.get(kind, 0), f"the Gluon {kind} kernel did not run"
+    want = torch.zeros(1, 4, 3000, dtype=torch.bool, device="cuda")
+    want[0, h, row] = True
+    assert torch.equal(out.isnan().any(-1), want) and bool(out[0, h, row].isnan().all())
+    assert torch.equal(lse.isnan(), want), "the NaN row's lse is not NaN, or another row's is"
+
+
+@pytest.mark.gpu
 def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
     """By default (``HF_DILATED_WS_DKDV``) at head dim 128 the fused dK/dV runs warp-specialized (a producer warp, two consumer
     warpgroups of 64 keys that meet once a step for dQ) where a class holds one query head, the one-program kernel
