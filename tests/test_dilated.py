@@ -178,18 +178,26 @@ def test_a_nan_in_the_inputs_reaches_the_outputs_that_read_it(rng, backend, wher
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("side", ["right", "left", "holes"])
 def test_nan_in_padding_reaches_no_output(rng, backend, side):
-    """Padding tokens are never attended (SPEC), so NaN in their q, k and v changes nothing: every real row equals the
-    run with finite padding, and padding rows stay finite. The reference's kernels read a padding value inside a tile
-    as ``0 * v``, NaN for a NaN v, until the fused path zeroed the padding values (holes take the tiled path)."""
+    """Padding tokens are never attended (SPEC), so NaN in their q, k and v changes nothing: every real row's output
+    and gradients equal those of the run with finite padding, and nothing is NaN. The reference's kernels multiplied
+    padding rows by 0 inside their tiles (``P V``, and ``dS K`` / ``dS^T Q`` in the backward), NaN for a NaN there,
+    until its fused path zeroed the padding rows of q, k and v (holes take its tiled path)."""
     B, Hq, Hk, N, D = 2, 4, 2, 32, 16
     q, k, v = (t.float() for t in qkv(rng, B, Hq, Hk, N, D))
+    do = torch.randn(B, Hq, N, D, generator=rng)
     mask = torch.ones(B, N, dtype=torch.bool)
     pad = {"right": torch.arange(N - 7, N), "left": torch.arange(7), "holes": torch.tensor([3, 10, 17, 20])}[side]
     mask[1, pad] = False
-    clean = dilated_attention(q, k, v, [8, 16], [1, 2], attention_mask=mask, backend=backend)
-    for t in (q, k, v):
-        t[1, :, pad] = math.nan
-    got = dilated_attention(q, k, v, [8, 16], [1, 2], attention_mask=mask, backend=backend)
-    assert not got.isnan().any()
-    real = mask[:, None, :, None].expand_as(got)
-    assert torch.equal(got[real], clean[real])
+    runs = []
+    for poison in (False, True):
+        qq, kk, vv = (t.clone() for t in (q, k, v))
+        if poison:
+            for t in (qq, kk, vv):
+                t[1, :, pad] = math.nan
+        qq, kk, vv = (t.requires_grad_() for t in (qq, kk, vv))
+        out = dilated_attention(qq, kk, vv, [8, 16], [1, 2], attention_mask=mask, backend=backend)
+        runs.append((out, *torch.autograd.grad(out, (qq, kk, vv), do)))
+    for name, clean, got in zip(("out", "dq", "dk", "dv"), *runs):
+        assert not got.isnan().any(), f"{name}: NaN from the padding"
+        real = mask[:, None, :, None].expand_as(got)
+        assert torch.equal(got[real], clean[real]), f"{name} of a real token changed with the padding's values"

@@ -974,6 +974,44 @@ def test_gpu_nan_query_row_is_nan_in_every_forward_kernel(rng, monkeypatch, gluo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gluon", ["0", "1"])
+@pytest.mark.parametrize("side", ["right", "left", "holes"])
+def test_gpu_nan_in_padding_reaches_no_output(rng, monkeypatch, gluon, side):
+    """NaN in the padding tokens' q, k and v (SPEC: never attended) leaves every real row's output and gradients
+    equal to a run with finite padding, and the padding rows finite, in the portable and Gluon kernels (D 128, GQA):
+    the tensor descriptors and masked loads must not bring a padding row's value into ``P V`` as ``0 * NaN``."""
+    _gpu_skip()
+    from hf_dilated.ops.triton import configs
+
+    if gluon == "1" and not configs.wgmma():
+        pytest.skip("the Gluon kernels are for sm_90")
+    monkeypatch.setenv("HF_DILATED_GLUON", gluon)
+    N = 3000
+    mask = torch.ones(2, N, dtype=torch.bool, device="cuda")
+    pad = {"right": torch.arange(N - 700, N), "left": torch.arange(700), "holes": torch.arange(100, 3000, 7)}[side]
+    mask[1, pad.cuda()] = False
+    q, k, v = make_qkv(rng, 2, 8, 2, N, N, 128, torch.bfloat16, "cuda")
+    do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", q.dtype)
+    ws, rs = [w for w, _ in LONGNET_SMALL], [r for _, r in LONGNET_SMALL]
+    runs = []
+    for poison in (False, True):
+        qq, kk, vv = (t.detach().clone() for t in (q, k, v))
+        if poison:
+            for t in (qq, kk, vv):
+                t[1, :, pad.cuda()] = float("nan")
+        qq, kk, vv = (t.requires_grad_() for t in (qq, kk, vv))
+        with kernels_run("forward", "backward"):
+            out = hf_dilated.dilated_attention(qq, kk, vv, ws, rs, attention_mask=mask, backend="triton")
+            grads = torch.autograd.grad(out, (qq, kk, vv), do)
+        runs.append((out, *grads))
+    real = mask[:, None, :, None]
+    for name, clean, poisoned in zip(("out", "dq", "dk", "dv"), *runs):
+        assert not poisoned.isnan().any(), f"{name}: NaN from the padding"
+        rows = real.expand_as(clean)
+        assert torch.equal(poisoned[rows], clean[rows]), f"{name} of a real row changed with the padding's values"
+
+
+@pytest.mark.gpu
 def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
     """By default (``HF_DILATED_WS_DKDV``) at head dim 128 the fused dK/dV runs warp-specialized (a producer warp, two consumer
     warpgroups of 64 keys that meet once a step for dQ) where a class holds one query head, the one-program kernel

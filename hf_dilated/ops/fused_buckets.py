@@ -479,8 +479,9 @@ def bucketed_attention(query, key, value, branches, is_causal: bool, scale: floa
     if shift is not None:
         query, key, value, valid = (_rotate(t, shift) for t in (query, key, value, valid[:, None]))
         valid = valid[:, 0]
-    if valid is not None:  # a padding key is never attended (SPEC), but a kernel's P V reads its value as 0 * v, which
-        value = value.masked_fill(~valid[:, None, :, None], 0)  # is NaN for a NaN v: the padding values read as 0
+    if valid is not None:  # padding is never attended (SPEC), but the kernels multiply its rows by 0 (P V, and dS K /
+        # dS^T Q in the backward), which is NaN for a NaN there: the padding rows of q, k and v read as 0
+        query, key, value = (t.masked_fill(~valid[:, None, :, None], 0) for t in (query, key, value))
     out, lse = _BucketedAttention.apply(query, key, value, groups, kernel, bool(is_causal), float(scale), valid)
     if shift is not None:
         out, lse = _rotate(out, N - shift), _rotate(lse, N - shift)
