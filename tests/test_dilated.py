@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_dilated import attend, dilated_attention, resolve_layout
+from hf_dilated import attend, block_sparse_attention, dilated_attention, resolve_layout
 from hf_dilated.ops import DENSE
 from hf_dilated.ops.reference import dilated_attention_reference
 from naive import naive_dilated_attention, naive_positions, rel_err
@@ -175,13 +175,21 @@ def test_a_nan_in_the_inputs_reaches_the_outputs_that_read_it(rng, backend, wher
         assert torch.equal(lse.isnan(), rows)
 
 
+ATTENTIONS = {
+    "dilated": lambda q, k, v, **kw: dilated_attention(q, k, v, [8, 16], [1, 2], **kw),
+    "block_sparse": lambda q, k, v, **kw: block_sparse_attention(q, k, v, torch.ones(2, 2, dtype=torch.bool).tril(),
+                                                                 **kw),
+}
+
+
+@pytest.mark.parametrize("attention", list(ATTENTIONS))
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("side", ["right", "left", "holes"])
-def test_nan_in_padding_reaches_no_output(rng, backend, side):
+def test_nan_in_padding_reaches_no_output(rng, attention, backend, side):
     """Padding tokens are never attended (SPEC), so NaN in their q, k and v changes nothing: every real row's output
-    and gradients equal those of the run with finite padding, and nothing is NaN. The reference's kernels multiplied
-    padding rows by 0 inside their tiles (``P V``, and ``dS K`` / ``dS^T Q`` in the backward), NaN for a NaN there,
-    until its fused path zeroed the padding rows of q, k and v (holes take its tiled path)."""
+    and gradients equal those of the run with finite padding, and nothing is NaN. Kernels multiply padding rows by 0
+    inside their tiles (``P V``, and ``dS K`` / ``dS^T Q`` in the backward), NaN for a NaN there: the reference's fused
+    path and both block-sparse backends let it into real rows until the padding rows of q, k and v were zeroed."""
     B, Hq, Hk, N, D = 2, 4, 2, 32, 16
     q, k, v = (t.float() for t in qkv(rng, B, Hq, Hk, N, D))
     do = torch.randn(B, Hq, N, D, generator=rng)
@@ -195,7 +203,7 @@ def test_nan_in_padding_reaches_no_output(rng, backend, side):
             for t in (qq, kk, vv):
                 t[1, :, pad] = math.nan
         qq, kk, vv = (t.requires_grad_() for t in (qq, kk, vv))
-        out = dilated_attention(qq, kk, vv, [8, 16], [1, 2], attention_mask=mask, backend=backend)
+        out = ATTENTIONS[attention](qq, kk, vv, attention_mask=mask, backend=backend)
         runs.append((out, *torch.autograd.grad(out, (qq, kk, vv), do)))
     for name, clean, got in zip(("out", "dq", "dk", "dv"), *runs):
         assert not got.isnan().any(), f"{name}: NaN from the padding"

@@ -237,6 +237,17 @@ def _masked_cache_layout(real: torch.Tensor, position_ids: torch.Tensor, q_len: 
                        None, keys=keys, n_keys=n_keys)
 
 
+def zero_padding(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: TokenLayout):
+    """``query``, ``key``, ``value`` with their padding rows (``q_valid`` / ``k_valid`` False) set to 0: padding is never
+    attended (SPEC.md), but a kernel that multiplies a padding row by 0 inside a tile (``P V``, and ``dS K`` /
+    ``dS^T Q`` in the backward) turns a NaN there into NaN in real rows. The same tensors when nothing is padding or
+    the keys are a cache's (decoding reads only filled slots). Differentiable: the padding rows get no gradient."""
+    if layout.keys is not None or layout.contiguous:
+        return query, key, value
+    q_pad, k_pad = ~layout.q_valid[:, None, :, None], ~layout.k_valid[:, None, :, None]
+    return query.masked_fill(q_pad, 0), key.masked_fill(k_pad, 0), value.masked_fill(k_pad, 0)
+
+
 def resolve_layout(
     batch: int,
     q_len: int,

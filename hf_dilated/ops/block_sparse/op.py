@@ -15,7 +15,7 @@ from ..dilated import check_scale
 from ..eager_autograd import call, eager_function
 from ..dilated import check_tensors as check_dilated_tensors
 from ..dilated import choose_backend
-from ..layout import TokenLayout, resolve_layout
+from ..layout import TokenLayout, resolve_layout, zero_padding
 from .layout import BlockLayout, check_block_size, from_mask
 from .reference import block_sparse_reference
 
@@ -224,6 +224,8 @@ def block_sparse_attention(
     B, _, Nq, _ = query.shape
     tokens = resolve_layout(B, Nq, key.shape[2], query.device, attention_mask, position_ids)
     blocks = resolve_blocks(layout_or_pattern, query, key, tokens, bool(is_causal))
+    if attention_mask is not None:
+        query, key, value = zero_padding(query, key, value, tokens)
     if backend == "triton":
         out, lse = block_sparse_op(query, key, value, blocks, tokens, bool(is_causal), float(scale))
     else:
