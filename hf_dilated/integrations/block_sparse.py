@@ -13,10 +13,9 @@ from typing import Any
 import torch
 
 from ..ops.block_sparse.config import BlockSparseConfig
-from ..ops.block_sparse.op import block_sparse_op, check_tensors, choose_backend, resolve_blocks
-from ..ops.block_sparse.reference import block_sparse_reference
+from ..ops.block_sparse.op import attend_blocks, check_tensors, choose_backend, resolve_blocks
 from ..ops.dilated import DENSE, attend
-from ..ops.layout import key_mask_from_lengths, resolve_layout, zero_padding
+from ..ops.layout import key_mask_from_lengths, resolve_layout
 from .transformers import attention_function
 
 ATTENTION_NAME = "block_sparse"
@@ -55,12 +54,8 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, is_caus
     sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
     if sliding is None and config.applies_to(getattr(module, "layer_idx", None)):
         blocks = resolve_blocks(config, query, key, tokens, bool(is_causal))
-        if attention_mask is not None:
-            query, key, value = zero_padding(query, key, value, tokens)
-        if choose_backend(config.backend, query) == "triton":
-            out, _ = block_sparse_op(query, key, value, blocks, tokens, bool(is_causal), scale)
-        else:
-            out, _ = block_sparse_reference(query, key, value, blocks, tokens, bool(is_causal), scale)
+        out, _ = attend_blocks(query, key, value, blocks, tokens, is_causal, scale,
+                               choose_backend(config.backend, query), attention_mask is not None)
     else:
         out, _ = attend(query, key, value, tokens, DENSE, is_causal=bool(is_causal), scale=scale, window=sliding,
                         backend=config.backend)

@@ -148,6 +148,18 @@ def block_sparse_op(query, key, value, blocks: BlockLayout, tokens: TokenLayout,
 # ---- the public op -------------------------------------------------------------------------------------------------
 
 
+def attend_blocks(query, key, value, blocks: BlockLayout, tokens: TokenLayout, is_causal: bool, scale: float,
+                  backend: str, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` on ``backend`` (``"triton"`` or ``"torch"``, as :func:`choose_backend` gives it); ``padded``
+    (an attention mask was given): the padding rows of q, k and v zeroed first (:func:`..layout.zero_padding`), so a
+    NaN there reaches no real row. What :func:`block_sparse_attention` and the Transformers attention function run."""
+    if padded:
+        query, key, value = zero_padding(query, key, value, tokens)
+    if backend == "triton":
+        return block_sparse_op(query, key, value, blocks, tokens, bool(is_causal), float(scale))
+    return block_sparse_reference(query, key, value, blocks, tokens, bool(is_causal), float(scale))
+
+
 def check_tensors(query, key, value) -> None:
     """The dilated op's checks of ``[B, H, N, D]`` q, k, v (``ValueError`` naming the argument), and at least one key."""
     check_dilated_tensors(query, key, value)
@@ -224,12 +236,7 @@ def block_sparse_attention(
     B, _, Nq, _ = query.shape
     tokens = resolve_layout(B, Nq, key.shape[2], query.device, attention_mask, position_ids)
     blocks = resolve_blocks(layout_or_pattern, query, key, tokens, bool(is_causal))
-    if attention_mask is not None:
-        query, key, value = zero_padding(query, key, value, tokens)
-    if backend == "triton":
-        out, lse = block_sparse_op(query, key, value, blocks, tokens, bool(is_causal), float(scale))
-    else:
-        out, lse = block_sparse_reference(query, key, value, blocks, tokens, bool(is_causal), float(scale))
+    out, lse = attend_blocks(query, key, value, blocks, tokens, is_causal, scale, backend, attention_mask is not None)
     return (out, lse) if return_lse else out
 
 
