@@ -975,11 +975,14 @@ def test_gpu_nan_query_row_is_nan_in_every_forward_kernel(rng, monkeypatch, gluo
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gluon", ["0", "1"])
-@pytest.mark.parametrize("side", ["right", "left", "holes"])
+@pytest.mark.parametrize("side", ["right", "tail", "left", "holes"])
 def test_gpu_nan_in_padding_reaches_no_output(rng, monkeypatch, gluon, side):
     """NaN in the padding tokens' q, k and v (SPEC: never attended) leaves every real row's output and gradients
     equal to a run with finite padding, and the padding rows finite, in the portable and Gluon kernels (D 128, GQA):
-    the tensor descriptors and masked loads must not bring a padding row's value into ``P V`` as ``0 * NaN``."""
+    the tensor descriptors and masked loads must not bring a padding row's value into ``P V`` as ``0 * NaN``.
+    ``tail`` (100 tokens) leaves both rows as many segments of the r = 1 branch, and ``holes`` runs the kernels on
+    the gathered valid tokens (padding at the end): there the warp-specialized forward runs persistent, its
+    descriptors spanning a batch row's items (seen to run on 132-SM GPUs, where the schedule takes it)."""
     _gpu_skip()
     from hf_dilated.ops.triton import configs
 
@@ -988,12 +991,14 @@ def test_gpu_nan_in_padding_reaches_no_output(rng, monkeypatch, gluon, side):
     monkeypatch.setenv("HF_DILATED_GLUON", gluon)
     N = 3000
     mask = torch.ones(2, N, dtype=torch.bool, device="cuda")
-    pad = {"right": torch.arange(N - 700, N), "left": torch.arange(700), "holes": torch.arange(100, 3000, 7)}[side]
+    pad = {"right": torch.arange(N - 700, N), "tail": torch.arange(N - 100, N), "left": torch.arange(700),
+           "holes": torch.arange(100, 3000, 7)}[side]
     mask[1, pad.cuda()] = False
     q, k, v = make_qkv(rng, 2, 8, 2, N, N, 128, torch.bfloat16, "cuda")
     do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", q.dtype)
     ws, rs = [w for w, _ in LONGNET_SMALL], [r for _, r in LONGNET_SMALL]
     runs = []
+    persistent = launch.LAUNCHES["forward_persistent"]
     for poison in (False, True):
         qq, kk, vv = (t.detach().clone() for t in (q, k, v))
         if poison:
@@ -1004,6 +1009,8 @@ def test_gpu_nan_in_padding_reaches_no_output(rng, monkeypatch, gluon, side):
             out = hf_dilated.dilated_attention(qq, kk, vv, ws, rs, attention_mask=mask, backend="triton")
             grads = torch.autograd.grad(out, (qq, kk, vv), do)
         runs.append((out, *grads))
+    if gluon == "1" and side in ("tail", "holes") and configs.sm_count(q.device) == 132:
+        assert launch.LAUNCHES["forward_persistent"] > persistent, "the persistent forward did not run"
     real = mask[:, None, :, None]
     for name, clean, poisoned in zip(("out", "dq", "dk", "dv"), *runs):
         assert not poisoned.isnan().any(), f"{name}: NaN from the padding"

@@ -383,7 +383,7 @@ if gluon is not None:
         stride_vb, stride_vh, stride_vn,
         stride_ob, stride_oh, stride_on,
         stride_lb, stride_lh,
-        head_offset, group, r, qk_scale, n_tiles, n_prev, G, n_units, n_items, n_q_cols, n_k_cols,
+        head_offset, group, r, qk_scale, n_tiles, n_prev, G, n_units, n_items,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         PER_UNIT: gl.constexpr, PERSISTENT: gl.constexpr, IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr,
         LAST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
@@ -391,7 +391,7 @@ if gluon is not None:
         """``dilated_fwd_hopper_kernel``'s contract for the ``BLOCK_M`` = 128-row query tiles of the program's units
         (``_ws_producer`` and two ``_ws_consumer`` s): ``n_tiles`` tiles an item at most, ``n_units`` units an item,
         ``G`` programs per item (``PERSISTENT``: per head and group of ``n_items`` items; grid ``(G, heads,
-        groups)``), else ``(items x G, heads)``; ``n_q_cols`` / ``n_k_cols``: the query / key columns."""
+        groups)``), else ``(items x G, heads)``."""
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -408,11 +408,13 @@ if gluon is not None:
         off = (h + head_offset) % r
         q_first = first_selected(q_lo, off, r)
         k_first = first_selected(k_lo, off, r)
-        if PERSISTENT:  # every column of the head in the offset class of the group's items
+        if PERSISTENT:  # the head's columns in the offset class, up to the group's last item's last query / key:
+            # rows past it (padding, another sequence) read as zeros, never as ``0 * v`` of a NaN there
+            _, _, _, _, q_end, _, k_end = load_item(T, it0 + n_items - 1)
             q_org = ((qbase + off) % r + r) % r
             k_org = ((kbase + off) % r + r) % r
-            n_q = n_rows(q_org, n_q_cols, r)
-            n_k = n_rows(k_org, n_k_cols, r)
+            n_q = n_rows(q_org, qbase + q_end, r)
+            n_k = n_rows(k_org, kbase + k_end, r)
         else:  # the item's dilated rows
             q_org = qbase + q_first
             k_org = kbase + k_first

@@ -263,7 +263,7 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
             if ws:  # programs over units of an item's query tiles, persistent where the items allow
                 grid, sched = forward_hopper.ws_schedule(it.n_items, it.items_per_group, it.max_q_rows, H,
                                                          sm_count(q.device))
-                gkernel[grid](*args, sched["n_tiles"], j, sched["G"], sched["n_units"], sched["n_items"], Nq, Nk,
+                gkernel[grid](*args, sched["n_tiles"], j, sched["G"], sched["n_units"], sched["n_items"],
                               PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
                 LAUNCHES["forward_persistent"] += sched["PERSISTENT"]
             else:
