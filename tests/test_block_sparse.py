@@ -26,6 +26,7 @@ from hf_dilated.ops.block_sparse import (
     random_blocks,
     union,
 )
+from hf_dilated.ops import resolve_layout
 from hf_dilated.ops.triton import block_sparse_hopper, hopper
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -361,6 +362,28 @@ def test_adaptive_picks_the_blocks_that_match(rng):
     assert m[6].nonzero().flatten().tolist() == [0, 2, 6]  # global, chosen, local
     assert not m[1, 2:].any() and m.tril().eq(m).all()  # causal
     assert lay.kv_index.shape[-1] <= 3
+
+
+def test_adaptive_selection_ignores_what_padding_holds(rng):
+    """Padding never enters the pooled queries and keys, whatever it holds: NaN / inf in the padding tokens (holes
+    inside blocks, and a right-padded tail) choose the same blocks as finite padding does. ``0 * NaN`` in a masked
+    mean made a block's mean NaN, which ``topk`` ranks first."""
+    B, H, Hk, N, D, b = 2, 4, 2, 128, 8, 16
+    q, k = torch.randn(B, H, N, D, generator=rng), torch.randn(B, Hk, N, D, generator=rng)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    pad = torch.cat([torch.arange(5, 100, 9), torch.arange(120, N)])
+    mask[1, pad] = False
+    tokens = resolve_layout(B, N, N, "cpu", mask)
+    chosen = []
+    for fill in (None, math.nan, math.inf):
+        qq, kk = q.clone(), k.clone()
+        if fill is not None:
+            qq[1, :, pad] = fill
+            kk[1, :, pad] = fill
+        lay = adaptive_blocks(qq, kk, b, 2, local_blocks=1, global_blocks=1, tokens=tokens)
+        chosen.append(lay.to_mask())
+    for got, fill in zip(chosen[1:], ("nan", "inf")):
+        assert torch.equal(got, chosen[0]), f"{fill} in padding changed the chosen blocks"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

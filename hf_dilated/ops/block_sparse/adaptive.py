@@ -46,16 +46,17 @@ def adaptive_blocks(query: torch.Tensor, key: torch.Tensor, block_size: int, top
     k_valid = torch.ones(B, Nk, dtype=torch.bool, device=dev) if tokens is None else tokens.k_valid
     q_valid = torch.ones(B, Nq, dtype=torch.bool, device=dev) if tokens is None else tokens.q_valid
 
+    # Padding is selected away (torch.where), not multiplied by 0: a NaN / inf there would survive ``0 * x``.
     pad = n * b - Nk
-    kw = torch.nn.functional.pad(k_valid.float(), (0, pad)).view(B, 1, n, b, 1)
-    ksum = (torch.nn.functional.pad(key.float(), (0, 0, 0, pad)).view(B, Hk, n, b, D) * kw).sum(3)
-    kcnt = kw.sum(3)  # [B, 1, n, 1]
+    kw = torch.nn.functional.pad(k_valid, (0, pad)).view(B, 1, n, b, 1)
+    ksum = torch.where(kw, torch.nn.functional.pad(key.float(), (0, 0, 0, pad)).view(B, Hk, n, b, D), 0.0).sum(3)
+    kcnt = kw.sum(3, dtype=torch.float32)  # [B, 1, n, 1]
     kbar = ksum / kcnt.clamp_min(1)
 
     qblock = (Nk - Nq + torch.arange(Nq, device=dev)) // b
-    qw = q_valid.float()[:, None, :, None]
-    qsum = torch.zeros(B, H, n, D, device=dev).index_add_(2, qblock, query.float() * qw)
-    qcnt = torch.zeros(B, 1, n, 1, device=dev).index_add_(2, qblock, qw)
+    qw = q_valid[:, None, :, None]
+    qsum = torch.zeros(B, H, n, D, device=dev).index_add_(2, qblock, torch.where(qw, query.float(), 0.0))
+    qcnt = torch.zeros(B, 1, n, 1, device=dev).index_add_(2, qblock, qw.float())
     qbar = qsum.view(B, Hk, group, n, D).sum(2) / (qcnt * group).clamp_min(1)  # [B, Hk, n, D]
     has_q = qcnt[:, 0, :, 0] > 0  # [B, n]
     empty_k = kcnt[:, 0, :, 0] == 0  # [B, n]
