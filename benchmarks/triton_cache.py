@@ -24,6 +24,10 @@ Two ways to fill a bundle, both carried in ``.base`` (which travels with ``carry
        ...                                                                     # tests, benchmarks
        python benchmarks/triton_cache.py export ~/.triton/cache $OUT/triton-gpu.tar.xz   # last; copy it to .base/
 
+   The device returns files of at most 16 MiB: ``--skip`` the bundles the call installed (only what it compiled
+   itself travels back) and ``--max-mib 15`` (parts ``triton-gpu-2.tar.xz``, ...; the limit counts uncompressed
+   bytes, so a part is smaller still). Session 33's whole cache, 2,128 kernels, packed to 39 MiB and was lost.
+
 2. Compile here, for sm_90, under the GPU image's keys. Triton's key hashes its ``libtriton`` binary, which differs
    between the wheels of one Triton version for two Pythons (the lent image runs Python 3.12, this machine 3.11):
    ``kernel_resources.py --key-as-wheel`` compiles with that one hash swapped for the image's wheel's
@@ -145,28 +149,61 @@ def count(root: str | None = None) -> int:
     return sum(1 for _, _, children in _groups(root) if any(c.endswith(BINARIES) for c in children))
 
 
-def export(src: str, bundle: str) -> tuple[int, int]:
+def bundle_keys(bundle: str) -> set[str]:
+    """The cache keys (kernel directories) whose group file ``bundle`` holds, read as a stream."""
+    if not os.path.isfile(bundle):
+        raise ValueError(f"skip: {bundle!r} is not a file")
+    with tarfile.open(bundle, "r|xz") as tar:
+        return {os.path.dirname(m.name) for m in tar if os.path.basename(m.name).startswith(GROUP)}
+
+
+def _part(bundle: str, i: int) -> str:
+    """The ``i``-th part's path: ``bundle`` itself, then ``NAME-2.tar.xz``, ``NAME-3.tar.xz``..."""
+    return bundle if i == 1 else f"{bundle[:-len('.tar.xz')]}-{i}.tar.xz"
+
+
+def export(src: str, bundle: str, skip=(), max_bytes: int | None = None) -> tuple[int, int, list[str]]:
     """Pack every kernel of cache ``src`` (metadata and binary) into ``bundle`` (``.tar.xz``), each group file
-    listing its children by name. Returns ``(kernels, bytes written)``."""
+    listing its children by name. ``skip``: bundles whose kernels are left out (those a call installed, so that its
+    export holds only what it compiled itself). ``max_bytes``: start a new part (``NAME-2.tar.xz``, ...) before a part's
+    uncompressed kernels would pass it, so that no part outgrows a file-size limit (the device's 16 MiB a returned
+    file: session 33's whole-cache export, 39 MiB, was lost). Returns ``(kernels, bytes written, parts)``."""
     if not bundle.endswith(".tar.xz"):
         raise ValueError(f"bundle: {bundle!r} must end in .tar.xz")
     if not os.path.isdir(src):  # before the bundle is opened: a bad cache path writes nothing
         raise ValueError(f"cache: {src!r} is not a directory")
-    n = 0
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    skipped = set().union(*(bundle_keys(b) for b in skip)) if skip else set()
     os.makedirs(os.path.dirname(os.path.abspath(bundle)), exist_ok=True)
-    with tarfile.open(bundle, "w:xz") as tar:
+    n, parts, tar, raw = 0, [], None, 0
+    try:
         for key, name, children in _groups(src):
             keep = {c: p for c, p in children.items() if c.endswith(".json") or c.endswith(BINARIES)}
-            if not any(c.endswith(BINARIES) for c in keep) or not all(os.path.exists(p) for p in keep.values()):
-                continue  # a failed or partial compile: nothing a launch could load
+            if key in skipped or not any(c.endswith(BINARIES) for c in keep) or not all(
+                    os.path.exists(p) for p in keep.values()):
+                continue  # already carried, or a failed or partial compile: nothing a launch could load
+            size = sum(os.path.getsize(p) for p in keep.values())
+            if tar is None or (max_bytes is not None and raw and raw + size > max_bytes):
+                if tar is not None:
+                    tar.close()
+                parts.append(_part(bundle, len(parts) + 1))
+                tar, raw = tarfile.open(parts[-1], "w:xz"), 0
             for child, path in keep.items():
                 tar.add(path, arcname=f"{key}/{child}")
             data = json.dumps({"child_paths": sorted(keep)}).encode()
             info = tarfile.TarInfo(f"{key}/{name}")
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+            raw += size
             n += 1
-    return n, os.path.getsize(bundle)
+        if tar is None:  # nothing to carry: still one (empty) bundle, so that a script's next step finds it
+            parts.append(bundle)
+            tar = tarfile.open(bundle, "w:xz")
+    finally:
+        if tar is not None:
+            tar.close()
+    return n, sum(os.path.getsize(p) for p in parts), parts
 
 
 def install(bundle: str, dst: str | None = None) -> int:
@@ -213,6 +250,10 @@ def main(argv=None) -> int:
     ex = sub.add_parser("export", help="pack a cache's kernels (metadata and binary) into a .tar.xz")
     ex.add_argument("cache")
     ex.add_argument("bundle")
+    ex.add_argument("--skip", nargs="+", default=(), metavar="BUNDLE",
+                    help="leave out the kernels these bundles hold (export only what this machine compiled)")
+    ex.add_argument("--max-mib", type=float, default=None,
+                    help="split into parts NAME-2.tar.xz, ... of at most this many MiB of kernels each")
     ins = sub.add_parser("install", help="unpack a bundle into this machine's Triton cache")
     ins.add_argument("bundle")
     ins.add_argument("--cache", help="the cache to fill (default: TRITON_CACHE_DIR, else ~/.triton/cache)")
@@ -221,8 +262,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.command == "export":
-            n, size = export(args.cache, args.bundle)
-            print(f"exported {n} kernels from {args.cache} to {args.bundle} ({size / 2**20:.1f} MiB)")
+            limit = None if args.max_mib is None else int(args.max_mib * 2**20)
+            n, size, parts = export(args.cache, args.bundle, args.skip, limit)
+            print(f"exported {n} kernels from {args.cache} to {' '.join(parts)} ({size / 2**20:.1f} MiB)")
         elif args.command == "install":
             n = install(args.bundle, args.cache)
             print(f"installed {n} kernels into {cache_dir(args.cache)} ({count(args.cache)} there now)")

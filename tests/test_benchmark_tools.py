@@ -490,6 +490,51 @@ def test_triton_cache_installs_many_kernels_in_one_pass(tmp_path, monkeypatch):
     assert tool.count(str(dst)) == 299
 
 
+def test_triton_cache_exports_what_is_new_in_parts(tmp_path):
+    """``triton_cache.export --skip --max-mib``: a device call's export leaves out the kernels it installed and splits
+    the rest into parts under a size limit (the device returns files of at most 16 MiB; session 33's whole cache
+    packed to 39 MiB and was lost). Every kernel lands in exactly one part, no part's kernels pass the limit, and the
+    parts installed together give the cache back."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import tarfile
+
+    import triton_cache as tool
+
+    rng = random.Random(1)
+    src = tmp_path / "src"
+
+    def kernel(i):
+        key = f"KEY{i:03d}"
+        (src / key).mkdir(parents=True)
+        files = {f"k{i}.json": b"{}", f"k{i}.cubin": rng.randbytes(rng.randint(1000, 3000))}
+        for name, data in files.items():
+            (src / key / name).write_bytes(data)
+        (src / key / f"__grp__k{i}.json").write_text(
+            json.dumps({"child_paths": {n: str(src / key / n) for n in files}}))
+
+    for i in range(40):
+        kernel(i)
+    installed = str(tmp_path / "installed.tar.xz")
+    assert tool.export(str(src), installed)[0] == 40
+    for i in range(40, 100):  # what the call compiled after installing the bundle
+        kernel(i)
+    n, size, parts = tool.export(str(src), str(tmp_path / "new.tar.xz"), skip=[installed], max_bytes=20_000)
+    assert n == 60 and len(parts) > 1 and parts[1] == str(tmp_path / "new-2.tar.xz")
+    seen = []
+    for part in parts:
+        with tarfile.open(part, "r|xz") as tar:
+            members = [(m.name, m.size) for m in tar]
+        assert sum(sz for name, sz in members if not os.path.basename(name).startswith("__grp__")) <= 20_000
+        seen += [os.path.dirname(name) for name, _ in members if os.path.basename(name).startswith("__grp__")]
+    assert sorted(seen) == [f"KEY{i:03d}" for i in range(40, 100)]
+    dst = str(tmp_path / "dst")
+    assert sum(tool.install(b, dst) for b in [installed, *parts]) == 100 == tool.count(dst)
+    with pytest.raises(ValueError, match="max_bytes must be positive"):
+        tool.export(str(src), str(tmp_path / "x.tar.xz"), max_bytes=0)
+    with pytest.raises(ValueError, match="skip: .* is not a file"):
+        tool.export(str(src), str(tmp_path / "x.tar.xz"), skip=[str(tmp_path / "missing.tar.xz")])
+
+
 def test_cudnn_segments_run_dense_attention_on_exactly_the_dilated_segments():
     """``cudnn-segments`` (``bench_attention.segment_calls``, run by ``gap_by_segment.py`` and the issue-14 benchmark):
     each branch's rows gathered into dense causal sequences of ``w / r`` rows, and SDPA run on each."""
