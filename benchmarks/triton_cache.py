@@ -173,7 +173,7 @@ def export(src: str, bundle: str, skip=(), max_bytes: int | None = None) -> tupl
     if not os.path.isdir(src):  # before the bundle is opened: a bad cache path writes nothing
         raise ValueError(f"cache: {src!r} is not a directory")
     if max_bytes is not None and max_bytes <= 0:
-        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        raise ValueError(f"max_bytes (--max-mib) must be positive, got {max_bytes}")
     skipped = set().union(*(bundle_keys(b) for b in skip)) if skip else set()
     os.makedirs(os.path.dirname(os.path.abspath(bundle)), exist_ok=True)
     n, parts, tar, raw = 0, [], None, 0

@@ -529,7 +529,7 @@ def test_triton_cache_exports_what_is_new_in_parts(tmp_path):
     assert sorted(seen) == [f"KEY{i:03d}" for i in range(40, 100)]
     dst = str(tmp_path / "dst")
     assert sum(tool.install(b, dst) for b in [installed, *parts]) == 100 == tool.count(dst)
-    with pytest.raises(ValueError, match="max_bytes must be positive"):
+    with pytest.raises(ValueError, match=r"max_bytes \(--max-mib\) must be positive"):
         tool.export(str(src), str(tmp_path / "x.tar.xz"), max_bytes=0)
     with pytest.raises(ValueError, match="skip: .* is not a file"):
         tool.export(str(src), str(tmp_path / "x.tar.xz"), skip=[str(tmp_path / "missing.tar.xz")])
