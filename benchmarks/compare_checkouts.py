@@ -20,7 +20,10 @@ this checkout's ``scripts/gpu_monitor.py``) and the energy of one call (``mj``: 
 from 64K on) sustains a lower clock than a short timing sees, and a change that does more work per cycle may then
 lower the clock instead of the time (benchmarks/NOTES_triton.md, session 23).
 
-    python benchmarks/compare_checkouts.py . new 65536 262144 --op block_sparse --warm-s 1"""
+    python benchmarks/compare_checkouts.py . new 65536 262144 --op block_sparse --warm-s 1
+
+``benchmarks/ab_summary.py`` turns the collected lines into each checkout's speed against the base and whether its
+results are the base's bit for bit."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ no-op kernels) measures the Triton launchers, not another path; ``benchmarks/ker
 kernel the launch paths use for Hopper and Ampere (what the interpreter never does) and reports their resources;
 ``benchmarks/kernel_times.py`` (the profile scripts' ``--table`` / ``--launches``) attributes a call's time to its
 kernels and lists its launches in order; ``benchmarks/branch_work.py`` counts the pairs each forward schedule computes
-against a brute-force count of the pattern."""
+against a brute-force count of the pattern; ``benchmarks/ab_summary.py`` turns A/B lines into speeds and a bit-equality
+verdict."""
 
 from __future__ import annotations
 
@@ -639,3 +640,52 @@ def test_branch_work_counts_the_pattern_and_the_masked_tiles(capsys):
     assert out[0].split() == ["schedule", "tile", "computed", "needed", "extra"] and len(out) == 3
     with pytest.raises(SystemExit):
         branch_work.main(["--tiles", "128by128"])
+
+
+def _ab_line(label, fwd, fwdbwd, dq_bits, dk_bits=7, N=65536):
+    """A compare_checkouts.py JSON line: out / dv always the same, dq / dk as given."""
+    cks = [[1.5, 11], [2.0 + dq_bits * 1e-6, dq_bits], [3.0 + dk_bits * 1e-6, dk_bits], [4.0, 44]]
+    return json.dumps(dict(label=label, op="dilated", N=N, D=128, heads=16, kv_heads=16, dtype="bfloat16",
+                           block=None, fwd_ms=fwd, fwdbwd_ms=fwdbwd, cks=cks))
+
+
+def test_ab_summary_gives_speed_against_the_base_and_which_results_are_bit_equal(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ab_summary
+
+    log = tmp_path / "ab.jsonl"
+    log.write_text("\n".join([
+        "NVIDIA H200, 1980 MHz, 700.00 W",  # a log line mixed in: skipped
+        _ab_line("main", 2.0, 10.0, dq_bits=5), _ab_line("new", 1.0, 8.0, dq_bits=6),
+        _ab_line("main", 2.0, 10.0, dq_bits=5), _ab_line("new", 1.0, 12.0, dq_bits=6, dk_bits=8),
+        _ab_line("main", 4.0, 40.0, dq_bits=5, N=262144),  # a shape only the base ran
+    ]) + "\n")
+    out = tmp_path / "summary.json"
+    ab_summary.main([str(log), "--base", "main", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "new x2" in printed and "fwd 2.000x" in printed and "fwdbwd 1.000x" in printed
+    summary = json.loads(out.read_text())
+    new = next(e for e in summary if e["label"] == "new")
+    assert new["rounds"] == 2 and new["fwd_ms"] == 1.0 and new["fwdbwd_ms"] == 10.0
+    assert new["speed_fwd"] == 2.0 and new["speed_fwdbwd"] == 1.0
+    assert new["results"]["out"] == "bit-equal" and new["results"]["dv"] == "bit-equal"
+    assert new["results"]["dq"].startswith("rel diff") and new["results"]["dk"].startswith("rel diff")
+    assert [e["label"] for e in summary if e["N"] == 262144] == ["main"]  # no partner there: no ratio invented
+    assert "results" not in summary[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["missing.jsonl"], "jsonl: 'missing.jsonl' is not a file"),
+    (["EMPTY"], "holds no compare_checkouts.py line"),
+    (["LOG", "--base", "other"], "--base: 'other' is not one of the file's labels ['main']"),
+])
+def test_ab_summary_refuses_bad_input_by_name(tmp_path, monkeypatch, capsys, argv, message):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ab_summary
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "EMPTY").write_text("not json\n")
+    (tmp_path / "LOG").write_text(_ab_line("main", 1.0, 2.0, dq_bits=1) + "\n")
+    with pytest.raises(SystemExit):
+        ab_summary.main(argv)
+    assert message in capsys.readouterr().err

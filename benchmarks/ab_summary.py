@@ -1,0 +1,116 @@
+"""Summarize the JSON lines of ``compare_checkouts.py`` runs: per shape, each checkout's mean forward and
+forward+backward time over its rounds, its speed against a base checkout (> 1: faster than the base), and whether
+its results are the base's bit for bit (the checksums' int16 bit-pattern sums; a tensor that differs shows its
+largest relative difference of float64 sums instead).
+
+    python benchmarks/compare_checkouts.py .base/ck_main main 65536 262144 >> ab.jsonl   # the base
+    python benchmarks/compare_checkouts.py . new 65536 262144 >> ab.jsonl                 # the change
+    python benchmarks/ab_summary.py ab.jsonl --base main [--json summary.json]
+
+Lines that are not JSON objects (a log mixed in) are skipped. Why a tool: every kernel A/B of the issue-14 sessions
+ended in this arithmetic, done by hand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+TENSORS = ("out", "dq", "dk", "dv")  # the order of compare_checkouts.py's ``cks``
+SHAPE_KEYS = ("op", "N", "D", "heads", "kv_heads", "dtype", "block")
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The JSON objects of a file of ``compare_checkouts.py`` lines (anything else skipped)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and {"label", "fwd_ms", "cks"} <= row.keys():
+            rows.append(row)
+    return rows
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _same_results(base_cks: list, cks: list) -> dict:
+    """Per tensor: ``"bit-equal"`` when every run's int16 sum matches every base run's, else the largest relative
+    difference between the float64 sums."""
+    verdict = {}
+    for i, name in enumerate(TENSORS):
+        if i >= len(cks[0]) or i >= len(base_cks[0]):
+            continue
+        bits = {c[i][1] for c in base_cks} | {c[i][1] for c in cks}
+        if len(bits) == 1:
+            verdict[name] = "bit-equal"
+        else:
+            ref = base_cks[0][i][0]
+            worst = max(abs(c[i][0] - ref) for c in cks)
+            verdict[name] = f"rel diff {worst / max(abs(ref), 1e-30):.1e}"
+    return verdict
+
+
+def summarize(rows: list[dict], base: str) -> list[dict]:
+    """One entry per (shape, label): mean times, rounds, speed against ``base`` at the same shape and result check."""
+    labels = sorted({r["label"] for r in rows})
+    if base not in labels:
+        raise ValueError(f"{base!r} is not one of the file's labels {labels}")
+    groups: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        groups[tuple(r.get(k) for k in SHAPE_KEYS)][r["label"]].append(r)
+    out = []
+    for shape, by_label in groups.items():
+        base_rows = by_label.get(base)
+        for label, runs in sorted(by_label.items(), key=lambda kv: (kv[0] != base, kv[0])):
+            entry = dict(zip(SHAPE_KEYS, shape), label=label, rounds=len(runs),
+                         fwd_ms=_mean([r["fwd_ms"] for r in runs]), fwdbwd_ms=_mean([r.get("fwdbwd_ms") for r in runs]))
+            if base_rows and label != base:
+                for mode in ("fwd_ms", "fwdbwd_ms"):
+                    b = _mean([r.get(mode) for r in base_rows])
+                    entry[f"speed_{mode[:-3]}"] = b / entry[mode] if b and entry[mode] else None
+                entry["results"] = _same_results([r["cks"] for r in base_rows], [r["cks"] for r in runs])
+            out.append(entry)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("jsonl", type=Path, help="compare_checkouts.py output (JSON lines; other lines are skipped)")
+    ap.add_argument("--base", default="main", help="the label the others are measured against (default: main)")
+    ap.add_argument("--json", type=Path, help="also write the summary here")
+    args = ap.parse_args(argv)
+    if not args.jsonl.is_file():
+        ap.error(f"jsonl: {str(args.jsonl)!r} is not a file")
+    rows = read_rows(args.jsonl)
+    if not rows:
+        ap.error(f"jsonl: {str(args.jsonl)!r} holds no compare_checkouts.py line")
+    try:
+        summary = summarize(rows, args.base)
+    except ValueError as e:
+        ap.error(f"--base: {e}")
+    for e in summary:
+        shape = f"{e['op'] or 'dilated'} N={e['N']} D={e['D']} H={e['heads']}/{e['kv_heads']}"
+        line = f"{shape:34s} {e['label']:>10s} x{e['rounds']}  fwd {e['fwd_ms']:.3f} ms"
+        if e["fwdbwd_ms"] is not None:
+            line += f"  fwd+bwd {e['fwdbwd_ms']:.3f} ms"
+        if "results" in e:
+            speeds = [f"{m} {e[f'speed_{m}']:.3f}x" for m in ("fwd", "fwdbwd") if e.get(f"speed_{m}")]
+            line += "  speed vs " + args.base + ": " + ", ".join(speeds)
+            line += "  | " + ", ".join(f"{k} {v}" for k, v in e["results"].items())
+        print(line)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
