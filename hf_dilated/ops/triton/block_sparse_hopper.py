@@ -312,8 +312,9 @@ if gluon is not None:
             k0 = _key_row(idx_row, 0, n_kt, BLOCK, BLOCK_N)
             edge = _edge(k0, q0, q_edge, Nk, BLOCK_N, IS_CAUSAL)
             k_next = _key_row(idx_row, K_STAGES, n_kt, BLOCK, BLOCK_N)
-            p, m_i, l_i = fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, k_next, s_zero, qk_scale, edge, k0, Nk, q0,
-                                    qidx, kidx, p_layout, K_STAGES, NBYTES, IS_CAUSAL)
+            p, acc, m_i, l_i = fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, k_next, s_zero, qk_scale, edge, k0, Nk,
+                                         q0, qidx, kidx, acc, m_i, l_i, o_rows, p_layout, K_STAGES, NBYTES,
+                                         IS_CAUSAL, False)
             for j in range(1, n_kt):
                 k0 = _key_row(idx_row, j, n_kt, BLOCK, BLOCK_N)
                 edge = _edge(k0, q0, q_edge, Nk, BLOCK_N, IS_CAUSAL)

@@ -12,12 +12,17 @@ portable kernel's grid and contract (one warpgroup per segment item, 64 dilated 
 - 128-key steps at head dim 128 (one K buffer, two V buffers: 112 KB, two programs per SM), 64-key steps at 64 and
   256 (at 256 one K and one V buffer: 96 KB, two programs per SM);
 - only tiles that cross the causal diagonal or the item's last key are masked;
-- the epilogue is the portable kernel's: merge with the rows earlier launches wrote (``MERGE``), the ``LAST`` launch
-  writes the output in its dtype.
+- the rows earlier launches wrote (``MERGE``) are not merged in an epilogue: a tile's online softmax starts from them
+  (``resume_rows``: a written row counts as one key whose score is its lse and whose value is its output), read before
+  the first scores so that the loads overlap them; the ``LAST`` launch writes the output in its dtype. Against the
+  portable kernel's epilogue merge this removed the merge's loads and math from the end of every tile and, at head dim
+  256, the last launch's 300 bytes of spills: forward 1.03-1.04x at D 256, 1.00-1.03x at D 128, 0.99-1.01x at D 64
+  (H200, session 35, ``benchmarks/results/session35-*``). It rounds in the last bits differently from that merge.
 
-The arithmetic is ``tiles.softmax_step``'s, so with the portable kernel's 64-key steps the output is bit-identical
-(measured on the H100); 128-key steps move the running maximum less often and differ in the last bf16 bit. Used for
-bf16 / fp16, head dim 64 / 128 / 256, the tensor-descriptor path, no sliding window, dropout or holes (``applies``).
+The arithmetic is ``tiles.softmax_step``'s, so with the portable kernel's 64-key steps a launch that merges nothing is
+bit-identical (measured on the H100); 128-key steps move the running maximum less often and differ in the last bf16
+bit. Used for bf16 / fp16, head dim 64 / 128 / 256, the tensor-descriptor path, no sliding window, dropout or holes
+(``applies``).
 
 At head dim 128 the forward runs warp-specialized instead (``dilated_fwd_ws_kernel``, ``ws_applies``; section below):
 a producer warp and two consumer warpgroups share each K / V copy, and a program walks several of a head's 128-row
@@ -35,7 +40,7 @@ import torch
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile,
     kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, query_tile_buffers, query_tile_keys,
-    release_barriers, row_desc, runnable, softmax_first, softmax_step, switch, tma_load, warpgroup_mma,
+    release_barriers, row_desc, runnable, softmax_finish, softmax_start, softmax_step, switch, tma_load, warpgroup_mma,
     warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
 )
 
@@ -120,42 +125,48 @@ def ws_launch_config() -> dict:
 if gluon is not None:
 
     @gluon.jit
-    def store_rows(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
-                   stride_oh, stride_on, stride_lb, stride_lh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   ROWS: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr):
-        """The portable kernel's epilogue for ``ROWS`` dilated query rows from position ``p_min`` (those below
-        ``q_hi``): this branch's output ``o_b`` and lse ``lse_b`` merged with the rows earlier launches wrote
-        (``MERGE``), stored to ``O`` / ``L`` or, ``LAST``, the output in its dtype to ``OUT`` (``O``'s strides)."""
+    def store_rows(o_b, lse_b, p_min, q_hi, qbase, b, h, r, O, L, OUT, stride_ob, stride_oh, stride_on, stride_lb,
+                   stride_lh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, LAST: gl.constexpr):
+        """The epilogue for ``ROWS`` dilated query rows from position ``p_min`` (those below ``q_hi``): their output
+        ``o_b`` (merged with earlier launches already: ``resume_rows``) and lse ``lse_b`` stored to ``O`` / ``L`` or,
+        ``LAST``, the output in its dtype to ``OUT`` (``O``'s strides)."""
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
         in_range = qp < q_hi
         qc64 = (qbase + qp).to(gl.int64)
         h64 = h.to(gl.int64)
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = O + b * stride_ob + h64 * stride_oh + qc64[:, None] * stride_on + d[None, :]
-        l_ptrs = L + b * stride_lb + h64 * stride_lh + qc64
-        if MERGE:  # rows an earlier launch wrote (the others read as no output, lse -inf)
-            seen = in_range & written_before(qp, h, head_offset, PREV, n_prev, 1)
-            old_lse = gl.load(l_ptrs, mask=seen, other=float("-inf"))
-            old_o = gl.load(o_ptrs, mask=seen[:, None], other=0.0).to(gl.float32)
-            m = gl.maximum(old_lse, lse_b)
-            m = gl.where(m == float("-inf"), 0.0, m)
-            a = gl.exp(old_lse - m)
-            c = gl.exp(lse_b - m)
-            tot = a + c
-            reached = tot != 0  # 0: no key in any launch; NaN (a NaN input) stays NaN (tiles.finish)
-            tot_safe = gl.where(reached, tot, 1.0)
-            out = (old_o * a[:, None] + o_b * c[:, None]) / tot_safe[:, None]
-            lse = gl.where(reached, m + gl.log(tot_safe), float("-inf"))
-        else:
-            out = o_b
-            lse = lse_b
         if LAST:
             out_ptrs = OUT + b * stride_ob + h64 * stride_oh + qc64[:, None] * stride_on + d[None, :]
-            gl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=in_range[:, None])
+            gl.store(out_ptrs, o_b.to(OUT.dtype.element_ty), mask=in_range[:, None])
         else:
-            gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_range[:, None])
-        gl.store(l_ptrs, lse, mask=in_range)
+            o_ptrs = O + b * stride_ob + h64 * stride_oh + qc64[:, None] * stride_on + d[None, :]
+            gl.store(o_ptrs, o_b.to(O.dtype.element_ty), mask=in_range[:, None])
+        gl.store(L + b * stride_lb + h64 * stride_lh + qc64, lse_b, mask=in_range)
+
+    @gluon.jit
+    def resume_rows(p_min, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob, stride_oh, stride_on,
+                    stride_lb, stride_lh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
+        """The merge with earlier launches as the online softmax's start: ``(acc, m_i, l_i)`` over their keys for
+        ``ROWS`` dilated query rows from position ``p_min``. A row an earlier launch wrote, with lse ``L`` and output
+        ``O``, counts as one key of score ``L`` and value ``O`` (``m_i`` = that lse in base 2, ``l_i`` = 1, ``acc`` =
+        that output); the others start empty (-1e30, 0, 0). Read before the tile's first scores, so the loads overlap
+        them instead of ending the tile, and the branches are merged by one online softmax (no separate merge).
+        Rounding differs from merging two finished rows in the last bits only."""
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
+        seen = (qp < q_hi) & written_before(qp, h, head_offset, PREV, n_prev, 1)
+        qc64 = (qbase + qp).to(gl.int64)
+        h64 = h.to(gl.int64)
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        old_lse = gl.load(L + b * stride_lb + h64 * stride_lh + qc64, mask=seen, other=float("-inf"))
+        # rows not seen read row 0 (masked): the addresses then differ from the store's, which the compiler would
+        # otherwise keep in registers (or spill) through the whole tile to reuse them
+        rows = O + b * stride_ob + h64 * stride_oh + gl.where(seen, qc64, 0) * stride_on
+        acc = gl.load(rows[:, None] + d[None, :], mask=seen[:, None], other=0.0).to(gl.float32)
+        some = old_lse != float("-inf")  # NaN stays NaN through m_i
+        m_i = gl.where(some, old_lse * 1.4426950408889634, -1.0e30)
+        return acc, m_i, gl.where(some, 1.0, 0.0)
 
     @gluon.jit
     def dilated_fwd_hopper_kernel(
@@ -202,16 +213,20 @@ if gluon is not None:
             qidx = gl.arange(0, BLOCK_M, layout=row_axis)
             kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-            m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_axis)
-            l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_axis)
-            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-            o_b = acc
-            lse_b = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=o_rows)
+            if MERGE:  # the online softmax starts from the rows earlier launches wrote (their lse, output)
+                acc, m_i, l_i = resume_rows(p_min, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob,
+                                            stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, BLOCK_M)
+                m_i = gl.convert_layout(m_i, row_axis)
+                l_i = gl.convert_layout(l_i, row_axis)
+            else:
+                m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_axis)
+                l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_axis)
+                acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
             mbarrier.wait(q_bar, 0)
             if n_kt > 0:
-                p, m_i, l_i = fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, K_STAGES * BLOCK_N, s_zero, qk_scale,
-                                        n_plain == 0, 0, n_k, shift, qidx, kidx, p_layout, K_STAGES, NBYTES,
-                                        IS_CAUSAL)
+                p, acc, m_i, l_i = fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, K_STAGES * BLOCK_N, s_zero,
+                                             qk_scale, n_plain == 0, 0, n_k, shift, qidx, kidx, acc, m_i, l_i, o_rows,
+                                             p_layout, K_STAGES, NBYTES, IS_CAUSAL, MERGE)
                 for j in range(1, n_plain):
                     acc, p, m_i, l_i = fwd_step(
                         j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, (j + K_STAGES) * BLOCK_N,
@@ -223,9 +238,11 @@ if gluon is not None:
                         (j - 1 + V_STAGES) * BLOCK_N, acc, p, m_i, l_i, s_zero, qk_scale, True, j * BLOCK_N, n_k,
                         shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL)
                 o_b, lse_b = fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows, V_STAGES)
+            else:  # no key of this branch: the earlier launches' rows as they are (none: 0, -inf)
+                o_b, lse_b = softmax_finish(acc, m_i, l_i, o_rows)
 
-            store_rows(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
-                       stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, BLOCK_M, MERGE, LAST)
+            store_rows(o_b, lse_b, p_min, q_hi, qbase, b, h, r, O, L, OUT, stride_ob, stride_oh, stride_on, stride_lb,
+                       stride_lh, o_layout, HEAD_DIM, BLOCK_M, LAST)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
     # ---- the warp-specialized forward (head dim 128) --------------------------------------------------------------
@@ -240,10 +257,11 @@ if gluon is not None:
     # (``hopper.ws_copy_kv``), running on into the next tile (its Q once both consumers issued their last scores,
     # ``q_empty``), so that tile's loads overlap this one's last ``P V`` and epilogue. Each of two consumer warpgroups
     # owns 64 of the tile's rows and walks the key tiles its rows see in ``hopper.fwd_step``'s order (tile ``t``'s
-    # scores issued before tile ``t - 1``'s ``P V``, the softmax of ``t`` while that product runs), then merges and
-    # stores its rows as the one-warpgroup kernel does. Both consumers read each K / V tile from one copy and drift
-    # apart by up to ``STAGES`` tiles. Causal, the first consumer's rows may see one key tile fewer: it releases the
-    # tiles it skips once they arrived (an early release would count for the buffer's previous tile).
+    # scores issued before tile ``t - 1``'s ``P V``, the softmax of ``t`` while that product runs), from the rows
+    # earlier launches wrote (``resume_rows``), and stores its rows as the one-warpgroup kernel does. Both consumers
+    # read each K / V tile from one copy and drift apart by up to ``STAGES`` tiles. Causal, the first consumer's rows
+    # may see one key tile fewer: it releases the tiles it skips once they arrived (an early release would count for
+    # the buffer's previous tile).
     # The descriptors are made once per program: over the item's dilated rows (zeros past them), or, persistent, over
     # every column of the head in the items' offset class (row stride ``r``), a tile at the row of its first column.
 
@@ -296,9 +314,16 @@ if gluon is not None:
                                                                       IS_CAUSAL)
                 if p_w >= q_hi:  # no rows here (the item's last tile)
                     n_own = 0
-                acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
-                out = acc
-                lse = gl.full([64], float("-inf"), gl.float32, layout=o_rows)
+                if MERGE:  # the online softmax starts from the rows earlier launches wrote (their lse, output)
+                    acc, m_i, l_i = resume_rows(p_w, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev,
+                                                stride_ob, stride_oh, stride_on, stride_lb, stride_lh, o_layout,
+                                                HEAD_DIM, 64)
+                    m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
+                    l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout))
+                else:
+                    acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
+                    m_i = gl.full([64], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
+                    l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, s_layout))
                 mbarrier.wait(q_bar, n_q & 1)
                 if n_own > 0:
                     mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
@@ -307,7 +332,7 @@ if gluon is not None:
                     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
                     if n_plain == 0:
                         sc = masked_scores(sc, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
-                    pf, m_i, l_i = softmax_first(sc, qk_scale)
+                    pf, acc, m_i, l_i = softmax_start(sc, acc, m_i, l_i, qk_scale, o_rows, MERGE)
                     p = gl.convert_layout(pf.to(dtype), p_layout)
                     for t in range(1, n_own):
                         acc, p, m_i, l_i = _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i,
@@ -318,12 +343,13 @@ if gluon is not None:
                     mbarrier.arrive(empty.index((c + n_own - 1) % STAGES), count=1)
                 else:
                     mbarrier.arrive(q_empty, count=1)
+                    out, lse = softmax_finish(acc, m_i, l_i, o_rows)  # earlier launches' rows as they are, or 0 / -inf
                 for t in range(n_own, n_kt):  # key tiles only the other consumer's rows see
                     mbarrier.wait(k_ready.index((c + t) % STAGES), ((c + t) // STAGES) & 1)
                     mbarrier.arrive(empty.index((c + t) % STAGES), count=1)
                 if p_w < q_hi:
-                    store_rows(out, lse, p_w, q_hi, qbase, b, h, head_offset, r, O, L, OUT, PREV, n_prev, stride_ob,
-                               stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, 64, MERGE, LAST)
+                    store_rows(out, lse, p_w, q_hi, qbase, b, h, r, O, L, OUT, stride_ob, stride_oh, stride_on,
+                               stride_lb, stride_lh, o_layout, HEAD_DIM, 64, LAST)
                 c += n_kt
                 n_q += 1
 

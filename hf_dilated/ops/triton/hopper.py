@@ -279,10 +279,23 @@ if gluon is not None:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
+    def softmax_start(s, acc, m_i, l_i, qk_scale, o_rows: gl.constexpr, RESUME: gl.constexpr):
+        """``(p, acc, m_i, l_i)`` of a row block's first score tile: ``softmax_first``, or, ``RESUME``, a
+        ``softmax_step`` from the sums carried in (the rows earlier launches wrote: ``forward_hopper.resume_rows``),
+        ``acc`` rescaled."""
+        if RESUME:
+            p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        else:
+            p, m_i, l_i = softmax_first(s, qk_scale)
+        return p, acc, m_i, l_i
+
+    @gluon.jit
     def fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, k_next, s_zero, qk_scale, mask, key0, n_k, shift, qidx, kidx,
-                  p_layout: gl.constexpr, K_STAGES: gl.constexpr, NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                  acc, m_i, l_i, o_rows: gl.constexpr, p_layout: gl.constexpr, K_STAGES: gl.constexpr,
+                  NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr, RESUME: gl.constexpr):
         """Key tile 0 (its K in buffer 0): its scores alone, nothing to overlap yet; its K buffer refilled with tile
-        ``K_STAGES`` (row ``k_next``). ``(p, m_i, l_i)``."""
+        ``K_STAGES`` (row ``k_next``). ``(p, acc, m_i, l_i)`` (``softmax_start``)."""
         mbarrier.wait(k_bar.index(0), 0)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -290,8 +303,8 @@ if gluon is not None:
             tile_copy(k_desc, k_smem, k_bar, K_STAGES, k_next, K_STAGES, NBYTES)
         if mask:
             s = masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL)
-        p, m_i, l_i = softmax_first(s, qk_scale)
-        return gl.convert_layout(p.to(q_smem.dtype), p_layout), m_i, l_i
+        p, acc, m_i, l_i = softmax_start(s, acc, m_i, l_i, qk_scale, o_rows, RESUME)
+        return gl.convert_layout(p.to(q_smem.dtype), p_layout), acc, m_i, l_i
 
     @gluon.jit
     def fwd_step(j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, k_next, v_next, acc, p, m_i, l_i,
@@ -330,6 +343,12 @@ if gluon is not None:
         mbarrier.wait(v_bar.index(last), ((n_kt - 1) // V_STAGES) & 1)
         o = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+        return softmax_finish(acc, m_i, l_i, o_rows)
+
+    @gluon.jit
+    def softmax_finish(acc, m_i, l_i, o_rows: gl.constexpr):
+        """``tiles.finish``: ``(output, natural-log lse)`` of each row from the online softmax's sums (0 and -inf for
+        a row that saw no key), in the output's layout."""
         l_o = gl.convert_layout(l_i, o_rows)
         m_o = gl.convert_layout(m_i, o_rows)
         has = l_o != 0  # tiles.finish: 0 is a row that saw no key, NaN (a NaN input) stays NaN
@@ -534,5 +553,5 @@ else:  # pragma: no cover - a Triton without Gluon: the kernel modules import th
     dkdv_dq_products = register_product = score_buffers = None
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
-    softmax_first = softmax_step = None
+    softmax_first = softmax_step = softmax_start = softmax_finish = None
     dq_first = dq_step = dq_last = ws_barriers = ws_copy_kv = mma_layout = None
