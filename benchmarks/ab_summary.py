@@ -1,11 +1,14 @@
 """Summarize the JSON lines of ``compare_checkouts.py`` runs: per shape, each checkout's mean forward and
 forward+backward time over its rounds, its speed against a base checkout (> 1: faster than the base), and whether
 its results are the base's bit for bit (the checksums' int16 bit-pattern sums; a tensor that differs shows its
-largest relative difference of float64 sums instead).
+largest difference of float64 sums instead, relative to the sum of magnitudes where the line has it, else to the sum,
+which for a tensor summing to about zero, such as dK, overstates it).
 
     python benchmarks/compare_checkouts.py .base/ck_main main 65536 262144 >> ab.jsonl   # the base
     python benchmarks/compare_checkouts.py . new 65536 262144 >> ab.jsonl                 # the change
-    python benchmarks/ab_summary.py ab.jsonl --base main [--json summary.json]
+    python benchmarks/ab_summary.py ab.jsonl --base main [--json summary.json] [--plot speed.png]
+
+``--plot`` draws each checkout's speed against the base per shape, forward and forward+backward, as bars around 1.0.
 
 Lines that are not JSON objects (a log mixed in) are skipped. Why a tool: every kernel A/B of the issue-14 sessions
 ended in this arithmetic, done by hand."""
@@ -44,8 +47,8 @@ def _mean(values: list) -> float | None:
 
 
 def _same_results(base_cks: list, cks: list) -> dict:
-    """Per tensor: ``"bit-equal"`` when every run's int16 sum matches every base run's, else the largest relative
-    difference between the float64 sums."""
+    """Per tensor: ``"bit-equal"`` when every run's int16 sum matches every base run's, else the largest difference
+    between the float64 sums, relative to the base's sum of magnitudes (``cks[i][2]``, where given) or its sum."""
     verdict = {}
     for i, name in enumerate(TENSORS):
         if i >= len(cks[0]) or i >= len(base_cks[0]):
@@ -55,8 +58,9 @@ def _same_results(base_cks: list, cks: list) -> dict:
             verdict[name] = "bit-equal"
         else:
             ref = base_cks[0][i][0]
+            scale = base_cks[0][i][2] if len(base_cks[0][i]) > 2 else abs(ref)
             worst = max(abs(c[i][0] - ref) for c in cks)
-            verdict[name] = f"rel diff {worst / max(abs(ref), 1e-30):.1e}"
+            verdict[name] = f"rel diff {worst / max(scale, 1e-30):.1e}"
     return verdict
 
 
@@ -83,11 +87,47 @@ def summarize(rows: list[dict], base: str) -> list[dict]:
     return out
 
 
+def plot(summary: list[dict], base: str, path: Path, title: str | None = None) -> None:
+    """Bars of each checkout's speed against ``base`` per shape (forward, forward+backward), a line at 1.0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = [e for e in summary if "results" in e]
+    if not pairs:
+        raise ValueError(f"no shape has both {base!r} and another checkout: nothing to plot")
+    modes = [m for m in ("fwd", "fwdbwd") if any(e.get(f"speed_{m}") for e in pairs)]
+    names = {"fwd": "forward", "fwdbwd": "forward+backward"}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(pairs) * len(modes) + 2), 4.2))
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(pairs))]
+        ys = [e.get(f"speed_{mode}") or 0.0 for e in pairs]
+        bars = ax.bar(xs, [y - 1.0 for y in ys], width, bottom=1.0, label=names[mode])
+        ax.bar_label(bars, labels=[f"{y:.3f}" for y in ys], fontsize=7, padding=2)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(pairs)))
+    ax.set_xticklabels([f"{e['label']}\nN={e['N'] // 1024}K D={e['D']}\nH {e['heads']}/{e['kv_heads']}" for e in pairs],
+                       fontsize=8)
+    speeds = [e.get(f"speed_{m}") for e in pairs for m in modes if e.get(f"speed_{m}")]
+    span = max(0.05, max(abs(s - 1.0) for s in speeds) * 1.3)
+    ax.set_ylim(1.0 - span, 1.0 + span)
+    ax.set_ylabel(f"speed against {base} (> 1: faster)")
+    ax.set_title(title or f"A/B against {base}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("jsonl", type=Path, help="compare_checkouts.py output (JSON lines; other lines are skipped)")
     ap.add_argument("--base", default="main", help="the label the others are measured against (default: main)")
     ap.add_argument("--json", type=Path, help="also write the summary here")
+    ap.add_argument("--plot", type=Path, help="also draw each checkout's speed against the base here (PNG)")
+    ap.add_argument("--title", help="the plot's title (default: 'A/B against BASE')")
     args = ap.parse_args(argv)
     if not args.jsonl.is_file():
         ap.error(f"jsonl: {str(args.jsonl)!r} is not a file")
@@ -110,6 +150,11 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    if args.plot:
+        try:
+            plot(summary, args.base, args.plot, args.title)
+        except ValueError as e:
+            ap.error(f"--plot: {e}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ change) can be compared in one device call, bit for bit and in milliseconds.
     python benchmarks/compare_checkouts.py . new 65536 --op block_sparse --heads 32 --kv-heads 8
 
 One JSON line per (head dim, N): forward and forward+backward medians (``triton.testing.do_bench``) on seeded inputs
-(B = 1, bf16, causal), and per tensor (out, dq, dk, dv) a float64 sum and the sum of its int16 bit patterns: equal
-checksums on both sides mean identical results. ``--op dilated``: the LongNet branches (w = 2048..32768,
+(B = 1, bf16, causal), and per tensor (out, dq, dk, dv) a float64 sum, the sum of its int16 bit patterns and the
+float64 sum of magnitudes: equal bit-pattern sums on both sides mean identical results, and a difference of sums is
+read against the magnitudes (``ab_summary.py``). ``--op dilated``: the LongNet branches (w = 2048..32768,
 r = 1..16); ``--op block_sparse``: ``scripts/bench_block_sparse.py``'s layout (``--block-size``, 128 by default), from
 the checkout's own ``scripts``. ``--dtype`` float16 / float32 instead of bfloat16.
 
@@ -38,7 +39,7 @@ BRANCHES = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]
 def checksums(t) -> list:
     import torch
 
-    return [float(t.double().sum()), int(t.contiguous().view(torch.int16).long().sum())]
+    return [float(t.double().sum()), int(t.contiguous().view(torch.int16).long().sum()), float(t.double().abs().sum())]
 
 
 def main() -> None:

@@ -674,6 +674,29 @@ def test_ab_summary_gives_speed_against_the_base_and_which_results_are_bit_equal
     assert "results" not in summary[0]
 
 
+def test_ab_summary_reads_a_difference_against_the_magnitudes_and_plots_the_speeds(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ab_summary
+
+    def line(label, fwd, dk_sum):  # dK sums to about zero (0.001) over magnitudes of 500: a line with the third value
+        cks = [[1.5, 11, 9.0], [2.0, 5, 7.0], [dk_sum, 7 if label == "main" else 8, 500.0], [4.0, 44, 8.0]]
+        return json.dumps(dict(label=label, op="dilated", N=65536, D=128, heads=16, kv_heads=16, dtype="bfloat16",
+                               block=None, fwd_ms=fwd, fwdbwd_ms=2 * fwd, cks=cks))
+
+    log = tmp_path / "ab.jsonl"
+    log.write_text("\n".join([line("main", 2.0, 0.001), line("new", 1.6, 0.0015)]) + "\n")
+    png = tmp_path / "speed.png"
+    ab_summary.main([str(log), "--plot", str(png), "--title", "one change"])
+    printed = capsys.readouterr().out
+    assert "dk rel diff 1.0e-06" in printed  # 0.0005 / 500, where against the sum it would read 0.5
+    assert "fwd 1.250x" in printed and "out bit-equal" in printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    log.write_text(line("main", 2.0, 0.001) + "\n")  # the base alone: no speed to draw
+    with pytest.raises(SystemExit):
+        ab_summary.main([str(log), "--plot", str(png)])
+    assert "--plot: no shape has both 'main' and another checkout" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["missing.jsonl"], "jsonl: 'missing.jsonl' is not a file"),
     (["EMPTY"], "holds no compare_checkouts.py line"),
