@@ -43,6 +43,7 @@ from .hopper import (
     release_barriers, row_desc, runnable, softmax_finish, softmax_start, softmax_step, switch, tma_load, warpgroup_mma,
     warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
 )
+from .tiles import LOG2E
 
 BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
 # (key rows per step, K buffers, V buffers) by head dim, measured on the H100 (benchmarks/NOTES_triton.md, round 2
@@ -165,7 +166,7 @@ if gluon is not None:
         rows = O + b * stride_ob + h64 * stride_oh + gl.where(seen, qc64, 0) * stride_on
         acc = gl.load(rows[:, None] + d[None, :], mask=seen[:, None], other=0.0).to(gl.float32)
         some = old_lse != float("-inf")  # NaN stays NaN through m_i
-        m_i = gl.where(some, old_lse * 1.4426950408889634, -1.0e30)
+        m_i = gl.where(some, old_lse * LOG2E, -1.0e30)
         return acc, m_i, gl.where(some, 1.0, 0.0)
 
     @gluon.jit
