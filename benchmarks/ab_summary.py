@@ -87,16 +87,22 @@ def summarize(rows: list[dict], base: str) -> list[dict]:
     return out
 
 
+def speed_pairs(summary: list[dict], base: str) -> list[dict]:
+    """The entries that have a speed against ``base`` (a shape both ran); a ``ValueError`` where there is none."""
+    pairs = [e for e in summary if "results" in e]
+    if not pairs:
+        raise ValueError(f"no shape has both {base!r} and another checkout: nothing to plot")
+    return pairs
+
+
 def plot(summary: list[dict], base: str, path: Path, title: str | None = None) -> None:
     """Bars of each checkout's speed against ``base`` per shape (forward, forward+backward), a line at 1.0."""
+    pairs = speed_pairs(summary, base)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pairs = [e for e in summary if "results" in e]
-    if not pairs:
-        raise ValueError(f"no shape has both {base!r} and another checkout: nothing to plot")
     modes = [m for m in ("fwd", "fwdbwd") if any(e.get(f"speed_{m}") for e in pairs)]
     names = {"fwd": "forward", "fwdbwd": "forward+backward"}
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(pairs) * len(modes) + 2), 4.2))
@@ -129,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plot", type=Path, help="also draw each checkout's speed against the base here (PNG)")
     ap.add_argument("--title", help="the plot's title (default: 'A/B against BASE')")
     args = ap.parse_args(argv)
+    if args.title is not None and args.plot is None:
+        ap.error("--title: names the plot, so it needs --plot")
     if not args.jsonl.is_file():
         ap.error(f"jsonl: {str(args.jsonl)!r} is not a file")
     rows = read_rows(args.jsonl)
@@ -138,6 +146,11 @@ def main(argv: list[str] | None = None) -> None:
         summary = summarize(rows, args.base)
     except ValueError as e:
         ap.error(f"--base: {e}")
+    if args.plot:  # refused before anything is printed or written
+        try:
+            speed_pairs(summary, args.base)
+        except ValueError as e:
+            ap.error(f"--plot: {e}")
     for e in summary:
         shape = f"{e['op'] or 'dilated'} N={e['N']} D={e['D']} H={e['heads']}/{e['kv_heads']}"
         line = f"{shape:34s} {e['label']:>10s} x{e['rounds']}  fwd {e['fwd_ms']:.3f} ms"
@@ -151,10 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
     if args.plot:
-        try:
-            plot(summary, args.base, args.plot, args.title)
-        except ValueError as e:
-            ap.error(f"--plot: {e}")
+        plot(summary, args.base, args.plot, args.title)
 
 
 if __name__ == "__main__":

@@ -692,9 +692,15 @@ def test_ab_summary_reads_a_difference_against_the_magnitudes_and_plots_the_spee
     assert "fwd 1.250x" in printed and "out bit-equal" in printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     log.write_text(line("main", 2.0, 0.001) + "\n")  # the base alone: no speed to draw
+    summary = tmp_path / "summary.json"
     with pytest.raises(SystemExit):
-        ab_summary.main([str(log), "--plot", str(png)])
-    assert "--plot: no shape has both 'main' and another checkout" in capsys.readouterr().err
+        ab_summary.main([str(log), "--plot", str(png), "--json", str(summary)])
+    refused = capsys.readouterr()
+    assert "--plot: no shape has both 'main' and another checkout" in refused.err
+    assert refused.out == "" and not summary.exists()  # refused before printing or writing anything
+    with pytest.raises(SystemExit):
+        ab_summary.main([str(log), "--title", "no plot"])
+    assert "--title: names the plot, so it needs --plot" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
