@@ -920,7 +920,7 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws, part
     tokens, a dense layer (one launch, which writes the gradients with no float32 buffer), the backward's head chunks,
     Gemma-style head dim 256, and the warp-specialized forward's schedules (with it on)."""
     _gpu_skip()
-    from hf_dilated.ops.triton import configs, hopper
+    from hf_dilated.ops.triton import backward_hopper, configs, forward_hopper, hopper
 
     if not configs.wgmma():
         pytest.skip("the Gluon kernel is for sm_90")
@@ -936,8 +936,8 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws, part
         ran = {kind: launch.LAUNCHES[kind] > before.get(kind, 0) for kind in kinds}
         on = gluon == "1"
         d = q.shape[-1]
-        fused = on and fused_dq == "1" and d == 128
-        specialized = on and ws == "1" and d == 128
+        fused = on and fused_dq == "1" and d in backward_hopper.FUSED_DQ_STEPS
+        specialized = on and ws == "1" and d in forward_hopper.WS_HEAD_DIMS
         assert ran == {"dkdv_hopper": on, "dq_hopper": on and d in (128, 256) and not fused, "dq_fused": fused,
                        "forward_hopper": on and not specialized, "forward_ws": specialized}, ran
 
@@ -952,7 +952,7 @@ def test_gpu_nan_query_row_is_nan_in_every_forward_kernel(rng, monkeypatch, gluo
     other row finite, in the portable forward and, on sm_90, the Gluon ones (the warp-specialized one at D 128): the
     ``l != 0`` of ``tiles.finish`` / ``hopper.fwd_last`` and of the branch merges."""
     _gpu_skip()
-    from hf_dilated.ops.triton import configs
+    from hf_dilated.ops.triton import configs, forward_hopper
 
     if gluon == "1" and not configs.wgmma():
         pytest.skip("the Gluon kernels are for sm_90")
@@ -965,7 +965,7 @@ def test_gpu_nan_query_row_is_nan_in_every_forward_kernel(rng, monkeypatch, gluo
         out, lse = dilated_attention_triton(q, k, v, tuple(LONGNET_SMALL), resolve_layout(1, 3000, 3000, q.device),
                                             True, D ** -0.5)
     if gluon == "1":
-        kind = "forward_ws" if D == 128 else "forward_hopper"
+        kind = "forward_ws" if D in forward_hopper.WS_HEAD_DIMS else "forward_hopper"
         assert launch.LAUNCHES[kind] > before.get(kind, 0), f"the Gluon {kind} kernel did not run"
     want = torch.zeros(1, 4, 3000, dtype=torch.bool, device="cuda")
     want[0, h, row] = True

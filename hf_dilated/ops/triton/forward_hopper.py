@@ -72,11 +72,18 @@ def launch_config(head_dim: int) -> dict:
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=n, K_STAGES=k_stages, V_STAGES=v_stages, num_warps=4)
 
 
+# Head dims the warp-specialized forward takes. Not 64 (H200, session 36, results/session36-not-kept-*): persistent, it
+# ran the forward 1.03-1.05x at 256K (9 / 3 heads) and 1.04x at 64K with 16 heads, but 0.93-0.95x at 64K with 9 heads,
+# where 14 programs a head share the r >= 8 launches' 16-32 units unevenly (by count; not profiled). One item a
+# program: 0.87x / 0.93x. Not 256: three stages of 128-key K / V tiles would take 384 KB.
+WS_HEAD_DIMS = (128,)
+
+
 def ws_applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
-    """Whether the forward runs the warp-specialized kernel (``dilated_fwd_ws_kernel``): as :func:`applies`, at head
-    dim 128, with ``HF_DILATED_WS`` on (the default; ``0`` / ``false`` / ``off`` / ``no`` keep
-    ``dilated_fwd_hopper_kernel``)."""
-    return applies(q, flags, tma) and q.shape[-1] == 128 and switch("HF_DILATED_WS")
+    """Whether the forward runs the warp-specialized kernel (``dilated_fwd_ws_kernel``): as :func:`applies`, at the
+    head dims of ``WS_HEAD_DIMS`` (128), with ``HF_DILATED_WS`` on (the default; ``0`` / ``false`` / ``off`` / ``no``
+    keep ``dilated_fwd_hopper_kernel``)."""
+    return applies(q, flags, tma) and q.shape[-1] in WS_HEAD_DIMS and switch("HF_DILATED_WS")
 
 
 WS_WAVES = 4  # programs the one-item-a-program launch aims at, per SM (fewer, longer programs hide more loads)
