@@ -154,27 +154,34 @@ if gluon is not None:
 
     @gluon.jit
     def resume_rows(p_min, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob, stride_oh, stride_on,
-                    stride_lb, stride_lh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
-        """The merge with earlier launches as the online softmax's start: ``(acc, m_i, l_i)`` over their keys for
-        ``ROWS`` dilated query rows from position ``p_min``. A row an earlier launch wrote, with lse ``L`` and output
-        ``O``, counts as one key of score ``L`` and value ``O`` (``m_i`` = that lse in base 2, ``l_i`` = 1, ``acc`` =
-        that output); the others start empty (-1e30, 0, 0). Read before the tile's first scores, so the loads overlap
-        them instead of ending the tile, and the branches are merged by one online softmax (no separate merge).
-        Rounding differs from merging two finished rows in the last bits only."""
-        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
-        seen = (qp < q_hi) & written_before(qp, h, head_offset, PREV, n_prev, 1)
-        qc64 = (qbase + qp).to(gl.int64)
-        h64 = h.to(gl.int64)
-        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        old_lse = gl.load(L + b * stride_lb + h64 * stride_lh + qc64, mask=seen, other=float("-inf"))
-        # rows not seen read row 0 (masked): the addresses then differ from the store's, which the compiler would
-        # otherwise keep in registers (or spill) through the whole tile to reuse them
-        rows = O + b * stride_ob + h64 * stride_oh + gl.where(seen, qc64, 0) * stride_on
-        acc = gl.load(rows[:, None] + d[None, :], mask=seen[:, None], other=0.0).to(gl.float32)
-        some = old_lse != float("-inf")  # NaN stays NaN through m_i
-        m_i = gl.where(some, old_lse * LOG2E, -1.0e30)
-        return acc, m_i, gl.where(some, 1.0, 0.0)
+                    stride_lb, stride_lh, o_layout: gl.constexpr, row_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    ROWS: gl.constexpr, MERGE: gl.constexpr):
+        """The online softmax's start ``(acc, m_i, l_i)`` for ``ROWS`` dilated query rows from position ``p_min``
+        (``m_i``, ``l_i`` in ``row_layout``): empty (-1e30, 0, 0) or, ``MERGE``, the merge with earlier launches. A
+        row an earlier launch wrote, with lse ``L`` and output ``O``, counts as one key of score ``L`` and value ``O``
+        (``m_i`` = that lse in base 2, ``l_i`` = 1, ``acc`` = that output); the others start empty. Read before the
+        tile's first scores, so the loads overlap them instead of ending the tile, and the branches are merged by one
+        online softmax (no separate merge). Rounding differs from merging two finished rows in the last bits only."""
+        if MERGE:
+            o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+            qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
+            seen = (qp < q_hi) & written_before(qp, h, head_offset, PREV, n_prev, 1)
+            qc64 = (qbase + qp).to(gl.int64)
+            h64 = h.to(gl.int64)
+            d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            old_lse = gl.load(L + b * stride_lb + h64 * stride_lh + qc64, mask=seen, other=float("-inf"))
+            # rows not seen read row 0 (masked): the addresses then differ from the store's, which the compiler would
+            # otherwise keep in registers (or spill) through the whole tile to reuse them
+            rows = O + b * stride_ob + h64 * stride_oh + gl.where(seen, qc64, 0) * stride_on
+            acc = gl.load(rows[:, None] + d[None, :], mask=seen[:, None], other=0.0).to(gl.float32)
+            some = old_lse != float("-inf")  # NaN stays NaN through m_i
+            m_i = gl.convert_layout(gl.where(some, old_lse * LOG2E, -1.0e30), row_layout)
+            l_i = gl.convert_layout(gl.where(some, 1.0, 0.0), row_layout)
+        else:
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=row_layout)
+            l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
+        return acc, m_i, l_i
 
     @gluon.jit
     def dilated_fwd_hopper_kernel(
@@ -221,15 +228,10 @@ if gluon is not None:
             qidx = gl.arange(0, BLOCK_M, layout=row_axis)
             kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-            if MERGE:  # the online softmax starts from the rows earlier launches wrote (their lse, output)
-                acc, m_i, l_i = resume_rows(p_min, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob,
-                                            stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM, BLOCK_M)
-                m_i = gl.convert_layout(m_i, row_axis)
-                l_i = gl.convert_layout(l_i, row_axis)
-            else:
-                m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=row_axis)
-                l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_axis)
-                acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+            # the online softmax starts from the rows earlier launches wrote (their lse, output), if any
+            acc, m_i, l_i = resume_rows(p_min, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob,
+                                        stride_oh, stride_on, stride_lb, stride_lh, o_layout, row_axis, HEAD_DIM,
+                                        BLOCK_M, MERGE)
             mbarrier.wait(q_bar, 0)
             if n_kt > 0:
                 p, acc, m_i, l_i = fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, K_STAGES * BLOCK_N, s_zero,
@@ -322,16 +324,10 @@ if gluon is not None:
                                                                       IS_CAUSAL)
                 if p_w >= q_hi:  # no rows here (the item's last tile)
                     n_own = 0
-                if MERGE:  # the online softmax starts from the rows earlier launches wrote (their lse, output)
-                    acc, m_i, l_i = resume_rows(p_w, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev,
-                                                stride_ob, stride_oh, stride_on, stride_lb, stride_lh, o_layout,
-                                                HEAD_DIM, 64)
-                    m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
-                    l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout))
-                else:
-                    acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
-                    m_i = gl.full([64], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
-                    l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, s_layout))
+                # the online softmax starts from the rows earlier launches wrote (their lse, output), if any
+                acc, m_i, l_i = resume_rows(p_w, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob,
+                                            stride_oh, stride_on, stride_lb, stride_lh, o_layout,
+                                            gl.SliceLayout(1, s_layout), HEAD_DIM, 64, MERGE)
                 mbarrier.wait(q_bar, n_q & 1)
                 if n_own > 0:
                     mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
