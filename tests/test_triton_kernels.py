@@ -837,19 +837,10 @@ def test_gluon_kernels_coverage(monkeypatch, which):
         grid, sched = kernel.ws_schedule(32, 32, 2048, 24, 132)
         assert grid == (32 * 8, 24, 1) and not sched["PERSISTENT"] and sched["PER_UNIT"] == 2
         assert kernel.ws_schedule(32, 32, 2048, 14, 132)[0] == (9, 14, 1)  # 126 of 132: persistent
-        # 9 heads, 2 items of 8 pairs: 16 units a head over 14 programs, the busiest runs 2: 0.55 of the SMs' time,
-        # under WS_BALANCE, so the one-warpgroup kernel takes the launch (None); 32 items: 256 over 14, 0.92
-        assert kernel.ws_schedule(2, 2, 2048, 9, 132) is None
-        assert kernel.ws_schedule(32, 32, 2048, 9, 132)[0] == (14, 9, 1)
-        with monkeypatch.context() as patch:
-            patch.setattr(kernel, "WS_BALANCE", 0.5)
-            assert kernel.ws_schedule(2, 2, 2048, 9, 132)[0] == (14, 9, 1)
         assert kernel.ws_schedule(32, 0, 2048, 16, 132)[0] == (32 * 8, 16, 1)  # packed: no groups
         assert kernel.ws_schedule(1, 0, 1024, 16, 132)[0] == (8, 16, 1)  # one item of 8 tiles: one tile a program
         with monkeypatch.context() as patch:
             patch.setattr(kernel, "WS_FILL", 0.8)
-            assert kernel.ws_schedule(32, 32, 2048, 24, 132) is None  # 256 units over 5 programs: 0.895 of the time
-            patch.setattr(kernel, "WS_BALANCE", 0.8)
             assert kernel.ws_schedule(32, 32, 2048, 24, 132)[0] == (5, 24, 1)
         monkeypatch.setenv("HF_DILATED_PERSISTENT", "off")  # one item a program, also where groups allow
         assert kernel.ws_schedule(128, 128, 2048, 16, 132)[0] == (128 * 8, 16, 1)
@@ -947,10 +938,8 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws, part
         d = q.shape[-1]
         fused = on and fused_dq == "1" and d in backward_hopper.FUSED_DQ_STEPS
         specialized = on and ws == "1" and d in forward_hopper.WS_HEAD_DIMS
-        uneven = launch.LAUNCHES["forward_uneven"] > before.get("forward_uneven", 0)  # ws_schedule's None
-        assert uneven <= specialized
         assert ran == {"dkdv_hopper": on, "dq_hopper": on and d in (128, 256) and not fused, "dq_fused": fused,
-                       "forward_hopper": on and (not specialized or uneven), "forward_ws": specialized}, ran
+                       "forward_hopper": on and not specialized, "forward_ws": specialized}, ran
 
     GLUON_PARTS[part](rng, run, monkeypatch)
 
@@ -995,7 +984,7 @@ def test_gpu_nan_in_padding_reaches_no_output(rng, monkeypatch, gluon, side):
     the gathered valid tokens (padding at the end): there the warp-specialized forward runs persistent, its
     descriptors spanning a batch row's items (seen to run on 132-SM GPUs, where the schedule takes it)."""
     _gpu_skip()
-    from hf_dilated.ops.triton import configs, forward_hopper
+    from hf_dilated.ops.triton import configs
 
     if gluon == "1" and not configs.wgmma():
         pytest.skip("the Gluon kernels are for sm_90")
@@ -1008,9 +997,6 @@ def test_gpu_nan_in_padding_reaches_no_output(rng, monkeypatch, gluon, side):
     q, k, v = make_qkv(rng, 2, 8, 2, N, N, 128, torch.bfloat16, "cuda")
     do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", q.dtype)
     ws, rs = [w for w, _ in LONGNET_SMALL], [r for _, r in LONGNET_SMALL]
-    # the persistent launches of tail / holes divide their few units unevenly: without this the one-warpgroup kernel
-    # would take them, and the persistent descriptors this test is for would not run
-    monkeypatch.setattr(forward_hopper, "WS_BALANCE", 0.0)
     runs = []
     persistent = launch.LAUNCHES["forward_persistent"]
     for poison in (False, True):
@@ -1082,10 +1068,9 @@ def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
 
 def _ws_schedules(rng, monkeypatch, run):
     """The warp-specialized forward under each of its schedules (``forward_hopper.ws_schedule``): persistent over
-    pairs of tiles or over single tiles, one item a program over pairs or single tiles, and the one-warpgroup kernel
-    where persistent programs would share a launch's units unevenly (None); each against the float64 oracle
-    (``run``), all bit for bit the same output (a tile's arithmetic does not depend on the program that walks it, nor
-    on which of the two kernels runs it), and each schedule seen to run."""
+    pairs of tiles or over single tiles, and one item a program over pairs or single tiles; each against the float64
+    oracle (``run``), all bit for bit the same output (a tile's arithmetic does not depend on the program that walks
+    it), and each schedule seen to run."""
     from hf_dilated.ops.triton import forward_hopper
 
     q, k, v = make_qkv(rng, 2, 8, 4, 4500, 4500, 128, torch.bfloat16, "cuda")
@@ -1094,28 +1079,23 @@ def _ws_schedules(rng, monkeypatch, run):
     real = forward_hopper.ws_schedule
 
     def spy(*args):
-        plan = real(*args)
-        chosen[-1].add(plan and (plan[1]["PERSISTENT"], plan[1]["PER_UNIT"]))
-        return plan
+        grid, sched = real(*args)
+        chosen[-1].add((sched["PERSISTENT"], sched["PER_UNIT"]))
+        return grid, sched
 
-    # (WS_FILL, WS_BALANCE, WS_WAVES, SMs): no fill asked takes pairs persistent; on 640 "SMs" pairs fill under 90%
-    # but single tiles fill them at w 1024 (at w 4096 neither: one item a program); an unreachable fill gives one item
-    # a program, over pairs where a tiny WS_WAVES finds work enough, else over single tiles. The defaults on 132 SMs:
-    # w 4096 persistent (2 x 8 pairs a head and row over 8 programs), w 1024 to the one-warpgroup kernel (20 pairs
-    # over 8 programs: the busiest runs 3, 0.81 of the SMs' time)
-    cases = ((0.0, 0.0, 4, 132), (0.9, 0.0, 4, 640), (2.0, 0.0, 1e-3, 132), (2.0, 0.0, 4, 132),
-             (forward_hopper.WS_FILL, forward_hopper.WS_BALANCE, forward_hopper.WS_WAVES, 132))
-    for fill, balance, waves, sms in cases:
+    # (WS_FILL, WS_WAVES, SMs): no fill asked takes pairs persistent; on 640 "SMs" pairs fill under 90% but single
+    # tiles fill them at w 1024 (at w 4096 neither: one item a program); an unreachable fill gives one item a program,
+    # over pairs where a tiny WS_WAVES finds work enough, else over single tiles
+    for fill, waves, sms in ((0.0, 4, 132), (0.9, 4, 640), (2.0, 1e-3, 132), (2.0, 4, 132)):
         chosen.append(set())
         with monkeypatch.context() as patch:
             patch.setattr(forward_hopper, "ws_schedule", spy)
             patch.setattr(forward_hopper, "WS_FILL", fill)
-            patch.setattr(forward_hopper, "WS_BALANCE", balance)
             patch.setattr(forward_hopper, "WS_WAVES", waves)
             patch.setattr(launch, "sm_count", lambda device: sms)
             run(q, k, v, branches=branches, head_offset=1)
             outs.append(hf_dilated.dilated_attention(q, k, v, *zip(*branches), backend="triton", head_offset=1))
-    assert chosen == [{(True, 2)}, {(True, 1), (False, 1)}, {(False, 2)}, {(False, 1)}, {(True, 2), None}], chosen
+    assert chosen == [{(True, 2)}, {(True, 1), (False, 1)}, {(False, 2)}, {(False, 1)}], chosen
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
 

@@ -91,42 +91,29 @@ WS_TILES = 2  # query tiles per program there at most: programs that run at once
 # The persistent launch is taken where its programs fill at least this share of the SMs: at full fill it ran 1.03-1.15x
 # one item a program (H100, session 27), so below ~0.95 of the SMs it would lose what it gains (24 heads: 120 of 132)
 WS_FILL = 0.95
-# ... and where its units divide evenly enough over the programs: at least this share of the SMs' time over the
-# launch's busiest program, by count (``ws_schedule``). Per branch launch on the H200 (session 37, D 128, 9-16 heads,
-# 64K / 256K, benchmarks/results/session37-*): 29 launches at 0.91-0.99 ran 0.97-1.24x as fast as the one-warpgroup
-# kernel (mean 1.09), 11 at 0.55-0.87 0.76-1.08x (mean 0.95). 9 heads at 64K, r 16: 16 pairs a head, 14 programs: 0.55
-WS_BALANCE = 0.9
 
 
-def ws_schedule(n_items: int, items_per_group: int, max_q_rows: int, heads: int, sms: int) -> tuple[tuple, dict] | None:
-    """The warp-specialized forward's grid and its schedule arguments (``dilated_fwd_ws_kernel``), or None where the
-    launch should run the one-warpgroup kernel (``dilated_fwd_hopper_kernel``) instead.
+def ws_schedule(n_items: int, items_per_group: int, max_q_rows: int, heads: int, sms: int) -> tuple[tuple, dict]:
+    """The warp-specialized forward's grid and its schedule arguments (``dilated_fwd_ws_kernel``).
 
     Persistent where the items come in groups that share a batch row and column bases (``items_per_group``, e.g.
     every contiguous layout): ``G`` programs per head and group, as many as the SMs hold one each, each walking every
     ``G``-th unit (a pair of an item's tiles of equal causal work, or single tiles where pairs would leave SMs idle),
     in item order. A program's descriptors, barriers and first loads are paid once for all its units, and a tile's
     loads overlap the last one's epilogue (session 26's profile: two fifths of the consumers' time was per-tile cost
-    at 2048-row segments). Where those programs fill at least ``WS_FILL`` of the SMs but the busiest of them leaves
-    under ``WS_BALANCE`` of the SMs' time used (``U`` units a head over ``G`` programs: ``U / (G ceil(U / G))`` times
-    the fill; single tiles counted as equal, which causal masking makes them only roughly), None: the one-warpgroup
-    kernel's 64-row programs, two an SM, fill the SMs from the hardware's queue. Else (no groups, or under
-    ``WS_FILL``) one item a program: a unit of ``WS_TILES`` tiles where there is work for ``WS_WAVES`` programs per
-    SM, else one tile (more tiles per program overflowed L2 with the K / V of the items in flight, session 25).
-    ``HF_DILATED_PERSISTENT`` off (``0`` / ``false`` / ``off`` / ``no``) keeps one item a program
-    (``benchmarks/ab_gluon.py --switch persistent``)."""
+    at 2048-row segments). Else, or where ``G`` programs per head and group fill under ``WS_FILL`` of the SMs, one
+    item a program: a unit of ``WS_TILES`` tiles where there is work for ``WS_WAVES`` programs per SM, else one tile
+    (more tiles per program overflowed L2 with the K / V of the items in flight, session 25). ``HF_DILATED_PERSISTENT``
+    off (``0`` / ``false`` / ``off`` / ``no``) keeps one item a program (``benchmarks/ab_gluon.py --switch
+    persistent``)."""
     n_tiles = -(-max_q_rows // 128)
     pairs = -(-n_tiles // 2)
     groups = n_items // items_per_group if items_per_group else 0
     if groups and heads * groups <= sms and switch("HF_DILATED_PERSISTENT"):
         per_head = sms // (heads * groups)
         for per_unit, n_units in ((2, pairs), (1, n_tiles)):
-            units = items_per_group * n_units
-            G = min(per_head, units)
-            fill = G * heads * groups / sms
-            if fill >= WS_FILL:
-                if units / (G * -(-units // G)) * fill < WS_BALANCE:
-                    return None
+            G = min(per_head, items_per_group * n_units)
+            if G * heads * groups >= WS_FILL * sms:
                 return (G, heads, groups), dict(G=G, n_tiles=n_tiles, n_units=n_units, n_items=items_per_group,
                                                 PER_UNIT=per_unit, PERSISTENT=True)
     per_program = max(1, min(n_tiles, WS_TILES, n_items * n_tiles * heads // (WS_WAVES * sms)))

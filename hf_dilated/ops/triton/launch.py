@@ -251,30 +251,25 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
         LAUNCHES["forward_tma"] += 1
     gluon = forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
     ws = gluon and forward_hopper.ws_applies(q, flags, tma)  # warp-specialized, head dim 128
+    if gluon:
+        gcfg = forward_hopper.ws_launch_config() if ws else forward_hopper.launch_config(D)
+        gkernel = forward_hopper.dilated_fwd_ws_kernel if ws else forward_hopper.dilated_fwd_hopper_kernel
     per_branch = streams if flags["DROPOUT"] else _branch_views(streams)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2])
     for j, (i, r, it) in enumerate(order):
         if gluon:
             args = (q, k, v, o, lse, out, rates, it.items, *strides, pb.head_offset, group, r, pb.scale * LOG2E)
-            common = dict(HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=j > 0, LAST=i == last)
-            # programs over units of an item's query tiles, persistent where the items allow; None where persistent
-            # programs would share the units unevenly: the one-warpgroup kernel takes that launch
-            plan = ws and forward_hopper.ws_schedule(it.n_items, it.items_per_group, it.max_q_rows, H,
-                                                     sm_count(q.device))
-            if plan:
-                grid, sched = plan
-                forward_hopper.dilated_fwd_ws_kernel[grid](
-                    *args, sched["n_tiles"], j, sched["G"], sched["n_units"], sched["n_items"],
-                    PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common,
-                    **forward_hopper.ws_launch_config())
+            common = dict(HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=j > 0, LAST=i == last, **gcfg)
+            if ws:  # programs over units of an item's query tiles, persistent where the items allow
+                grid, sched = forward_hopper.ws_schedule(it.n_items, it.items_per_group, it.max_q_rows, H,
+                                                         sm_count(q.device))
+                gkernel[grid](*args, sched["n_tiles"], j, sched["G"], sched["n_units"], sched["n_items"],
+                              PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
                 LAUNCHES["forward_persistent"] += sched["PERSISTENT"]
-                LAUNCHES["forward_ws"] += 1
             else:
-                gcfg = forward_hopper.launch_config(D)
                 grid, n_tiles = items_grid(it.n_items, it.max_q_rows, gcfg["BLOCK_M"], H)
-                forward_hopper.dilated_fwd_hopper_kernel[grid](*args, n_tiles, j, **common, **gcfg)
-                LAUNCHES["forward_hopper"] += 1
-                LAUNCHES["forward_uneven"] += ws
+                gkernel[grid](*args, n_tiles, j, **common)
+            LAUNCHES["forward_ws" if ws else "forward_hopper"] += 1
             continue
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], H)
         dilated_fwd_branch_kernel[grid](
