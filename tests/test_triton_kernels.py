@@ -938,7 +938,8 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws, part
         d = q.shape[-1]
         fused = on and fused_dq == "1" and d in backward_hopper.FUSED_DQ_STEPS
         specialized = on and ws == "1" and d in forward_hopper.WS_HEAD_DIMS
-        assert ran == {"dkdv_hopper": on, "dq_hopper": on and d in (128, 256) and not fused, "dq_fused": fused,
+        dq_kernel = on and d in backward_hopper.DQ_STEPS and not fused
+        assert ran == {"dkdv_hopper": on, "dq_hopper": dq_kernel, "dq_fused": fused,
                        "forward_hopper": on and not specialized, "forward_ws": specialized}, ran
 
     GLUON_PARTS[part](rng, run, monkeypatch)
