@@ -100,14 +100,18 @@ def host_split(fn, iters: int = 10) -> dict:
     """Host milliseconds per call (median of ``iters`` synchronised calls), and of them: inside our launchers
     (``launch.forward`` / ``backward``, ``block_sparse.forward`` / ``backward``: allocations, work lists and the kernel
     launches) and inside Triton's launcher (``JITFunction.run``: argument binding, specialisation, cache lookup, the
-    driver launch). The rest is PyTorch's custom-op dispatch, autograd and the op's own checks."""
+    driver launch), and of that inside the driver launch (the compiled launcher's ``__call__``: scratch allocation,
+    argument packing, ``cuLaunchKernelEx``; the rest of Triton's time is binding, specialisation and the cache key).
+    The rest is PyTorch's custom-op dispatch, autograd and the op's own checks."""
+    from triton.backends.nvidia.driver import CudaLauncher
     from triton.runtime.jit import JITFunction
 
     from hf_dilated.ops.triton import block_sparse, launch
 
-    spent = {"triton": 0.0, "launchers": 0.0}
-    patched = [(JITFunction, "run", "triton"), (launch, "forward", "launchers"), (launch, "backward", "launchers"),
-               (block_sparse, "forward", "launchers"), (block_sparse, "backward", "launchers")]
+    spent = {"triton": 0.0, "launchers": 0.0, "driver": 0.0}
+    patched = [(JITFunction, "run", "triton"), (CudaLauncher, "__call__", "driver"), (launch, "forward", "launchers"),
+               (launch, "backward", "launchers"), (block_sparse, "forward", "launchers"),
+               (block_sparse, "backward", "launchers")]
     originals = [getattr(owner, name) for owner, name, _ in patched]
 
     def timed(original, bucket):
@@ -125,17 +129,19 @@ def host_split(fn, iters: int = 10) -> dict:
     try:
         for _ in range(iters):
             torch.cuda.synchronize()
-            spent.update(triton=0.0, launchers=0.0)
+            spent.update(triton=0.0, launchers=0.0, driver=0.0)
             t = time.perf_counter()
             fn()
-            rows.append(((time.perf_counter() - t) * 1e3, spent["launchers"] * 1e3, spent["triton"] * 1e3))
+            rows.append(((time.perf_counter() - t) * 1e3, spent["launchers"] * 1e3, spent["triton"] * 1e3,
+                         spent["driver"] * 1e3))
     finally:
         for (owner, name, _), original in zip(patched, originals):
             setattr(owner, name, original)
     torch.cuda.synchronize()
     rows.sort()
-    total, launchers, triton_ms = rows[len(rows) // 2]
-    return dict(host_total_ms=total, host_launchers_ms=launchers, host_triton_ms=triton_ms)
+    total, launchers, triton_ms, driver_ms = rows[len(rows) // 2]
+    return dict(host_total_ms=total, host_launchers_ms=launchers, host_triton_ms=triton_ms,
+                host_triton_driver_ms=driver_ms)
 
 
 def profile_host(fn, iters: int, rows: int) -> None:
@@ -238,7 +244,8 @@ def main():
                       f"busy {row['busy']:8.3f}  idle {row['idle']:6.3f}  overlap {row['overlap']:6.3f}  "
                       f"kernel sum {row['kernel_sum']:8.3f}  kernels {row['kernels']:5.1f}  host {row['host_ms']:6.3f}"
                       f" (of {row['host_total_ms']:6.3f}: launchers {row['host_launchers_ms']:6.3f}, "
-                      f"Triton {row['host_triton_ms']:6.3f})  sync {row['sync'][:20]}"
+                      f"Triton {row['host_triton_ms']:6.3f}, its driver launch {row['host_triton_driver_ms']:6.3f})"
+                      f"  sync {row['sync'][:20]}"
                       f"  {row['non_kernel'] or ''}", flush=True)
                 if args.cprofile:
                     profile_host(fn, args.iters, args.cprofile)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import block_sparse_hopper
+from . import block_sparse_hopper, relaunch
 from .configs import _hopper, descriptor_scratch, dot_mode, interpreting, small_shared_memory, use_tma
 from .launch import _constant, cdiv, forked, row_deltas, rowmajor
 from .tiles import LOG2E, LOG2E_F, finish, mm, row_desc, softmax_step
@@ -449,7 +449,7 @@ def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, i
     q_offset = Nk - Nq
     tma = _tma((q, k, v), q_offset)
     if block_sparse_hopper.ws_applies(q, block, q_offset, tma, contiguous):  # Gluon, sm_90, warp-specialized
-        block_sparse_hopper.bs_fwd_ws_kernel[(cdiv(Nq, block), H, B)](
+        relaunch.run(block_sparse_hopper.bs_fwd_ws_kernel, (cdiv(Nq, block), H, B),
             q, k, v, o, lse, kv_count, kv_index,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
             *_layout_strides(kv_count, kv_index, B),
@@ -461,7 +461,7 @@ def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, i
         return o, lse
     if block_sparse_hopper.forward_applies(q, block, q_offset, tma, contiguous):  # Gluon, sm_90
         hcfg = block_sparse_hopper.forward_config(block, D)
-        block_sparse_hopper.bs_fwd_hopper_kernel[(cdiv(Nq, hcfg["BLOCK_M"]), H, B)](
+        relaunch.run(block_sparse_hopper.bs_fwd_hopper_kernel, (cdiv(Nq, hcfg["BLOCK_M"]), H, B),
             q, k, v, o, lse, kv_count, kv_index,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
             *_layout_strides(kv_count, kv_index, B),
@@ -475,7 +475,7 @@ def forward(q, k, v, kv_count, kv_index, tokens, block: int, contiguous: bool, i
     tile0 = q_offset // cfg["BLOCK_M"]
     grid = (cdiv(Nk, cfg["BLOCK_M"]) - tile0, H, B)
     meta = _meta(tokens, contiguous)
-    bs_fwd_kernel[grid](
+    relaunch.run(bs_fwd_kernel, grid,
         q, k, v, o, lse, kv_count, kv_index, *meta,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         *_layout_strides(kv_count, kv_index, B),
@@ -512,17 +512,17 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
     with forked(q.device) as beside:  # dK / dV on the current stream, dQ beside it (no order between them)
         if block_sparse_hopper.applies(q, block, q_offset, tma):  # Gluon, sm_90
             hopper = block_sparse_hopper.launch_config()
-            block_sparse_hopper.bs_bwd_dkdv_hopper_kernel[(cdiv(Nk, hopper["BLOCK_N"]) * Hk * B,)](
+            relaunch.run(block_sparse_hopper.bs_bwd_dkdv_hopper_kernel, (cdiv(Nk, hopper["BLOCK_N"]) * Hk * B,),
                 *dkdv_args, group, ratio, scale, scale * LOG2E_F, **common, **hopper,
             )
             LAUNCHES["dkdv_hopper"] += 1
         else:
-            bs_bwd_dkdv_kernel[(cdiv(Nk, kv_cfg["BLOCK_N"]) * Hk * B,)](
+            relaunch.run(bs_bwd_dkdv_kernel, (cdiv(Nk, kv_cfg["BLOCK_N"]) * Hk * B,),
                 *dkdv_args, q_offset, group, ratio, scale, scale * LOG2E_F, **portable, **kv_cfg,
             )
         with beside():
             if block_sparse_hopper.ws_applies(q, block, q_offset, tma, contiguous):  # Gluon, sm_90, warp-specialized
-                block_sparse_hopper.bs_bwd_dq_hopper_kernel[(cdiv(Nq, block), H, B)](
+                relaunch.run(block_sparse_hopper.bs_bwd_dq_hopper_kernel, (cdiv(Nq, block), H, B),
                     q, k, v, do, lse, delta, dq, kv_count, kv_index,
                     *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
                     *dq.stride()[:3], *_layout_strides(kv_count, kv_index, B),
@@ -531,7 +531,7 @@ def backward(do, q, k, v, o, lse, kv_count, kv_index, q_ptr, q_flat, tokens, blo
                 )
                 LAUNCHES["dq_ws"] += 1
             else:
-                bs_bwd_dq_kernel[(cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B)](
+                relaunch.run(bs_bwd_dq_kernel, (cdiv(Nk, q_cfg["BLOCK_M"]) - tile0, H, B),
                     q, k, v, do, lse, delta, dq, kv_count, kv_index, *meta,
                     *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
                     *dq.stride()[:3], *_layout_strides(kv_count, kv_index, B),

@@ -14,7 +14,7 @@ import torch
 
 from ...config import DENSE_SEGMENT
 from ..dropout import keep_threshold, stream
-from . import backward_hopper, forward_hopper
+from . import backward_hopper, forward_hopper, relaunch
 from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kernel
 from .configs import (
     bwd_config, decode_config, descriptor_scratch, dot_mode, fwd_config, interpreting, sm_count, use_tma,
@@ -73,7 +73,7 @@ def row_deltas(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None = No
     B, H, N, D = o.shape
     delta = torch.empty(B, H, N, device=o.device, dtype=torch.float32)
     if N:
-        delta_kernel[(cdiv(N, 64), B * H)](
+        relaunch.run(delta_kernel, (cdiv(N, 64), B * H),
             o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N, HEAD_DIM=head_dim_block(D), D=D, BLOCK=64
         )
     if dlse is not None:
@@ -263,16 +263,16 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
             if ws:  # programs over units of an item's query tiles, persistent where the items allow
                 grid, sched = forward_hopper.ws_schedule(it.n_items, it.items_per_group, it.max_q_rows, H,
                                                          sm_count(q.device))
-                gkernel[grid](*args, sched["n_tiles"], j, sched["G"], sched["n_units"], sched["n_items"],
-                              PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
+                relaunch.run(gkernel, grid, *args, sched["n_tiles"], j, sched["G"], sched["n_units"], sched["n_items"],
+                             PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
                 LAUNCHES["forward_persistent"] += sched["PERSISTENT"]
             else:
                 grid, n_tiles = items_grid(it.n_items, it.max_q_rows, gcfg["BLOCK_M"], H)
-                gkernel[grid](*args, n_tiles, j, **common)
+                relaunch.run(gkernel, grid, *args, n_tiles, j, **common)
             LAUNCHES["forward_ws" if ws else "forward_hopper"] += 1
             continue
         grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], H)
-        dilated_fwd_branch_kernel[grid](
+        relaunch.run(dilated_fwd_branch_kernel, grid,
             q, k, v, o, lse, out, rates, it.items, qv, kv, per_branch[i], *strides,
             Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles, j,
             HEAD_DIM=head_dim_block(D), D=D, MERGE=j > 0, LAST=i == last, UPCAST=dot_mode(q.dtype), TMA=tma,
@@ -380,7 +380,7 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
                 for dkdv_cfg in dkdv_cfgs:  # one launch, or at D = 256 one for dV and one for dK
                     kernel, dkdv_cfg = backward_hopper.dkdv_kernel(dkdv_cfg, cdiv(group, n_classes))
                     grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
-                    kernel[grid](
+                    relaunch.run(kernel, grid,
                         *hopper_tensors, it.items, *hopper_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
                         pb.scale * LOG2E, n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes),
                         IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dkdv_cfg,
@@ -390,7 +390,7 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
                     LAUNCHES["dq_fused"] += bool(dkdv_cfg["FUSED_DQ"])
             else:
                 grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
-                dilated_bwd_dkdv_kernel[grid](
+                relaunch.run(dilated_bwd_dkdv_kernel, grid,
                     *kv_tensors, it.items, qv, kv, s, *kv_strides,
                     Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
                     inv_keep, n_tiles, j,
@@ -400,7 +400,7 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
             for j, i, r, it, s, merge in launches if not fused else ():
                 if dq_cfg:
                     grid, n_tiles = items_grid(it.n_items, it.max_q_rows, dq_cfg["BLOCK_M"], H)
-                    backward_hopper.dilated_bwd_dq_hopper_kernel[grid](
+                    relaunch.run(backward_hopper.dilated_bwd_dq_hopper_kernel, grid,
                         *q_tensors, it.items, *q_strides, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E,
                         n_tiles, j,
                         HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dq_cfg,
@@ -408,7 +408,7 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
                     LAUNCHES["dq_hopper"] += 1
                 else:
                     grid, n_tiles = items_grid(it.n_items, it.max_q_rows, q_cfg["BLOCK_M"], H)
-                    dilated_bwd_dq_kernel[grid](
+                    relaunch.run(dilated_bwd_dq_kernel, grid,
                         *q_tensors, it.items, qv, kv, s, *q_strides,
                         Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr,
                         inv_keep, n_tiles, j, HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge,
@@ -439,7 +439,7 @@ def decode(q, k, v, pb: Problem, q_pos, q_valid, k_valid, kdesc):
     hd = head_dim_block(D)
     cfg = decode_config(hd, q.dtype)
     grid = (cdiv(Nq, cfg["BLOCK_M"]), H, B)
-    dilated_decode_kernel[grid](
+    relaunch.run(dilated_decode_kernel, grid,
         q, k, v, o, lse, q_pos.contiguous(), qv, kv, kdesc, table, streams,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         Nq, k.shape[2], B, H, pb.head_offset, group, pb.scale * LOG2E, window, thr, inv_keep,
