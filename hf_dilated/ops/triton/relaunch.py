@@ -27,6 +27,7 @@ ENABLED = True
 DIRECT = 0
 _COMPILED: dict = {}
 _NOT_DIRECT: set = set()
+_INTS: dict = {}
 _I32, _I64 = 2**31, 2**63
 
 
@@ -37,9 +38,15 @@ class Unkeyed(TypeError):
 def spec(arg):
     """A hashable value that tells apart at least every two arguments that Triton's specialisation tells apart:
     a tensor's dtype and 16-byte alignment; an int's range (int32, int64, uint64), whether it is 1 and whether 16
-    divides it; the type of a float, a bool or None (Triton does not specialise on their values)."""
+    divides it; the type of a float, a bool or None (Triton does not specialise on their values). An int's is
+    remembered (strides and sizes repeat from launch to launch: a lookup costs a third of working it out)."""
     if type(arg) is int:
-        return arg == 1, arg % 16 == 0, 0 if -_I32 <= arg < _I32 else 1 if -_I64 <= arg < _I64 else 2
+        hit = _INTS.get(arg)
+        if hit is None:
+            if len(_INTS) >= 65536:
+                _INTS.clear()
+            hit = _INTS[arg] = (arg == 1, arg % 16 == 0, 0 if -_I32 <= arg < _I32 else 1 if -_I64 <= arg < _I64 else 2)
+        return hit
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
     if arg is None or type(arg) in (float, bool):
@@ -55,7 +62,7 @@ def run(kernel, grid, *args, **constexprs):
     if not ENABLED or kernel in _NOT_DIRECT or interpreting():
         return kernel[grid](*args, **constexprs)
     try:
-        key = (kernel, torch.cuda.current_device(), tuple([spec(a) for a in args]), tuple(constexprs.items()))
+        key = (kernel, torch.cuda.current_device(), tuple(map(spec, args)), tuple(constexprs.items()))
         hit = _COMPILED.get(key)
     except TypeError:  # Unkeyed, or a keyword value that is not hashable
         return kernel[grid](*args, **constexprs)
