@@ -1,7 +1,8 @@
 """Host time of one dilated-attention (or ``--op block_sparse``) call, its kernel launches replaced by no-ops (runs
 on a CPU, no GPU or interpreter needed): the Python and dispatch work a GPU waits on when a problem is small, as
-SmolLM2's 9/3/64 heads at 16K are (``benchmarks/NOTES_triton.md``). Triton's own launch cost (binding ~35 arguments
-per kernel) is not in these numbers.
+SmolLM2's 9/3/64 heads at 16K are (``benchmarks/NOTES_triton.md``). The launches' own cost is not in these numbers
+(Triton's binding of ~35 arguments per kernel, or ``relaunch``'s key and the compiled kernel's launcher; measured on
+the GPU by ``benchmarks/timeline.py``).
 
     python benchmarks/host_overhead.py                     # forward and forward+backward, microseconds per call
     python benchmarks/host_overhead.py --root /tmp/base    # another checkout (git archive REV hf_dilated | tar -x -C)
@@ -50,6 +51,11 @@ def main() -> None:
     for name in BS_KERNELS:
         setattr(block_sparse, name, _NoLaunch())
     triton_backend.is_available = lambda device: True  # the launchers run on the CPU, their kernels do nothing
+    try:  # launches through the stand-ins (a direct relaunch needs compiled kernels)
+        from hf_dilated.ops.triton import relaunch
+        relaunch.ENABLED = False
+    except ImportError:  # a checkout from before round 2's session 38
+        pass
     H, Hk, D = (int(x) for x in args.shape.split("/"))
     ws, rs = [w for w, _ in LONGNET], [r for _, r in LONGNET]
     q = torch.randn(1, H, args.n, D, dtype=torch.bfloat16)
