@@ -126,7 +126,7 @@ def recorded_launches(arch: int, into: list, case: list):
     """Inside the block, kernel launches are recorded (not run) and the launchers choose what they would choose on a
     GPU of compute capability ``arch // 10``: its config tables, TMA loads from Hopper on."""
     from hf_dilated.ops import triton as triton_backend
-    from hf_dilated.ops.triton import configs, launch, tuned
+    from hf_dilated.ops.triton import configs, launch, relaunch, tuned
 
     def record(self, *args, grid, warmup, **kwargs):
         into.append(Launch(self, args, kwargs, case[0]))
@@ -140,6 +140,7 @@ def recorded_launches(arch: int, into: list, case: list):
         (triton_backend, "is_available", lambda device: True),
         (triton, "set_allocator", lambda alloc: None),
         (launch, "sm_count", lambda device: 132),  # the H100's: the grids (persistent ones included) of a GPU
+        (relaunch, "ENABLED", False),  # every launch through JITFunction.run, recorded
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:

@@ -66,7 +66,7 @@ def run(kernel, grid, *args, **constexprs):
     try:
         key = (kernel, torch.cuda.current_device(), tuple(map(spec, args)), tuple(constexprs.items()))
         hit = _COMPILED.get(key)
-    except TypeError:  # Unkeyed, or a keyword value that is not hashable
+    except (TypeError, AssertionError, RuntimeError):  # Unkeyed, a keyword value that is not hashable, no CUDA
         return kernel[grid](*args, **constexprs)
     if hit is not None:
         compiled, tail = hit
