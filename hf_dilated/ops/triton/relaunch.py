@@ -58,8 +58,8 @@ def spec(arg):
 
 def run(kernel, grid, *args, **constexprs):
     """``kernel[grid](*args, **constexprs)``; a launch whose key (:func:`spec` of each of ``args``, ``constexprs``'
-    values, the current device) compiled before runs that compiled kernel directly. ``args`` are the kernel's
-    runtime arguments by position; constexprs and launch options go by keyword."""
+    values, the current device) compiled before runs that compiled kernel directly. ``grid``: a tuple of 1-3 ints;
+    ``args``: the kernel's runtime arguments by position; constexprs and launch options go by keyword."""
     global DIRECT
     if not ENABLED or kernel in _NOT_DIRECT or interpreting():
         return kernel[grid](*args, **constexprs)
