@@ -5,7 +5,10 @@ dilated backward's dK/dV launch that adds dQ (``HF_DILATED_FUSED_DQ=1``) against
 against the one-warpgroup Gluon forward and the portable block-sparse dq. ``--switch ws_dkdv``: the warp-specialized
 fused dK/dV (``HF_DILATED_WS_DKDV=1``, head dim 128) against the fused dK/dV of one 8-warp program.
 ``--switch persistent``: the warp-specialized forward's persistent programs (``HF_DILATED_PERSISTENT=1``, one per SM)
-against one segment item a program (bit-identical: the same tiles).
+against one segment item a program (bit-identical: the same tiles). ``--switch relaunch``: the kernels relaunched
+directly (``ops/triton/relaunch.py``) against Triton's own launch of every call (the same kernels, bit for bit; a host
+time change, so it shows where the host sets the pace: small heads, 16K). Interleaved in one process, as here, is
+how to measure a host-time change: the lent host's speed drifts between runs by more than such a change.
 
 - ``--op dilated``: ``launch.forward`` / ``launch.backward`` (``ops/triton/forward_hopper.py``,
   ``backward_hopper.py``), LongNet branches w = 2048..32768, r = 1..16 (the attention benchmark's), causal.
@@ -28,6 +31,7 @@ SPEC's 1e-2. Then it times the pass with ``triton.testing.do_bench`` (median) fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -122,7 +126,32 @@ SWITCHES = {
     # the warp-specialized fused dK/dV against the one-program fused dK/dV: the same products (dK, dV bit for bit),
     # dQ by reduce-adds in no fixed order
     "ws_dkdv": ("HF_DILATED_WS_DKDV", ("fused_dkdv", "warp_specialized"), {"backward": ("dkdv_ws",)}, False),
+    # the compiled kernels relaunched directly against Triton's launch of every call: the same kernels; read at
+    # import, so switched as relaunch.ENABLED (the "1" side counted by relaunch.DIRECT)
+    "relaunch": ("HF_DILATED_RELAUNCH", ("triton_launch", "direct"), {"forward": (), "backward": ()}, True),
 }
+
+
+def set_switch(switch: str, flag: str) -> None:
+    """Select one side (``"0"`` / ``"1"``) of ``switch`` for the launches that follow."""
+    if switch == "relaunch":
+        from hf_dilated.ops.triton import relaunch
+
+        relaunch.ENABLED = flag == "1"
+    else:
+        os.environ[SWITCHES[switch][0]] = flag
+
+
+@contextlib.contextmanager
+def switch_restored():
+    """``relaunch.ENABLED`` as it was, on the way out (the other switches live in the environment)."""
+    from hf_dilated.ops.triton import relaunch
+
+    enabled = relaunch.ENABLED
+    try:
+        yield
+    finally:
+        relaunch.ENABLED = enabled
 
 
 def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, rounds: int,
@@ -134,13 +163,19 @@ def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, r
     q, do = (torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     k, v = (torch.randn(1, Hk, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     run, launches = OPS[op, which](q, k, v, do, block)
-    variable, (off, on), counters, _ = SWITCHES[switch]
-    counted = lambda: sum(launches[c] for c in counters[which])  # noqa: E731
+    _, (off, on), counters, _ = SWITCHES[switch]
+    if switch == "relaunch":
+        from hf_dilated.ops.triton import relaunch
+
+        run()  # the first launch of each key goes through Triton on either side
+        counted = lambda: relaunch.DIRECT  # noqa: E731
+    else:
+        counted = lambda: sum(launches[c] for c in counters[which])  # noqa: E731
     kernels = {off: "0", on: "1"}
     grads, ran = {}, {}
-    with mock.patch.dict(os.environ):  # the switch is set per call below and restored on the way out
+    with mock.patch.dict(os.environ), switch_restored():  # set per call below, restored on the way out
         for name, flag in kernels.items():
-            os.environ[variable] = flag
+            set_switch(switch, flag)
             before = counted()
             grads[name] = run()
             ran[name] = counted() > before
@@ -157,7 +192,7 @@ def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, r
                    ms={name: [] for name in kernels})
         for _ in range(rounds):
             for name, flag in kernels.items():
-                os.environ[variable] = flag
+                set_switch(switch, flag)
                 row["ms"][name].append(round(do_bench(run, warmup=25, rep=150, return_mode="median"), 4))
     med = {name: sorted(v)[len(v) // 2] for name, v in row["ms"].items()}
     row["speedup_median"] = round(med[off] / med[on], 3)
@@ -177,7 +212,8 @@ def main() -> int:
                          "Gluon dK/dV and dQ kernels (dilated backward); ws: the warp-specialized kernels (forward "
                          "at head dim 128, block-sparse dQ) against the one-warpgroup ones; persistent: the "
                          "warp-specialized forward's persistent programs against one item a program; ws_dkdv: the "
-                         "warp-specialized fused dK/dV against the one-program one (dilated backward, head dim 128)")
+                         "warp-specialized fused dK/dV against the one-program one (dilated backward, head dim 128); "
+                         "relaunch: the kernels relaunched directly against Triton's launch of every call")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     dilated_only = ("fused_dq", "ws_dkdv", "persistent")
@@ -211,7 +247,7 @@ def main() -> int:
         json.dump(dict(meta=meta, command=" ".join(sys.argv), rows=rows), f, indent=1)
     print("wrote", path)
     # same products in the same order: bit for bit
-    if (args.which == "backward" or args.switch in ("ws", "persistent")) and SWITCHES[args.switch][3]:
+    if (args.which == "backward" or args.switch in ("ws", "persistent", "relaunch")) and SWITCHES[args.switch][3]:
         differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows if not all(r["identical"].values())]
     else:  # the forward (and the fused dQ) may differ in the last bf16 bits, not more (a NaN is a difference)
         differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows
