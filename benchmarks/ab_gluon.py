@@ -31,7 +31,6 @@ SPEC's 1e-2. Then it times the pass with ``triton.testing.do_bench`` (median) fo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
@@ -45,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hf_dilated.environment import run_environment  # noqa: E402
+from hf_dilated.ops.triton import relaunch  # noqa: E402
 from hf_dilated.ops.layout import resolve_layout  # noqa: E402
 
 CASES = ((16384, 16, 16, 128), (65536, 16, 16, 128), (262144, 16, 16, 128), (65536, 32, 8, 128), (65536, 9, 3, 64))
@@ -135,23 +135,9 @@ SWITCHES = {
 def set_switch(switch: str, flag: str) -> None:
     """Select one side (``"0"`` / ``"1"``) of ``switch`` for the launches that follow."""
     if switch == "relaunch":
-        from hf_dilated.ops.triton import relaunch
-
         relaunch.ENABLED = flag == "1"
     else:
         os.environ[SWITCHES[switch][0]] = flag
-
-
-@contextlib.contextmanager
-def switch_restored():
-    """``relaunch.ENABLED`` as it was, on the way out (the other switches live in the environment)."""
-    from hf_dilated.ops.triton import relaunch
-
-    enabled = relaunch.ENABLED
-    try:
-        yield
-    finally:
-        relaunch.ENABLED = enabled
 
 
 def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, rounds: int,
@@ -165,15 +151,14 @@ def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, r
     run, launches = OPS[op, which](q, k, v, do, block)
     _, (off, on), counters, _ = SWITCHES[switch]
     if switch == "relaunch":
-        from hf_dilated.ops.triton import relaunch
-
         run()  # the first launch of each key goes through Triton on either side
         counted = lambda: relaunch.DIRECT  # noqa: E731
     else:
         counted = lambda: sum(launches[c] for c in counters[which])  # noqa: E731
     kernels = {off: "0", on: "1"}
     grads, ran = {}, {}
-    with mock.patch.dict(os.environ), switch_restored():  # set per call below, restored on the way out
+    # set per call below, restored on the way out
+    with mock.patch.dict(os.environ), mock.patch.object(relaunch, "ENABLED", relaunch.ENABLED):
         for name, flag in kernels.items():
             set_switch(switch, flag)
             before = counted()
