@@ -86,7 +86,7 @@ from .hopper import (
     WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
     fence_async_shared, first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows,
     mma_layout, query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc, runnable,
-    score_buffers, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init,
+    lse_base2, score_buffers, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init,
     warpgroup_mma_wait, written_before,
 )
 from .tiles import LOG2E
@@ -278,8 +278,7 @@ if gluon is not None:
                 tma_load(do_desc, [q_cur, 0], ready.index(buf), do_smem.index(buf))
             for s in range(0, n_steps_h):
                 buf = it % 2
-                lse = gl.convert_layout(lse_next, query_axis)
-                lse = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+                lse = gl.convert_layout(lse_base2(lse_next), query_axis)
                 delta = gl.convert_layout(delta_next, query_axis)
                 needs_mask = q_cur < full_from  # some key of the tile after some query of the step
                 q_step = q_cur

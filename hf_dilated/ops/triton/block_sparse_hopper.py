@@ -41,7 +41,7 @@ from .hopper import (
     available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_first, fwd_last, fwd_step, gl,
     gluon, masked_scores, mbarrier, mma_layout, query_tile_buffers, release_barriers, row_desc, runnable, softmax_first,
     softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, WS_LAUNCH,
-    ws_barriers, ws_copy_kv,
+    ws_barriers, ws_copy_kv, lse_base2,
 )
 from .tiles import LOG2E
 
@@ -177,8 +177,7 @@ if gluon is not None:
                 buf = it % 2
                 q0 = q_cur
                 qc = q0 + rows
-                lse = gl.convert_layout(lse_next, query_axis)
-                lse = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+                lse = gl.convert_layout(lse_base2(lse_next), query_axis)
                 delta = gl.convert_layout(delta_next, query_axis)
                 mbarrier.wait(ready.index(buf), (it // 2) % 2)
                 qs = q_smem.index(buf)

@@ -19,7 +19,7 @@ from unittest import mock
 import triton
 
 from . import configs
-from .tiles import _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI, _IT_Q_LO
+from .tiles import LOG2E, _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI, _IT_Q_LO
 
 try:  # Gluon is experimental; a Triton without it (or with another API) keeps the portable kernels
     from triton.experimental import gluon
@@ -476,6 +476,13 @@ if gluon is not None:
         return k_smem, v_smem, q_smem, do_smem, kv_bar, ready
 
     @gluon.jit
+    def lse_base2(lse):
+        """A dK/dV step's lse rows in base 2, a row that saw no key read as 0, taken where the step begins (a step
+        after their load: converted as they arrive, each step waited for its load) and before they are spread over
+        the score tile's columns: once a row, not once per column a thread holds (16 at 64 queries)."""
+        return gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+
+    @gluon.jit
     def dkdv_scores(k_smem, v_smem, qs, dos, s_zero, dk, dv):
         """A dK/dV step's transposed products, ``S^T = K Q^T`` and ``dP^T = V dO^T`` (K, V, Q, dO in shared memory),
         issued asynchronously: ``(S^T, dP^T in flight, dk, dv)``. Products of the last step still in flight (the
@@ -549,7 +556,7 @@ if gluon is not None:
         return dk, dv
 
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
-    query_tile_keys = row_desc = dkdv_buffers = dkdv_scores = dkdv_products = first_selected = n_rows = None
+    query_tile_keys = row_desc = dkdv_buffers = dkdv_scores = dkdv_products = lse_base2 = first_selected = n_rows = None
     dkdv_dq_products = register_product = score_buffers = None
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
