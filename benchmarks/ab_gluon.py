@@ -132,6 +132,14 @@ SWITCHES = {
 }
 
 
+def agree(row: dict, bitwise: bool) -> bool:
+    """Whether a case's two sides agree: every result within 1e-2 of the other (relative; a NaN is a difference: the
+    forward may differ in its last bf16 bits) and, ``bitwise``, bit for bit, but for the ``unordered`` ones (dQ where
+    the fused dK/dV launch summed it by reduce-adds in no fixed order)."""
+    close = all(math.isfinite(x) and x <= 1e-2 for x in row["rel_err"].values())
+    return close and (not bitwise or all(same for n, same in row["identical"].items() if n not in row["unordered"]))
+
+
 def set_switch(switch: str, flag: str) -> None:
     """Select one side (``"0"`` / ``"1"``) of ``switch`` for the launches that follow."""
     if switch == "relaunch":
@@ -157,6 +165,7 @@ def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, r
         counted = lambda: sum(launches[c] for c in counters[which])  # noqa: E731
     kernels = {off: "0", on: "1"}
     grads, ran = {}, {}
+    fused_before = launches["dq_fused"]
     # set per call below, restored on the way out
     with mock.patch.dict(os.environ), mock.patch.object(relaunch, "ENABLED", relaunch.ENABLED):
         for name, flag in kernels.items():
@@ -174,7 +183,10 @@ def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, r
                    max_abs_diff={n: float((a.float() - b.float()).abs().max()) for n, a, b in pairs},
                    rel_err={n: float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
                             for n, a, b in pairs},
-                   ms={name: [] for name in kernels})
+                   ms={name: [] for name in kernels},
+                   # dQ summed by the fused dK/dV launch's reduce-adds, in no fixed order: held to the tolerance, not
+                   # bit for bit, whatever the switch
+                   unordered=["q"] if launches["dq_fused"] > fused_before else [])
         for _ in range(rounds):
             for name, flag in kernels.items():
                 set_switch(switch, flag)
@@ -232,11 +244,8 @@ def main() -> int:
         json.dump(dict(meta=meta, command=" ".join(sys.argv), rows=rows), f, indent=1)
     print("wrote", path)
     # same products in the same order: bit for bit
-    if (args.which == "backward" or args.switch in ("ws", "persistent", "relaunch")) and SWITCHES[args.switch][3]:
-        differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows if not all(r["identical"].values())]
-    else:  # the forward (and the fused dQ) may differ in the last bf16 bits, not more (a NaN is a difference)
-        differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows
-                  if any(not math.isfinite(x) or x > 1e-2 for x in r["rel_err"].values())]
+    bitwise = (args.which == "backward" or args.switch in ("ws", "persistent", "relaunch")) and SWITCHES[args.switch][3]
+    differ = [(r["N"], r["H"], r["Hk"], r["D"]) for r in rows if not agree(r, bitwise)]
     if differ:
         print(f"results differ between the kernels for (N, H, Hk, D) = {differ}", file=sys.stderr)
         return 1

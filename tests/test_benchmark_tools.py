@@ -243,6 +243,24 @@ def test_ab_gluon_refuses_bad_options_by_name(argv, option):
     assert run.returncode == 2 and option in run.stderr, run.stderr[-2000:]
 
 
+def test_ab_gluon_holds_unordered_dq_to_the_tolerance_and_the_rest_bit_for_bit():
+    """A case's sides agree bit for bit, except dQ where the fused dK/dV launch summed it in no fixed order (the relaunch
+    A/B at head dim 128 reported such a run as a failure): that one is held to 1e-2, and a NaN never agrees."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ab_gluon
+
+    def row(q=True, k=True, rel_q=0.0, unordered=()):
+        return dict(identical=dict(q=q, k=k, v=True), rel_err=dict(q=rel_q, k=0.0, v=0.0), unordered=list(unordered))
+
+    assert ab_gluon.agree(row(), True)
+    assert not ab_gluon.agree(row(q=False, rel_q=1e-6), True)  # dQ of a deterministic launch: bit for bit
+    assert ab_gluon.agree(row(q=False, rel_q=1e-6, unordered="q"), True)
+    assert not ab_gluon.agree(row(q=False, rel_q=0.5, unordered="q"), True)  # beyond the tolerance
+    assert not ab_gluon.agree(row(q=False, rel_q=float("nan"), unordered="q"), True)
+    assert not ab_gluon.agree(row(k=False), True)  # dK is summed in order: one bit is a difference
+    assert ab_gluon.agree(row(k=False), False)  # a forward-like comparison: within the tolerance is enough
+
+
 def test_kernel_resources_refuses_a_bad_full_errors_switch():
     """``KERNEL_RESOURCES_FULL_ERRORS`` takes on / off words only: anything else stops the tool before it compiles,
     naming the variable (a typo must not silently pick one of the two)."""
