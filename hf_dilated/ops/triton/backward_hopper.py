@@ -84,9 +84,9 @@ import torch
 
 from .hopper import (
     WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
-    fence_async_shared, first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, mbarrier, n_rows,
-    mma_layout, query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc, runnable,
-    lse_base2, score_buffers, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init,
+    fence_async_shared, first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, lse_base2,
+    mbarrier, n_rows, mma_layout, query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc,
+    runnable, score_buffers, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init,
     warpgroup_mma_wait, written_before,
 )
 from .tiles import LOG2E

@@ -38,10 +38,10 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_first, fwd_last, fwd_step, gl,
-    gluon, masked_scores, mbarrier, mma_layout, query_tile_buffers, release_barriers, row_desc, runnable, softmax_first,
+    available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_first, fwd_last, fwd_step, gl, gluon, lse_base2,
+    masked_scores, mbarrier, mma_layout, query_tile_buffers, release_barriers, row_desc, runnable, softmax_first,
     softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, WS_LAUNCH,
-    ws_barriers, ws_copy_kv, lse_base2,
+    ws_barriers, ws_copy_kv,
 )
 from .tiles import LOG2E
 
