@@ -293,6 +293,50 @@ def test_eager_autograd_equals_the_registered_op(rng, monkeypatch):
         assert torch.equal(a, b), f"d{name} differs under torch.func.vjp"
 
 
+def dispatched_ops(fn) -> set:
+    """The hf_dilated custom ops the dispatcher ran during ``fn()`` (as the profiler records them)."""
+    with torch.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("hf_dilated::")}
+
+
+def test_eager_calls_skip_the_dispatcher_where_nothing_needs_it(rng):
+    """Eager forward+backward and calls without gradients run the ops' Python implementations themselves: the
+    dispatcher's per-call work is host time a small problem's GPU waits for. A backward with ``create_graph=True``
+    keeps the backward op, whose second derivative raises instead of being silently zero; meta and subclass tensors,
+    and tensors autograd follows, take the op (``eager_autograd.direct``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_dilated.ops import eager_autograd
+
+    q, k, v = make_qkv(rng, 1, 4, 2, 40, 40, 16, torch.float32, "cpu")
+
+    def attend():
+        return hf_dilated.dilated_attention(q, k, v, [8, 16], [1, 2], backend="triton")
+
+    assert dispatched_ops(lambda: torch.autograd.grad(attend().sum(), (q, k, v))) == set()
+    with torch.no_grad():
+        assert dispatched_ops(attend) == set()
+    grads = []
+    assert dispatched_ops(lambda: grads.append(torch.autograd.grad(attend().sum(), q, create_graph=True)[0])) == {
+        "hf_dilated::dilated_attention_bwd"}
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        grads[0].sum().backward()
+
+    class Marked(torch.Tensor):
+        pass
+
+    plain = q.detach()
+    assert eager_autograd.direct((plain, 1, [2, 4], None))
+    assert not eager_autograd.direct((q,))  # grad mode on, a tensor autograd follows
+    with torch.no_grad():
+        assert eager_autograd.direct((q,))
+    assert not eager_autograd.direct((torch.empty(2, device="meta"),))
+    assert not eager_autograd.direct((plain.as_subclass(Marked),))
+    with FlopCounterMode(display=False):  # a dispatch mode sees the op as one call
+        assert not eager_autograd.direct((plain,))
+
+
 def layout_of(q_pos, k_pos, k_valid=None, q_valid=None, q_seq=None, k_seq=None):
     """A TokenLayout written out by hand (the kernels' reading of a layout, independent of how callers build it)."""
     B, Nq = q_pos.shape

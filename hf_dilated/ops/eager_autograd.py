@@ -9,6 +9,12 @@ usually), which cost a fill and a ``delta - dlse`` pass. A small problem's GPU w
 op as registered: one definition of the gradient, two ways in. The Function is of the ``setup_context`` style, which
 ``torch.func`` transforms accept (an old-style ``forward(ctx, ...)`` would skip ``inspect.signature`` per call, about
 20 us here, and lose them).
+
+Eager calls also skip the dispatcher where nothing needs it (:func:`eager_op`): the Function's forward and backward,
+and calls without gradients, run the op's Python implementation itself. Through torch.library each op call spent
+about 50 us on this project's CPU (the autograd key's redispatch, the schema's checks, the no-alias check of the
+outputs): 107 of the 417 us of host time of a forward+backward of SmolLM2's 9 / 3 heads
+(``benchmarks/host_overhead.py``), time a small problem's GPU waits for.
 """
 
 from __future__ import annotations
@@ -16,6 +22,42 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+
+try:  # PyTorch has no public way to ask; this private helper has existed since 2.1
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode as _dispatch_mode_active
+except ImportError:  # pragma: no cover - unknown: every call dispatches the op, as it would without eager_op
+    def _dispatch_mode_active() -> bool:
+        return True
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def direct(args: tuple) -> bool:
+    """Whether eager code may run an op's Python implementation on ``args`` itself instead of dispatching the op: not
+    traced, no ``TorchDispatchMode`` active (a mode sees the op as one call: fake tensors, FLOP counters, op
+    recorders), every tensor a plain one on a real device (meta and subclass tensors take the registered op: its fake
+    implementation, the subclass's own handling), and none that autograd would follow through the call (grad mode on
+    and a tensor requiring grad, as in a backward with ``create_graph=True``: through the op, differentiating its
+    outputs raises; the implementation's kernels would leave them silently constant)."""
+    if torch.compiler.is_compiling() or _dispatch_mode_active():
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or a.is_meta or (grad and a.requires_grad)):
+            return False
+    return True
+
+
+def eager_op(op, impl: Callable) -> Callable:
+    """``op`` (a ``torch.ops`` custom op), except where :func:`direct` allows calling ``impl``, the Python function
+    it was registered from: the same computation without the dispatcher's per-call work."""
+
+    def run(*args):
+        return impl(*args) if direct(args) else op(*args)
+
+    run.__name__ = run.__qualname__ = f"eager_{impl.__name__}"
+    return run
 
 
 def eager_function(name: str, op, setup_context: Callable, backward: Callable) -> type[torch.autograd.Function]:

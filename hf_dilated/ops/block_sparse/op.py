@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..dilated import check_scale
-from ..eager_autograd import call, eager_function
+from ..eager_autograd import call, eager_function, eager_op
 from ..dilated import check_tensors as check_dilated_tensors
 from ..dilated import choose_backend
 from ..layout import TokenLayout, resolve_layout, zero_padding
@@ -39,8 +39,7 @@ def _kernels_ok(q, k, v, block_size) -> bool:
     return kernels_support(q, k, v, block_size)
 
 
-@torch.library.custom_op("hf_dilated::block_sparse_fwd", mutates_args=())
-def block_sparse_fwd(
+def _block_sparse_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_count: torch.Tensor, kv_index: torch.Tensor,
     q_pos: torch.Tensor, q_seq: torch.Tensor, q_valid: torch.Tensor,
     k_pos: torch.Tensor, k_seq: torch.Tensor, k_valid: torch.Tensor,
@@ -56,6 +55,9 @@ def block_sparse_fwd(
     return out.contiguous(), lse.float().contiguous()
 
 
+block_sparse_fwd = torch.library.custom_op("hf_dilated::block_sparse_fwd", mutates_args=())(_block_sparse_fwd)
+
+
 @block_sparse_fwd.register_fake
 def _(q, k, v, kv_count, kv_index, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, block_size, contiguous,
       is_causal, scale):
@@ -63,8 +65,7 @@ def _(q, k, v, kv_count, kv_index, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid,
     return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=torch.float32)
 
 
-@torch.library.custom_op("hf_dilated::block_sparse_bwd", mutates_args=())
-def block_sparse_bwd(
+def _block_sparse_bwd(
     do: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, kv_count: torch.Tensor, kv_index: torch.Tensor,
     q_ptr: torch.Tensor, q_flat: torch.Tensor,
@@ -92,6 +93,9 @@ def block_sparse_bwd(
     return tuple(g.contiguous() for g in vjp((do.to(o.dtype), dl)))
 
 
+block_sparse_bwd = torch.library.custom_op("hf_dilated::block_sparse_bwd", mutates_args=())(_block_sparse_bwd)
+
+
 @block_sparse_bwd.register_fake
 def _(do, dlse, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -104,16 +108,22 @@ def _setup_context(ctx, inputs, output):
     ctx.params = (b, contiguous, is_causal, scale)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, kv_count, kv_index, *tokens = ctx.saved_tensors
-    b = ctx.params[0]
-    has_dlse = dlse is not None
-    dout = torch.zeros_like(out) if dout is None else dout
-    dlse = lse.new_zeros(()) if dlse is None else dlse
-    q_ptr, q_flat = _transpose_of(kv_count, kv_index, b)
-    dq, dk, dv = block_sparse_bwd(dout, dlse, q, k, v, out, lse, kv_count, kv_index, q_ptr, q_flat, *tokens,
-                                  *ctx.params, has_dlse)
-    return (dq, dk, dv) + (None,) * 12
+def _backward_through(bwd):
+    """The op's backward, computing the gradients with ``bwd`` (the backward op, or in eager code
+    :func:`~hf_dilated.ops.eager_autograd.eager_op`'s choice of it or its implementation)."""
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, kv_count, kv_index, *tokens = ctx.saved_tensors
+        b = ctx.params[0]
+        has_dlse = dlse is not None
+        dout = torch.zeros_like(out) if dout is None else dout
+        dlse = lse.new_zeros(()) if dlse is None else dlse
+        q_ptr, q_flat = _transpose_of(kv_count, kv_index, b)
+        dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, kv_count, kv_index, q_ptr, q_flat, *tokens, *ctx.params,
+                         has_dlse)
+        return (dq, dk, dv) + (None,) * 12
+
+    return backward
 
 
 # The transpose of the layout most recently used, keyed by its index tensor (a model's layers share one layout).
@@ -133,16 +143,18 @@ def _transpose_of(kv_count: torch.Tensor, kv_index: torch.Tensor, block_size: in
     return value
 
 
-torch.library.register_autograd("hf_dilated::block_sparse_fwd", _backward, setup_context=_setup_context)
-_EagerAutograd = eager_function("BlockSparseAttentionFunction", torch.ops.hf_dilated.block_sparse_fwd,
-                                _setup_context, _backward)
+torch.library.register_autograd("hf_dilated::block_sparse_fwd", _backward_through(block_sparse_bwd),
+                                setup_context=_setup_context)
+_forward_op = eager_op(torch.ops.hf_dilated.block_sparse_fwd, _block_sparse_fwd)
+_EagerAutograd = eager_function("BlockSparseAttentionFunction", _forward_op, _setup_context,
+                                _backward_through(eager_op(torch.ops.hf_dilated.block_sparse_bwd, _block_sparse_bwd)))
 
 
 def block_sparse_op(query, key, value, blocks: BlockLayout, tokens: TokenLayout, is_causal: bool, scale: float):
     """The custom op on resolved layouts: ``(out, lse)``, differentiable w.r.t. query, key, value (and the lse)."""
     args = (query, key, value, blocks.kv_count, blocks.kv_index, *_tokens(tokens),
             int(blocks.block_size), bool(tokens.contiguous), bool(is_causal), float(scale))
-    return call(_EagerAutograd, torch.ops.hf_dilated.block_sparse_fwd, args, (query, key, value))
+    return call(_EagerAutograd, _forward_op, args, (query, key, value))
 
 
 # ---- the public op -------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..eager_autograd import call, eager_function
+from ..eager_autograd import call, eager_function, eager_op
 from ..layout import TokenLayout, _IdentityMemo
 from ..reference import dilated_attention_reference
 from . import launch
@@ -182,8 +182,7 @@ def _reference(q, k, v, pb: launch.Problem, layout: TokenLayout):
     return dilated_attention_reference(q, k, v, pb.branches, layout, pb.is_causal, pb.scale, pb.head_offset, **extra)
 
 
-@torch.library.custom_op("hf_dilated::dilated_attention_fwd", mutates_args=())
-def dilated_attention_fwd(
+def _attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_pos: torch.Tensor, q_seq: torch.Tensor, q_valid: torch.Tensor,
     k_pos: torch.Tensor, k_seq: torch.Tensor, k_valid: torch.Tensor,
@@ -206,6 +205,9 @@ def dilated_attention_fwd(
     return out.contiguous(), lse.float().contiguous()
 
 
+dilated_attention_fwd = torch.library.custom_op("hf_dilated::dilated_attention_fwd", mutates_args=())(_attention_fwd)
+
+
 def _kernels_fwd(q, k, v, pb, plan, key, layout):
     desc = _decode_desc(layout, plan, q, k)
     if desc is not None:
@@ -219,8 +221,7 @@ def _(q, k, v, *args):
     return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=torch.float32)
 
 
-@torch.library.custom_op("hf_dilated::dilated_attention_bwd", mutates_args=())
-def dilated_attention_bwd(
+def _attention_bwd(
     do: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor,
     q_pos: torch.Tensor, q_seq: torch.Tensor, q_valid: torch.Tensor,
@@ -256,6 +257,9 @@ def dilated_attention_bwd(
     return tuple(g.contiguous() for g in vjp((do.to(o.dtype), dl)))
 
 
+dilated_attention_bwd = torch.library.custom_op("hf_dilated::dilated_attention_bwd", mutates_args=())(_attention_bwd)
+
+
 @dilated_attention_bwd.register_fake
 def _(do, dlse, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -271,29 +275,35 @@ def _setup_context(ctx, inputs, output):
     ctx.strict = strict
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid = ctx.saved_tensors
-    has_dlse = dlse is not None
-    if dout is None:
-        dout = torch.zeros_like(out)
-    if dlse is None:
-        dlse = lse.new_zeros(())
-    dq, dk, dv = dilated_attention_bwd(
-        dout, dlse, q, k, v, out, lse, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, *ctx.params, ctx.seed,
-        ctx.strict, has_dlse,
-    )
-    return (dq, dk, dv) + (None,) * 17
+def _backward_through(bwd):
+    """The op's backward, computing the gradients with ``bwd`` (the backward op, or in eager code :func:`eager_op`'s
+    choice of it or its implementation)."""
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid = ctx.saved_tensors
+        has_dlse = dlse is not None
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if dlse is None:
+            dlse = lse.new_zeros(())
+        dq, dk, dv = bwd(
+            dout, dlse, q, k, v, out, lse, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, *ctx.params, ctx.seed,
+            ctx.strict, has_dlse,
+        )
+        return (dq, dk, dv) + (None,) * 17
+
+    return backward
 
 
-torch.library.register_autograd("hf_dilated::dilated_attention_fwd", _backward, setup_context=_setup_context)
+torch.library.register_autograd("hf_dilated::dilated_attention_fwd", _backward_through(dilated_attention_bwd),
+                                setup_context=_setup_context)
+
+_forward_op = eager_op(torch.ops.hf_dilated.dilated_attention_fwd, _attention_fwd)
+_EagerAutograd = eager_function("DilatedAttentionFunction", _forward_op, _setup_context,
+                                _backward_through(eager_op(torch.ops.hf_dilated.dilated_attention_bwd, _attention_bwd)))
 
 
-_EagerAutograd = eager_function("DilatedAttentionFunction", torch.ops.hf_dilated.dilated_attention_fwd,
-                                _setup_context, _backward)
-
-
-@torch.library.custom_op("hf_dilated::dilated_attention_decode", mutates_args=())
-def dilated_attention_decode(
+def _attention_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor,
     segment_lengths: list[int], dilation_rates: list[int], is_causal: bool, scale: float, head_offset: int,
     window: int, global_tokens: int,
@@ -302,6 +312,11 @@ def dilated_attention_decode(
     for ``p`` in ``[keys[b, 1], keys[b, 2])``; every query is real. One kernel launch, no host read."""
     pb = _problem(segment_lengths, dilation_rates, is_causal, scale, head_offset, window, global_tokens, 0.0, None)
     return launch.decode(q, k, v, pb, q_pos, None, None, keys.to(torch.int32))
+
+
+dilated_attention_decode = torch.library.custom_op("hf_dilated::dilated_attention_decode",
+                                                   mutates_args=())(_attention_decode)
+_decode_op = eager_op(torch.ops.hf_dilated.dilated_attention_decode, _attention_decode)
 
 
 @dilated_attention_decode.register_fake
@@ -345,11 +360,11 @@ def dilated_attention_triton(query, key, value, branches, layout: TokenLayout, i
     else:
         seed = None
     if _decodes(query, key, value, layout, branches, dropout_p):
-        return torch.ops.hf_dilated.dilated_attention_decode(
+        return _decode_op(
             query, key, value, layout.q_pos, layout.keys, ws, rs, bool(is_causal), float(scale), int(head_offset),
             int(window or 0), int(global_tokens),
         )
     args = (query, key, value, layout.q_pos, layout.q_seq, layout.q_valid, layout.k_pos, layout.k_seq, layout.k_valid,
             ws, rs, bool(layout.contiguous), bool(is_causal), float(scale), int(head_offset),
             int(window or 0), int(global_tokens), float(dropout_p), seed, bool(strict))
-    return call(_EagerAutograd, torch.ops.hf_dilated.dilated_attention_fwd, args, (query, key, value))
+    return call(_EagerAutograd, _forward_op, args, (query, key, value))
