@@ -5,16 +5,16 @@ Why: torch.library's autograd wrapper rebuilds each call's arguments against the
 the schema's arguments once per argument: 74 us per call of the 20-argument dilated op on this project's CPU, a
 quarter of its host time per forward+backward), and it hands the backward zeros for an output nothing used (the lse,
 usually), which cost a fill and a ``delta - dlse`` pass. A small problem's GPU waits on the host
-(``benchmarks/NOTES_triton.md``, session 18). Traced code (``torch.compile``) and calls without gradients use the
-op as registered: one definition of the gradient, two ways in. The Function is of the ``setup_context`` style, which
+(``benchmarks/NOTES_triton.md``, session 18). Traced code (``torch.compile``) uses the op as registered: one
+definition of the gradient, two ways in. The Function is of the ``setup_context`` style, which
 ``torch.func`` transforms accept (an old-style ``forward(ctx, ...)`` would skip ``inspect.signature`` per call, about
 20 us here, and lose them).
 
 Eager calls also skip the dispatcher where nothing needs it (:func:`eager_op`): the Function's forward and backward,
 and calls without gradients, run the op's Python implementation itself. Through torch.library each op call spent
-about 50 us on this project's CPU (the autograd key's redispatch, the schema's checks, the no-alias check of the
-outputs): 107 of the 417 us of host time of a forward+backward of SmolLM2's 9 / 3 heads
-(``benchmarks/host_overhead.py``), time a small problem's GPU waits for.
+about 40 us on this project's CPU (the autograd key's redispatch, the schema's checks, the no-alias check of the
+outputs): a forward+backward of SmolLM2's 9 / 3 heads took 425-438 us of host time with it and 334-366 without, a
+forward without gradients 115 and 77 (``benchmarks/host_overhead.py``): time a small problem's GPU waits for.
 """
 
 from __future__ import annotations
