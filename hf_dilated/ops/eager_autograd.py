@@ -82,3 +82,13 @@ def call(function: type[torch.autograd.Function], op, args: tuple, differentiabl
             and any(t.requires_grad for t in differentiable)):
         return function.apply(*args)
     return op(*args)
+
+
+def register(fwd, fwd_impl: Callable, bwd, bwd_impl: Callable, setup_context: Callable, backward_through: Callable,
+             name: str) -> tuple[Callable, type[torch.autograd.Function]]:
+    """Register ``backward_through(bwd)`` as the autograd of the custom op ``fwd`` (``bwd``: its backward op; both
+    ``torch.library.custom_op`` objects, made from ``fwd_impl`` / ``bwd_impl``), and return the eager way in for
+    :func:`call`: ``(forward, Function)``, each running the implementations where :func:`direct` allows."""
+    torch.library.register_autograd(fwd, backward_through(bwd), setup_context=setup_context)
+    forward = eager_op(fwd, fwd_impl)
+    return forward, eager_function(name, forward, setup_context, backward_through(eager_op(bwd, bwd_impl)))

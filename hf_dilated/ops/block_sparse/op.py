@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..dilated import check_scale
-from ..eager_autograd import call, eager_function, eager_op
+from ..eager_autograd import call, register
 from ..dilated import check_tensors as check_dilated_tensors
 from ..dilated import choose_backend
 from ..layout import TokenLayout, resolve_layout, zero_padding
@@ -143,11 +143,8 @@ def _transpose_of(kv_count: torch.Tensor, kv_index: torch.Tensor, block_size: in
     return value
 
 
-torch.library.register_autograd("hf_dilated::block_sparse_fwd", _backward_through(block_sparse_bwd),
-                                setup_context=_setup_context)
-_forward_op = eager_op(torch.ops.hf_dilated.block_sparse_fwd, _block_sparse_fwd)
-_EagerAutograd = eager_function("BlockSparseAttentionFunction", _forward_op, _setup_context,
-                                _backward_through(eager_op(torch.ops.hf_dilated.block_sparse_bwd, _block_sparse_bwd)))
+_forward_op, _EagerAutograd = register(block_sparse_fwd, _block_sparse_fwd, block_sparse_bwd, _block_sparse_bwd,
+                                       _setup_context, _backward_through, "BlockSparseAttentionFunction")
 
 
 def block_sparse_op(query, key, value, blocks: BlockLayout, tokens: TokenLayout, is_causal: bool, scale: float):

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..eager_autograd import call, eager_function, eager_op
+from ..eager_autograd import call, eager_op, register
 from ..layout import TokenLayout, _IdentityMemo
 from ..reference import dilated_attention_reference
 from . import launch
@@ -295,12 +295,8 @@ def _backward_through(bwd):
     return backward
 
 
-torch.library.register_autograd("hf_dilated::dilated_attention_fwd", _backward_through(dilated_attention_bwd),
-                                setup_context=_setup_context)
-
-_forward_op = eager_op(torch.ops.hf_dilated.dilated_attention_fwd, _attention_fwd)
-_EagerAutograd = eager_function("DilatedAttentionFunction", _forward_op, _setup_context,
-                                _backward_through(eager_op(torch.ops.hf_dilated.dilated_attention_bwd, _attention_bwd)))
+_forward_op, _EagerAutograd = register(dilated_attention_fwd, _attention_fwd, dilated_attention_bwd, _attention_bwd,
+                                       _setup_context, _backward_through, "DilatedAttentionFunction")
 
 
 def _attention_decode(
@@ -316,7 +312,7 @@ def _attention_decode(
 
 dilated_attention_decode = torch.library.custom_op("hf_dilated::dilated_attention_decode",
                                                    mutates_args=())(_attention_decode)
-_decode_op = eager_op(torch.ops.hf_dilated.dilated_attention_decode, _attention_decode)
+_decode_op = eager_op(dilated_attention_decode, _attention_decode)
 
 
 @dilated_attention_decode.register_fake
