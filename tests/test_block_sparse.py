@@ -386,6 +386,7 @@ def test_adaptive_selection_ignores_what_padding_holds(rng):
     for got, fill in zip(chosen[1:], ("nan", "inf")):
         assert torch.equal(got, chosen[0]), f"{fill} in padding changed the chosen blocks"
 
+
 @kernel
 def test_eager_block_sparse_skips_the_dispatcher(rng):
     """An eager forward+backward of the block-sparse op runs its implementations, not the dispatcher (host time a
@@ -405,7 +406,6 @@ def test_eager_block_sparse_skips_the_dispatcher(rng):
         assert {"hf_dilated::block_sparse_fwd", "hf_dilated::block_sparse_bwd"} <= {e.name for e in prof.events()}
     for name, a, b in zip("qkv", eager, dispatched):
         assert torch.equal(a, b), f"d{name} differs between the implementation and the op"
-
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -50,8 +50,8 @@ def direct(args: tuple) -> bool:
 
 
 def eager_op(op, impl: Callable) -> Callable:
-    """``op`` (a ``torch.ops`` custom op), except where :func:`direct` allows calling ``impl``, the Python function
-    it was registered from: the same computation without the dispatcher's per-call work."""
+    """``op`` (a ``torch.library.custom_op`` object), except where :func:`direct` allows calling ``impl``, the
+    Python function it was made from: the same computation without the dispatcher's per-call work."""
 
     def run(*args):
         return impl(*args) if direct(args) else op(*args)
