@@ -400,6 +400,7 @@ def test_eager_block_sparse_skips_the_dispatcher(rng):
     with torch.profiler.profile() as prof:
         eager = grads()
     assert not [e.name for e in prof.events() if e.name.startswith("hf_dilated::")]
+    assert "aten::new_zeros" not in {e.name for e in prof.events()}  # no zero lse gradient made (a fill launch)
     with mock.patch.object(eager_autograd, "direct", lambda args: False):  # every call through the ops
         with torch.profiler.profile() as prof:
             dispatched = grads()

@@ -117,7 +117,7 @@ def _backward_through(bwd):
         b = ctx.params[0]
         has_dlse = dlse is not None
         dout = torch.zeros_like(out) if dout is None else dout
-        dlse = lse.new_zeros(()) if dlse is None else dlse
+        dlse = lse if dlse is None else dlse  # a placeholder the backward ignores (has_dlse): no allocation a call
         q_ptr, q_flat = _transpose_of(kv_count, kv_index, b)
         dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, kv_count, kv_index, q_ptr, q_flat, *tokens, *ctx.params,
                          has_dlse)

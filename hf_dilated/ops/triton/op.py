@@ -284,8 +284,8 @@ def _backward_through(bwd):
         has_dlse = dlse is not None
         if dout is None:
             dout = torch.zeros_like(out)
-        if dlse is None:
-            dlse = lse.new_zeros(())
+        if dlse is None:  # a placeholder the backward ignores (has_dlse): no allocation and fill launch a call
+            dlse = lse
         dq, dk, dv = bwd(
             dout, dlse, q, k, v, out, lse, q_pos, q_seq, q_valid, k_pos, k_seq, k_valid, *ctx.params, ctx.seed,
             ctx.strict, has_dlse,
