@@ -131,9 +131,11 @@ def main(argv=None) -> int:
         kernels = read(args.csv)
     except ValueError as e:
         ap.error(str(e))
-    result = {}
+    result = {name: summarize(instructions, args.top) for name, instructions in kernels.items()}
+    if args.json:  # before the text: a reader that stops early (``| head``) must not cost the summary
+        Path(args.json).write_text(json.dumps(dict(csv=str(args.csv), kernels=result), indent=1))
     for name, instructions in kernels.items():
-        s = result[name] = summarize(instructions, args.top)
+        s = result[name]
         print(f"{name}: {s['samples']} warp-stall samples over {len(instructions)} instructions; tensor-core "
               f"instructions ran {s['tensor_core_executed']} times")
         for region, r in s["regions"].items():
@@ -141,8 +143,6 @@ def main(argv=None) -> int:
             print(f"  {region:14s} {r['share']:6.1%} of samples ({r['instructions']} instructions): {reasons}")
         for t in s["top"]:
             print(f"    {t['samples']:7d}  ran {t['executed']:>9d}  {t['region']:13s} {t['source'][:60]}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(csv=str(args.csv), kernels=result), indent=1))
     return 0
 
 
