@@ -302,7 +302,8 @@ def dispatched_ops(fn) -> set:
 
 def test_eager_calls_skip_the_dispatcher_where_nothing_needs_it(rng):
     """Eager forward+backward and calls without gradients run the ops' Python implementations themselves: the
-    dispatcher's per-call work is host time a small problem's GPU waits for. A backward with ``create_graph=True``
+    dispatcher's per-call work is host time a small problem's GPU waits for; a backward whose loss ignores the lse makes
+    no zero lse gradient for it (an allocation and a fill launch a call). A backward with ``create_graph=True``
     keeps the backward op, whose second derivative raises instead of being silently zero; meta and subclass tensors,
     and tensors autograd follows, take the op (``eager_autograd.direct``)."""
     from torch.utils.flop_counter import FlopCounterMode
