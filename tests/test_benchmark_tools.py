@@ -4,7 +4,7 @@ kernel the launch paths use for Hopper and Ampere (what the interpreter never do
 ``benchmarks/kernel_times.py`` (the profile scripts' ``--table`` / ``--launches``) attributes a call's time to its
 kernels and lists its launches in order; ``benchmarks/branch_work.py`` counts the pairs each forward schedule computes
 against a brute-force count of the pattern; ``benchmarks/ab_summary.py`` turns A/B lines into speeds and a bit-equality
-verdict."""
+verdict; ``benchmarks/host_profile.py`` summarizes py-spy's samples per thread."""
 
 from __future__ import annotations
 
@@ -735,4 +735,55 @@ def test_ab_summary_refuses_bad_input_by_name(tmp_path, monkeypatch, capsys, arg
     (tmp_path / "LOG").write_text(_ab_line("main", 1.0, 2.0, dq_bits=1) + "\n")
     with pytest.raises(SystemExit):
         ab_summary.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_host_profile_summarizes_py_spy_samples_per_thread(tmp_path, capsys):
+    """``host_profile.py summarize`` reads py-spy's raw stacks: shares per thread of the samples in which a frame
+    appears (inclusive) and of those it tops (self); the warm-up's compiles and imports are left out, and so are the
+    main thread's samples outside the timed loop, also where py-spy did not name the thread on a line."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import host_profile
+
+    sp = "/usr/lib/python3/site-packages/"
+    raw = tmp_path / "loop.raw"
+    raw.write_text("\n".join([
+        f"thread (7): MainThread;<module> (host_profile.py:9);timed_loop (host_profile.py:80);run ({sp}a.py:3) 6",
+        "thread (7);<module> (host_profile.py:9);timed_loop (host_profile.py:80);wait (b.py:1) 2",
+        "thread (7): MainThread;<module> (host_profile.py:9);setup (c.py:5) 50",  # outside the loop
+        f"thread (9);backward (d.py:2);launch ({sp}e.py:4) 3",
+        "thread (9);backward (d.py:2) 1",
+        f"thread (9);backward (d.py:2);_do_compile ({sp}jit.py:1);x (f.py:1) 40",  # a compile: left out
+        "thread (9);_find_and_load (<frozen importlib._bootstrap>:1);y (g.py:1) 30",  # an import: left out
+    ]) + "\n")
+    result = host_profile.summarize(open(raw))
+    assert result["main"]["samples"] == 8 and result["other"]["samples"] == 4
+    assert dict(result["main"]["inclusive"])["timed_loop (host_profile.py:80)"] == 1.0
+    assert dict(result["main"]["self"]) == {"run (a.py:3)": 0.75, "wait (b.py:1)": 0.25}
+    assert dict(result["other"]["inclusive"]) == {"backward (d.py:2)": 1.0, "launch (e.py:4)": 0.75}
+    assert dict(result["other"]["self"]) == {"launch (e.py:4)": 0.75, "backward (d.py:2)": 0.25}
+    assert host_profile.main(["summarize", str(raw), "--top", "1", "--json", str(tmp_path / "s.json")]) == 0
+    assert "75.0%  launch (e.py:4)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "s.json").read_text())["other"]["samples"] == 4
+    ms, calls = host_profile.timed_loop(lambda: None, 0.01)
+    assert calls >= 10 and calls % 10 == 0 and ms >= 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["summarize", "MISSING", "--top", "3"], "raw must be an existing file"),
+    (["summarize", "RAW", "--top", "0"], "--top must be >= 1"),
+    (["summarize", "RAW"], "not a py-spy raw line"),
+    (["run", "--shape", "9/4/64"], "--shape '9/4/64'"),
+    (["run", "--n", "0"], "--n must be > 0"),
+    (["run", "--seconds", "-1"], "--seconds must be > 0"),
+    (["run", "--warmup", "-1"], "--warmup must be >= 0"),
+])
+def test_host_profile_refuses_bad_input_by_name(tmp_path, capsys, argv, message):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import host_profile
+
+    (tmp_path / "RAW").write_text("no count here\n")
+    argv = [str(tmp_path / a) if a in ("RAW", "MISSING") else a for a in argv]
+    with pytest.raises(SystemExit):
+        host_profile.main(argv)
     assert message in capsys.readouterr().err
