@@ -6,7 +6,7 @@ frames. The backward runs on autograd's own thread while the main thread waits i
 cProfile mixes up (``NOTES_triton.md``, session 38) and py-spy's ``--threads`` keeps apart. At 16K, SmolLM2's
 9 / 3 / 64 forward+backward spent 2.2 ms of host time against 1.07 ms of GPU time on the H200's machine (session 40).
 
-    pip install py-spy
+    pip install -e ".[bench]"           # py-spy is among the benchmarks' extras
     py-spy record --format raw -o loop.raw -r 250 --threads --nonblocking -- \\
         python benchmarks/host_profile.py run --shape 9/3/64 --n 16384 --seconds 10
     python benchmarks/host_profile.py summarize loop.raw --top 25
