@@ -89,7 +89,6 @@ from .hopper import (
     runnable, score_buffers, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init,
     warpgroup_mma_wait, written_before,
 )
-from .tiles import LOG2E
 
 BLOCK_N = 64  # dilated key rows per program (one warpgroup)
 BLOCK_Q = 64  # dilated query rows per step at D <= 128: n64 instructions for the transposed products
@@ -403,7 +402,7 @@ if gluon is not None:
             qmask = qrow < n_q
             l_rows = b * stride_lb + h64 * stride_lh + q0 + qrow.to(gl.int64) * r
             lse = gl.load(L + l_rows, mask=qmask, other=0.0)
-            lse = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+            lse = lse_base2(lse)
             delta = gl.load(Delta + l_rows, mask=qmask, other=0.0)
             kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -509,7 +508,7 @@ if gluon is not None:
         delta_w = rows_smem[2 * WG + 1]
         for s in range(n_steps):
             buf = s % 2
-            lse_w.store(gl.where(lse_next == float("-inf"), 0.0, lse_next) * LOG2E)
+            lse_w.store(lse_base2(lse_next))
             delta_w.store(delta_next)
             needs_mask = q_cur < full_from
             diag = q_cur + shift

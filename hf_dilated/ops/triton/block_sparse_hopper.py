@@ -43,7 +43,6 @@ from .hopper import (
     softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, WS_LAUNCH,
     ws_barriers, ws_copy_kv,
 )
-from .tiles import LOG2E
 
 BLOCK_Q = 64  # query rows per step: n64 tensor-core instructions for the transposed products
 
@@ -541,7 +540,7 @@ if gluon is not None:
         h64 = h.to(gl.int64)
         l_rows = b * stride_lb + h64 * stride_lh + qc
         lse = gl.load(L + l_rows, mask=qmask, other=0.0)
-        lse = gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+        lse = lse_base2(lse)
         delta = gl.load(Delta + l_rows, mask=qmask, other=0.0)
         kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)

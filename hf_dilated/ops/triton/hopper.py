@@ -477,10 +477,11 @@ if gluon is not None:
 
     @gluon.jit
     def lse_base2(lse):
-        """A dK/dV step's lse rows in base 2, a row that saw no key read as 0. Applied where the step begins, before
-        the rows are spread over the score tile's columns: once a row, not once per column a thread holds (16 at 64
-        queries: 45 instructions a step). And a step after their load: applied as they were loaded, the step waited
-        there for its load (0.97-0.99x; ``benchmarks/NOTES_triton.md``, session 39)."""
+        """lse rows in base 2, a row that saw no key read as 0: what every Gluon backward kernel multiplies scores
+        against. In a dK/dV step, apply it where the step begins, before the rows are spread over the score tile's
+        columns: once a row, not once per column a thread holds (16 at 64 queries: 45 instructions a step). And a step
+        after their load: applied as they were loaded, the step waited there for its load (0.97-0.99x;
+        ``benchmarks/NOTES_triton.md``, session 39)."""
         return gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
 
     @gluon.jit
