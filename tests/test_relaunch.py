@@ -29,20 +29,29 @@ def _triton_specialisation():
     return lambda arg: native_specialize_impl(BaseBackend, arg, False, True, True)
 
 
-def test_spec_tells_apart_what_triton_does():
-    """Two arguments with the same ``spec`` have the same Triton specialisation (so a direct launch reuses the right
-    compiled kernel); other types are refused, not guessed."""
+def test_key_tells_apart_what_triton_does():
+    """Two launches with the same ``key`` have the same Triton specialisation of every argument (so a direct launch
+    reuses the right compiled kernel); the key hands back the tensors' pointers, and an argument it cannot key
+    raises instead of being guessed."""
     triton_spec = _triton_specialisation()
     base = torch.zeros(64, dtype=torch.float32)
-    values = [1, 0, 2, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, -2**31, -2**31 - 1, -2**31 - 16,
-              2**40, 2**40 + 1, 2**63 - 16, 2**63, 2**63 + 16, -2**63, 0.5, 1.0, 16.0, True, False, None,
-              base, base[1:], base[4:], torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int32)]
-    for a, b in itertools.combinations(values, 2):
-        if relaunch.spec(a) == relaunch.spec(b):
-            assert triton_spec(a) == triton_spec(b), (a, b)
-    for other in ("s", (1, 2), torch.float32):
-        with pytest.raises(relaunch.Unkeyed):
-            relaunch.spec(other)
+    tensors = [base, base[1:], base[4:], torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int32)]
+    others = [1, 0, 2, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, -2**31, -2**31 - 1, -2**31 - 16,
+              2**40, 2**40 + 1, 2**63 - 16, 2**63, 2**63 + 16, -2**63, 0.5, 1.0, 16.0, True, False, None]
+    for values, n in ((tensors, 1), (others, 0)):
+        for a, b in itertools.combinations(values, 2):
+            if relaunch.key((a,), n)[0] == relaunch.key((b,), n)[0]:
+                assert triton_spec(a) == triton_spec(b), (a, b)
+    same = relaunch.key((base, base[4:], 3, 1.5), 2)
+    assert same[1] == [base.data_ptr(), base[4:].data_ptr()]
+    assert same[0] == relaunch.key((base.clone(), base.clone()[4:], 3, 1.5), 2)[0]
+    assert same[0] != relaunch.key((base, base[1:], 3, 1.5), 2)[0], "alignment"
+    assert same[0] != relaunch.key((base, base[4:], 3.0, 1.5), 2)[0], "an int and a float of the same value"
+    assert relaunch.key((base, 1), 1)[0] != relaunch.key((base, True), 1)[0], "an int and a bool"
+    with pytest.raises(TypeError):
+        relaunch.key((base, None, 3), 2)
+    with pytest.raises(TypeError):
+        hash(relaunch.key((base, [3]), 1)[0])
 
 
 def test_launch_tail_orders_every_parameter():
@@ -63,13 +72,14 @@ def _is_constexpr(param: inspect.Parameter) -> bool:
 @pytest.mark.skipif(not INTERPRET, reason="runs the kernels under TRITON_INTERPRET=1 (set by conftest without CUDA)")
 def test_every_launch_site_launches_directly(rng, monkeypatch):
     """Every kernel launch the dilated op (forward, backward, decode; with a window, dropout and holes) and the
-    block-sparse op make passes its runtime arguments by position and everything else by keyword, so that a compiled
-    kernel can be launched again directly (``relaunch.launch_tail`` finds every parameter's value)."""
+    block-sparse op make passes its runtime arguments by position, its tensors first and then only ints, floats,
+    bools or None (what ``relaunch.key`` keys), and everything else by keyword, so that a compiled kernel can be
+    launched again directly (``relaunch.launch_tail`` finds every parameter's value)."""
     seen = []
     through = relaunch.run
 
     def record(kernel, grid, *args, **constexprs):
-        seen.append((kernel, len(args), constexprs))
+        seen.append((kernel, args, constexprs))
         return through(kernel, grid, *args, **constexprs)
 
     monkeypatch.setattr(relaunch, "run", record)
@@ -90,10 +100,13 @@ def test_every_launch_site_launches_directly(rng, monkeypatch):
     kinds = {kernel.fn.__name__ for kernel, _, _ in seen}
     assert {"dilated_fwd_branch_kernel", "delta_kernel", "dilated_bwd_dkdv_kernel", "dilated_bwd_dq_kernel",
             "dilated_decode_kernel", "bs_fwd_kernel", "bs_bwd_dkdv_kernel", "bs_bwd_dq_kernel"} <= kinds, kinds
-    for kernel, n_args, constexprs in seen:
+    for kernel, args, constexprs in seen:
         sig = inspect.signature(kernel.fn)
         flags = [_is_constexpr(p) for p in sig.parameters.values()]
-        assert relaunch.launch_tail(sig, flags, n_args, constexprs) is not None, kernel.fn.__name__
+        assert relaunch.launch_tail(sig, flags, len(args), constexprs) is not None, kernel.fn.__name__
+        n = sum(isinstance(a, torch.Tensor) for a in args)
+        assert all(isinstance(a, torch.Tensor) for a in args[:n]), f"{kernel.fn.__name__}: tensors do not lead"
+        assert all(type(a) in (int, float, bool, type(None)) for a in args[n:]), kernel.fn.__name__
 
 
 @pytest.mark.gpu

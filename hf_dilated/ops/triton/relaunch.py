@@ -6,16 +6,19 @@ about 75 us a launch on the H200 machine's host, of which the driver launch (scr
 ``cuLaunchKernelEx``) is 19 (``benchmarks/NOTES_triton.md``, round 2, session 38). The dilated forward+backward makes
 11-17 launches, so a 16K problem's GPU waits on the host.
 
-:func:`run` keys each launch on what Triton specialises a kernel on (:func:`spec` of every positional argument, the
-keyword arguments' values, the current device) and launches the kernel that the same key compiled before through the
-compiled kernel's own ``[grid]`` launcher (the driver launch, Triton's launch hooks and scratch allocator, nothing
-else). Everything else goes through ``kernel[grid]``: the first launch of each key, the interpreter, and any kernel
+:func:`run` keys each launch on what Triton specialises a kernel on (:func:`key`: the leading tensors' dtypes and
+16-byte alignment, the other arguments' values, the keyword arguments' values, the current device) and launches the
+kernel that the same key compiled before through the compiled kernel's driver launcher, as Triton's ``compiled[grid]``
+calls it but with no launch hooks to call (when none is registered) and the tensors passed as pointers. Everything else
+goes through ``kernel[grid]``: the first launch of each key, the interpreter, a registered launch hook, and any kernel
 or Triton release whose compiled kernels this cannot launch directly.
 """
 
 from __future__ import annotations
 
 import inspect
+from functools import reduce
+from operator import attrgetter, or_
 
 import torch
 
@@ -29,62 +32,112 @@ ENABLED = switch("HF_DILATED_RELAUNCH")
 DIRECT = 0
 _COMPILED: dict = {}
 _NOT_DIRECT: set = set()
-_INTS: dict = {}
-_I32, _I64 = 2**31, 2**63
+_LEADING: dict = {}  # kernel -> how many of its arguments lead as tensors (learned at its first launch)
+_DATA_PTR, _DTYPE = torch.Tensor.data_ptr, attrgetter("dtype")
 
 
-class Unkeyed(TypeError):
-    """An argument of a type whose specialisation :func:`spec` does not model (the launch goes through Triton)."""
-
-
-def spec(arg):
-    """A hashable value that tells apart at least every two arguments that Triton's specialisation tells apart:
-    a tensor's dtype and 16-byte alignment; an int's range (int32, int64, uint64), whether it is 1 and whether 16
-    divides it; the type of a float, a bool or None (Triton does not specialise on their values). An int's is
-    remembered (strides and sizes repeat from launch to launch: a lookup costs a third of working it out)."""
-    if type(arg) is int:
-        hit = _INTS.get(arg)
-        if hit is None:
-            if len(_INTS) >= 65536:
-                _INTS.clear()
-            hit = _INTS[arg] = (arg == 1, arg % 16 == 0, 0 if -_I32 <= arg < _I32 else 1 if -_I64 <= arg < _I64 else 2)
-        return hit
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if arg is None or type(arg) in (float, bool):
-        return type(arg)
-    raise Unkeyed(f"no specialisation model for a {type(arg).__name__} argument")
+def key(args, n: int):
+    """``(key, pointers)`` of a launch's positional ``args`` whose first ``n`` are tensors: the key tells apart at
+    least every two launches that Triton's specialisation tells apart. For the tensors: their dtypes and whether each
+    pointer is 16-byte aligned (their pointers come back as ints, to launch with: the driver launcher then neither
+    calls ``data_ptr`` nor asks the driver about each one). For the other arguments (ints, floats, bools, None): their
+    types and values, a finer split than Triton's (an int's range, whether it is 1 and whether 16 divides it; a
+    float's or a bool's type). Raises ``TypeError`` when one of the first ``n`` is not a tensor; the key cannot
+    be hashed when an argument cannot (:func:`run` then launches through Triton)."""
+    lead, rest = args[:n], args[n:]
+    ptrs = list(map(_DATA_PTR, lead))
+    aligned = tuple(p & 15 == 0 for p in ptrs) if reduce(or_, ptrs, 0) & 15 else True
+    return (tuple(map(_DTYPE, lead)), aligned, rest, tuple(map(type, rest))), ptrs
 
 
 def run(kernel, grid, *args, **constexprs):
-    """``kernel[grid](*args, **constexprs)``; a launch whose key (:func:`spec` of each of ``args``, ``constexprs``'
-    values, the current device) compiled before runs that compiled kernel directly. ``grid``: a tuple of 1-3 ints;
-    ``args``: the kernel's runtime arguments by position; constexprs and launch options go by keyword."""
+    """``kernel[grid](*args, **constexprs)``; a launch whose :func:`key` (with ``constexprs``' values and the current
+    device) compiled before runs that compiled kernel through its driver launcher (:func:`direct_launcher`).
+    ``grid``: a tuple of 1-3 ints; ``args``: the kernel's runtime arguments by position, its tensors first;
+    constexprs and launch options go by keyword."""
     global DIRECT
     if not ENABLED or kernel in _NOT_DIRECT or interpreting():
         return kernel[grid](*args, **constexprs)
+    n = _LEADING.get(kernel)
+    if n is None:  # the kernel's first launch: how many of its arguments lead as tensors
+        n = _LEADING[kernel] = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
     try:
-        key = (kernel, torch.cuda.current_device(), tuple(map(spec, args)), tuple(constexprs.items()))
-        hit = _COMPILED.get(key)
-    except (TypeError, AssertionError, RuntimeError):  # Unkeyed, a keyword value that is not hashable, no CUDA
+        launch_key, ptrs = key(args, n)
+        device = torch.cuda.current_device()
+        launch_key = (kernel, device, launch_key, tuple(constexprs.items()))
+        hit = _COMPILED.get(launch_key)
+    except (TypeError, AssertionError, RuntimeError):  # a leading argument that is not a tensor, a value that
+        # cannot be hashed, no CUDA
         return kernel[grid](*args, **constexprs)
-    if hit is not None:
-        compiled, tail = hit
-        compiled[grid if len(grid) == 3 else (*grid, 1, 1)[:3]](*args, *tail)
+    if hit is not None and not _hooked():
+        launcher, tail = hit
+        launcher(grid if len(grid) == 3 else (*grid, 1, 1)[:3], device, *ptrs, *args[n:], *tail)
         DIRECT += 1
-        return compiled
+        return None
     compiled = kernel[grid](*args, **constexprs)
-    tail = None
+    if hit is None:
+        _learn(kernel, launch_key, compiled, args[n:], len(args), constexprs)
+    return compiled
+
+
+def _learn(kernel, launch_key, compiled, rest, n_args: int, constexprs: dict):
+    """After Triton's launch of a new key: remember how to launch it directly, or that this kernel cannot be."""
     params, signature = getattr(kernel, "params", None), getattr(kernel, "signature", None)
-    if params is not None and signature is not None and hasattr(type(compiled), "__getitem__"):
-        tail = launch_tail(signature, [p.is_constexpr for p in params], len(args), constexprs)
-    if tail is None:
+    tail = launcher = None
+    if params is not None and signature is not None:
+        tail = launch_tail(signature, [p.is_constexpr for p in params], n_args, constexprs)
+        launcher = direct_launcher(compiled)
+    if tail is None or launcher is None:
         _NOT_DIRECT.add(kernel)
-    else:
+    elif all(type(a) in (int, float, bool, type(None)) for a in rest):  # else a tensor after the leading ones, say
         if len(_COMPILED) >= 4096:
             _COMPILED.clear()
-        _COMPILED[key] = (compiled, tail)
-    return compiled
+        _COMPILED[launch_key] = (launcher, tail)
+
+
+def direct_launcher(compiled):
+    """``launch(grid3, device, *args)`` for a compiled kernel. On the Triton releases whose convention this was checked
+    against (3.6 to 3.9): its driver launcher (``compiled.run``), called as Triton's own ``compiled[grid]`` calls it
+    but without the launch hooks and their metadata (:func:`run` uses it only when no hook is registered). On others:
+    ``compiled[grid]``. None when the compiled kernel has neither."""
+    try:
+        import triton
+        from triton.runtime import driver
+        checked = (3, 6) <= tuple(int(x) for x in triton.__version__.split(".")[:2]) <= (3, 9)
+        launcher, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+        stream = driver.active.get_current_stream
+    except (AttributeError, ImportError, ValueError):
+        checked = False
+    if not checked:
+        if not hasattr(type(compiled), "__getitem__"):
+            return None
+        return lambda grid, device, *args: compiled[grid](*args)
+    if not callable(launcher) or function is None:
+        return None
+
+    def launch(grid, device, *args):
+        launcher(grid[0], grid[1], grid[2], stream(device), function, packed, None, None, None, *args)
+
+    return launch
+
+
+def _hooked() -> bool:
+    """Whether Triton has a launch hook registered (a profiler such as proton): then launches go through
+    ``kernel[grid]``, which calls the hooks with their metadata."""
+    global _RUNTIME_KNOBS
+    if _RUNTIME_KNOBS is None:
+        try:
+            from triton import knobs
+            _RUNTIME_KNOBS = knobs.runtime
+        except (ImportError, AttributeError):
+            _RUNTIME_KNOBS = False
+    if _RUNTIME_KNOBS is False:
+        return False
+    hooks = (getattr(_RUNTIME_KNOBS, "launch_enter_hook", None), getattr(_RUNTIME_KNOBS, "launch_exit_hook", None))
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+_RUNTIME_KNOBS = None
 
 
 def launch_tail(signature: inspect.Signature, is_constexpr: list, n_args: int, constexprs: dict) -> tuple | None:
