@@ -8,6 +8,7 @@ with small blocks so that every loop runs several blocks. ``-m gpu``: the same c
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import random
 from collections import Counter
@@ -291,6 +292,10 @@ def test_eager_autograd_equals_the_registered_op(rng, monkeypatch):
     out, vjp = torch.func.vjp(attend, *(t.detach() for t in (q, k, v)))
     for name, a, b in zip("qkv", vjp(out), torch.autograd.grad(attend(q, k, v), (q, k, v), out)):
         assert torch.equal(a, b), f"d{name} differs under torch.func.vjp"
+    # Function.apply binds every call's arguments to inspect.signature(forward): the forward's stored __signature__,
+    # not worked out again per call
+    stored = op._EagerAutograd.forward.__signature__
+    assert inspect.signature(op._EagerAutograd.forward) is stored and str(stored) == "(*inputs)"
 
 
 def dispatched_ops(fn) -> set:

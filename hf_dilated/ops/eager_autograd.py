@@ -7,8 +7,9 @@ quarter of its host time per forward+backward), and it hands the backward zeros 
 usually), which cost a fill and a ``delta - dlse`` pass. A small problem's GPU waits on the host
 (``benchmarks/NOTES_triton.md``, session 18). Traced code (``torch.compile``) uses the op as registered: one
 definition of the gradient, two ways in. The Function is of the ``setup_context`` style, which
-``torch.func`` transforms accept (an old-style ``forward(ctx, ...)`` would skip ``inspect.signature`` per call, about
-20 us here, and lose them).
+``torch.func`` transforms accept (an old-style ``forward(ctx, ...)`` would lose them). That style makes
+``Function.apply`` bind each call's arguments to ``inspect.signature(forward)``; the forward carries its
+``__signature__``, so that is a lookup (computing it cost about 5 us a call here).
 
 Eager calls also skip the dispatcher where nothing needs it (:func:`eager_op`): the Function's forward and backward,
 and calls without gradients, run the op's Python implementation itself. Through torch.library each op call spent
@@ -19,6 +20,7 @@ forward without gradients 115 and 77 (``benchmarks/host_overhead.py``): time a s
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -68,9 +70,13 @@ def eager_function(name: str, op, setup_context: Callable, backward: Callable) -
         ctx.set_materialize_grads(False)
         setup_context(ctx, inputs, output)
 
+    def forward(*inputs):
+        return op(*inputs)
+
+    forward.__signature__ = inspect.signature(forward)  # what Function.apply asks for on every call
     return type(name, (torch.autograd.Function,), dict(
         __doc__=f"``{op}`` under eager autograd ({__name__}).",
-        forward=staticmethod(lambda *inputs: op(*inputs)),
+        forward=staticmethod(forward),
         setup_context=staticmethod(setup),
         backward=staticmethod(backward),
     ))

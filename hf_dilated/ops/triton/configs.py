@@ -185,4 +185,26 @@ def descriptor_scratch(device: torch.device):
     program). Set before each launch: the setting is a context variable, and the backward runs in autograd's thread."""
     import triton
 
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+    allocator = _ALLOCATORS.get(device)
+    if allocator is None:
+        allocator = _ALLOCATORS[device] = lambda size, alignment, stream: _scratch(size, stream, device)
+    triton.set_allocator(allocator)
+
+
+def _scratch(size: int, stream: int, device: torch.device) -> torch.Tensor:
+    """Scratch for one launch on ``stream``: one buffer per stream, reused launch after launch (the launches of a
+    stream run one after another; a new ``torch.empty`` per launch cost about 5 us of host time each, 16 launches per
+    forward+backward). While a CUDA graph is being captured, a fresh allocation from the graph's pool instead (a
+    replay must not share memory that eager launches on another stream use). Launches that may overlap on one stream
+    (programmatic dependent launch) would need scratch of their own (``benchmarks/NOTES_triton.md``, session 17)."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device=device)
+    buf = _SCRATCH.get(stream)
+    if buf is None or buf.numel() < size:
+        buf = _SCRATCH[stream] = torch.empty(max(size, 2 * (0 if buf is None else buf.numel())), dtype=torch.int8,
+                                             device=device)
+    return buf
+
+
+_ALLOCATORS: dict = {}
+_SCRATCH: dict = {}
