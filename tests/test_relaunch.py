@@ -30,9 +30,9 @@ def _triton_specialisation():
 
 
 def test_key_tells_apart_what_triton_does():
-    """Two launches with the same ``key`` have the same Triton specialisation of every argument (so a direct launch
-    reuses the right compiled kernel); the key hands back the tensors' pointers, and an argument it cannot key
-    raises instead of being guessed."""
+    """Two launches with the same ``key``, or the same ``class_key``, have the same Triton specialisation of every
+    argument (so a direct launch reuses the right compiled kernel); the key hands back the tensors' pointers, and an
+    argument it cannot key raises instead of being guessed."""
     triton_spec = _triton_specialisation()
     base = torch.zeros(64, dtype=torch.float32)
     tensors = [base, base[1:], base[4:], torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int32)]
@@ -42,6 +42,15 @@ def test_key_tells_apart_what_triton_does():
         for a, b in itertools.combinations(values, 2):
             if relaunch.key((a,), n)[0] == relaunch.key((b,), n)[0]:
                 assert triton_spec(a) == triton_spec(b), (a, b)
+    # the class key (a decoding loop's growing lengths): values replaced by Triton's classes of them
+    for a, b in itertools.combinations(others, 2):
+        if relaunch.spec(a) == relaunch.spec(b):
+            assert triton_spec(a) == triton_spec(b), (a, b)
+    assert relaunch.class_key(relaunch.key((base, 97), 1)[0]) == relaunch.class_key(relaunch.key((base, 99), 1)[0])
+    assert relaunch.class_key(relaunch.key((base, 97), 1)[0]) != relaunch.class_key(relaunch.key((base, 96), 1)[0])
+    for other in ("s", (1, 2), torch.float32, base):
+        with pytest.raises(relaunch.Unkeyed):
+            relaunch.spec(other)
     same = relaunch.key((base, base[4:], 3, 1.5), 2)
     assert same[1] == [base.data_ptr(), base[4:].data_ptr()]
     assert same[0] == relaunch.key((base.clone(), base.clone()[4:], 3, 1.5), 2)[0]
@@ -150,6 +159,45 @@ def test_gpu_direct_launches_match_triton_launches(rng, monkeypatch):
                 assert torch.equal(a, b)
         assert not through_triton, f"launched through Triton on a repeat: {through_triton}"
         assert relaunch.DIRECT - before >= 8, "the kernels were not launched directly"
+
+
+@pytest.mark.gpu
+def test_gpu_decoding_with_a_growing_cache_launches_directly(rng, monkeypatch):
+    """Decoding steps whose cache grows by a token (new lengths and strides, of classes Triton compiled for before)
+    launch the compiled decode kernel directly: the class key finds it, and the outputs are those of Triton's own
+    launch."""
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("needs a CUDA GPU")
+    from triton.runtime.jit import JITFunction
+
+    q, k, v = (torch.randn(1, h, 120, 64, generator=rng).to("cuda", torch.bfloat16) for h in (4, 2, 2))
+
+    def step(n):  # one query at position n - 1 against the first n keys (the cache as decoding holds it)
+        keys = torch.tensor([[0, 0, n]], dtype=torch.int32, device="cuda")
+        kc, vc = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
+        return torch.ops.hf_dilated.dilated_attention_decode(q[:, :, n - 1:n], kc, vc, torch.tensor([[n - 1]],
+            device="cuda"), keys, [32, 64], [1, 2], True, 0.125, 0, 0, 0)[0]
+
+    through_triton = []
+    triton_run = JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        through_triton.append(self)
+        return triton_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "run", counted)
+    lengths = [97, 98, 99, 101, 102, 103, 105, 107, 109, 111]  # none a multiple of 16: one class of ints
+    monkeypatch.setattr(relaunch, "ENABLED", False)
+    want = [step(n) for n in lengths]
+    monkeypatch.setattr(relaunch, "ENABLED", True)
+    step(lengths[0])
+    through_triton.clear()
+    before = relaunch.DIRECT
+    got = [step(n) for n in lengths[1:]]
+    assert not through_triton, f"launched through Triton: {len(through_triton)} of {len(lengths) - 1} steps"
+    assert relaunch.DIRECT - before == len(lengths) - 1
+    for a, b in zip(got, want[1:]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -30,10 +30,34 @@ from .hopper import switch
 ENABLED = switch("HF_DILATED_RELAUNCH")
 # Launches made directly: what a test asserts to know that this path ran.
 DIRECT = 0
-_COMPILED: dict = {}
+_COMPILED: dict = {}  # exact key -> (launcher, the constexprs' tail)
+_CLASSES: dict = {}  # class key -> the same
 _NOT_DIRECT: set = set()
 _LEADING: dict = {}  # kernel -> how many of its arguments lead as tensors (learned at its first launch)
+_INTS: dict = {}
+_I32, _I64 = 2**31, 2**63
 _DATA_PTR, _DTYPE = torch.Tensor.data_ptr, attrgetter("dtype")
+
+
+class Unkeyed(TypeError):
+    """An argument of a type whose specialisation :func:`spec` does not model (the launch goes through Triton)."""
+
+
+def spec(arg):
+    """A hashable value that tells apart at least every two non-tensor arguments that Triton's specialisation tells
+    apart: an int's range (int32, int64, uint64), whether it is 1 and whether 16 divides it; the type of a float, a
+    bool or None (Triton does not specialise on their values). An int's is remembered (strides and sizes repeat from
+    launch to launch: a lookup costs a third of working it out)."""
+    if type(arg) is int:
+        hit = _INTS.get(arg)
+        if hit is None:
+            if len(_INTS) >= 65536:
+                _INTS.clear()
+            hit = _INTS[arg] = (arg == 1, arg % 16 == 0, 0 if -_I32 <= arg < _I32 else 1 if -_I64 <= arg < _I64 else 2)
+        return hit
+    if arg is None or type(arg) in (float, bool):
+        return type(arg)
+    raise Unkeyed(f"no specialisation model for a {type(arg).__name__} argument")
 
 
 def key(args, n: int):
@@ -47,7 +71,15 @@ def key(args, n: int):
     lead, rest = args[:n], args[n:]
     ptrs = list(map(_DATA_PTR, lead))
     aligned = tuple(p & 15 == 0 for p in ptrs) if reduce(or_, ptrs, 0) & 15 else True
-    return (tuple(map(_DTYPE, lead)), aligned, rest, tuple(map(type, rest))), ptrs
+    return ((tuple(map(_DTYPE, lead)), aligned), rest, tuple(map(type, rest))), ptrs
+
+
+def class_key(exact: tuple) -> tuple:
+    """A :func:`key` with the other arguments' values replaced by Triton's classes of them (:func:`spec`): the same
+    compiled kernel for every int of a class, as when a decoding loop's cache grows by a token a step. Raises
+    :class:`Unkeyed` for an argument of another type."""
+    tensors, rest, _ = exact
+    return tensors, tuple(map(spec, rest))
 
 
 def run(kernel, grid, *args, **constexprs):
@@ -64,10 +96,16 @@ def run(kernel, grid, *args, **constexprs):
     try:
         launch_key, ptrs = key(args, n)
         device = torch.cuda.current_device()
-        launch_key = (kernel, device, launch_key, tuple(constexprs.items()))
+        options = tuple(constexprs.items())
+        launch_key = (kernel, device, launch_key, options)
         hit = _COMPILED.get(launch_key)
+        if hit is None:  # new values: perhaps of classes Triton compiled for before
+            wide_key = (kernel, device, class_key(launch_key[2]), options)
+            hit = _CLASSES.get(wide_key)
+            if hit is not None:
+                _keep(_COMPILED, launch_key, hit)
     except (TypeError, AssertionError, RuntimeError):  # a leading argument that is not a tensor, a value that
-        # cannot be hashed, no CUDA
+        # cannot be hashed or has no class (Unkeyed), no CUDA
         return kernel[grid](*args, **constexprs)
     if hit is not None and not _hooked():
         launcher, tail = hit
@@ -76,12 +114,20 @@ def run(kernel, grid, *args, **constexprs):
         return None
     compiled = kernel[grid](*args, **constexprs)
     if hit is None:
-        _learn(kernel, launch_key, compiled, args[n:], len(args), constexprs)
+        _learn(kernel, (launch_key, wide_key), compiled, len(args), constexprs)
     return compiled
 
 
-def _learn(kernel, launch_key, compiled, rest, n_args: int, constexprs: dict):
-    """After Triton's launch of a new key: remember how to launch it directly, or that this kernel cannot be."""
+def _keep(cache: dict, key_, value):
+    """``cache[key_] = value``, the cache emptied first when it holds 4096 entries."""
+    if len(cache) >= 4096:
+        cache.clear()
+    cache[key_] = value
+
+
+def _learn(kernel, keys: tuple, compiled, n_args: int, constexprs: dict):
+    """After Triton's launch of a new key: remember how to launch it directly (under its exact and its class key), or
+    that this kernel cannot be."""
     params, signature = getattr(kernel, "params", None), getattr(kernel, "signature", None)
     tail = launcher = None
     if params is not None and signature is not None:
@@ -89,10 +135,9 @@ def _learn(kernel, launch_key, compiled, rest, n_args: int, constexprs: dict):
         launcher = direct_launcher(compiled)
     if tail is None or launcher is None:
         _NOT_DIRECT.add(kernel)
-    elif all(type(a) in (int, float, bool, type(None)) for a in rest):  # else a tensor after the leading ones, say
-        if len(_COMPILED) >= 4096:
-            _COMPILED.clear()
-        _COMPILED[launch_key] = (launcher, tail)
+    else:  # (class_key refused any argument but an int, float, bool or None: no tensor is kept alive here)
+        for cache, key_ in zip((_COMPILED, _CLASSES), keys):
+            _keep(cache, key_, (launcher, tail))
 
 
 def direct_launcher(compiled):
