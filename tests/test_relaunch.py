@@ -198,27 +198,3 @@ def test_gpu_decoding_with_a_growing_cache_launches_directly(rng, monkeypatch):
     assert relaunch.DIRECT - before == len(lengths) - 1
     for a, b in zip(got, want[1:]):
         assert torch.equal(a, b)
-
-
-@pytest.mark.gpu
-def test_gpu_descriptor_scratch_is_one_buffer_per_stream():
-    """The scratch Triton asks for at each launch (device-side tensor descriptors) is one buffer per stream, grown
-    when a launch needs more; each stream has its own, and a CUDA graph capture gets fresh memory from its pool."""
-    if not torch.cuda.is_available() or INTERPRET:
-        pytest.skip("needs a CUDA GPU")
-    from hf_dilated.ops.triton import configs
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    main = torch.cuda.current_stream().cuda_stream
-    first = configs._scratch(1000, main, dev)
-    assert first.numel() >= 1000 and configs._scratch(500, main, dev).data_ptr() == first.data_ptr()
-    grown = configs._scratch(first.numel() + 1, main, dev)
-    assert grown.numel() > first.numel() and configs._scratch(10, main, dev) is grown
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        other = configs._scratch(10, side.cuda_stream, dev)
-    assert other.data_ptr() != grown.data_ptr()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = configs._scratch(10, torch.cuda.current_stream().cuda_stream, dev)
-    assert captured.data_ptr() not in (grown.data_ptr(), other.data_ptr())

@@ -182,29 +182,13 @@ def use_tma(tensors, padded_head_dim: bool, holes: bool) -> bool:
 
 def descriptor_scratch(device: torch.device):
     """Give Triton an allocator for the tensor descriptors that kernels build on the device (a few hundred bytes per
-    program). Set before each launch: the setting is a context variable, and the backward runs in autograd's thread."""
+    program). Set before each launch: the setting is a context variable, and the backward runs in autograd's thread.
+
+    Each launch gets its own allocation, freed when the launch returns (the caching allocator hands the block to the
+    next launch on the stream). A buffer kept per stream across calls saved host time (with the eager Function's
+    stored signature, 0.07 of 1.9 ms a 16K forward+backward on the lent H200's host) but broke
+    ``torch.compile(mode="reduce-overhead")``: made during a CUDA-graph tree's warm-up, it lived in the graph's pool
+    untracked (``benchmarks/NOTES_triton.md``, session 41)."""
     import triton
 
-    allocator = _ALLOCATORS.get(device)
-    if allocator is None:
-        allocator = _ALLOCATORS[device] = lambda size, alignment, stream: _scratch(size, stream, device)
-    triton.set_allocator(allocator)
-
-
-def _scratch(size: int, stream: int, device: torch.device) -> torch.Tensor:
-    """Scratch for one launch on ``stream``: one buffer per stream, reused launch after launch (the launches of a
-    stream run one after another; a new ``torch.empty`` per launch cost about 5 us of host time each, 16 launches per
-    forward+backward). While a CUDA graph is being captured, a fresh allocation from the graph's pool instead (a
-    replay must not share memory that eager launches on another stream use). Launches that may overlap on one stream
-    (programmatic dependent launch) would need scratch of their own (``benchmarks/NOTES_triton.md``, session 17)."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, dtype=torch.int8, device=device)
-    buf = _SCRATCH.get(stream)
-    if buf is None or buf.numel() < size:
-        buf = _SCRATCH[stream] = torch.empty(max(size, 2 * (0 if buf is None else buf.numel())), dtype=torch.int8,
-                                             device=device)
-    return buf
-
-
-_ALLOCATORS: dict = {}
-_SCRATCH: dict = {}
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
