@@ -170,6 +170,8 @@ def test_gpu_decoding_with_a_growing_cache_launches_directly(rng, monkeypatch):
         pytest.skip("needs a CUDA GPU")
     from triton.runtime.jit import JITFunction
 
+    from hf_dilated.ops.triton import op  # noqa: F401  (registers torch.ops.hf_dilated.dilated_attention_decode)
+
     q, k, v = (torch.randn(1, h, 120, 64, generator=rng).to("cuda", torch.bfloat16) for h in (4, 2, 2))
 
     def step(n):  # one query at position n - 1 against the first n keys (the cache as decoding holds it)
