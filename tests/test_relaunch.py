@@ -170,15 +170,15 @@ def test_gpu_decoding_with_a_growing_cache_launches_directly(rng, monkeypatch):
         pytest.skip("needs a CUDA GPU")
     from triton.runtime.jit import JITFunction
 
-    from hf_dilated.ops.triton import op  # noqa: F401  (registers torch.ops.hf_dilated.dilated_attention_decode)
+    from hf_dilated.ops.triton import op
 
     q, k, v = (torch.randn(1, h, 120, 64, generator=rng).to("cuda", torch.bfloat16) for h in (4, 2, 2))
 
     def step(n):  # one query at position n - 1 against the first n keys (the cache as decoding holds it)
         keys = torch.tensor([[0, 0, n]], dtype=torch.int32, device="cuda")
         kc, vc = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
-        return torch.ops.hf_dilated.dilated_attention_decode(q[:, :, n - 1:n], kc, vc, torch.tensor([[n - 1]],
-            device="cuda"), keys, [32, 64], [1, 2], True, 0.125, 0, 0, 0)[0]
+        return op.dilated_attention_decode(q[:, :, n - 1:n], kc, vc, torch.tensor([[n - 1]], device="cuda"), keys,
+                                           [32, 64], [1, 2], True, 0.125, 0, 0, 0)[0]
 
     through_triton = []
     triton_run = JITFunction.run
