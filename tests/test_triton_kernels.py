@@ -1261,6 +1261,41 @@ def test_unfilled_buffers_and_last_launch(rng, monkeypatch):
     assert filled("forward") == {False} and filled("backward") == {True}
 
 
+@cpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_parts_in_one_launch(rng, monkeypatch, causal):
+    """Every forward branch launch but the last runs as one launch over the parts, each part writing its rows once,
+    compact; the last (r = 1) launch merges them in: two forward launches whatever the branches (GQA, head offset,
+    a partial last segment), the float64 oracle's answer, and the per-branch merge's up to float32 rounding."""
+    from hf_dilated.ops.triton import relaunch
+
+    q, k, v = make_qkv(rng, 2, 4, 2, 70, 70, 16, torch.float32, "cpu")
+    branches = [(8, 2), (16, 1), (32, 4), (64, 8)]
+    ws, rs = [w for w, _ in branches], [r for _, r in branches]
+    runs = []
+    through = relaunch.run
+
+    def record(kernel, grid, *args, **constexprs):
+        runs.append((kernel.fn.__name__, constexprs.get("PARTS"), constexprs.get("LAST")))
+        return through(kernel, grid, *args, **constexprs)
+
+    monkeypatch.setattr(relaunch, "run", record)
+    before = launch.LAUNCHES["forward_parts"]
+    check(q, k, v, branches, TOL[torch.float32], is_causal=causal, head_offset=1)
+    assert launch.LAUNCHES["forward_parts"] == before + 1
+    assert [x for x in runs if x[0] == "dilated_fwd_branch_kernel"] == [
+        ("dilated_fwd_branch_kernel", True, False), ("dilated_fwd_branch_kernel", True, True)]
+    got = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton", is_causal=causal, head_offset=1,
+                                       return_lse=True)
+    monkeypatch.setattr(launch, "COMPACT_PARTS", False)
+    runs.clear()
+    want = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton", is_causal=causal, head_offset=1,
+                                        return_lse=True)
+    assert len([x for x in runs if x[0] == "dilated_fwd_branch_kernel"]) == len(branches)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-6
+
+
 @triton.jit
 def _round_kernel(X, Y, N: tl.constexpr, UPCAST: tl.constexpr):
     i = tl.arange(0, N)

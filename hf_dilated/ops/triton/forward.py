@@ -11,6 +11,10 @@ whose row stride is ``r`` rows, so the copy engine fetches them and zero-fills t
 The kernel folds its branch into the running output (float32) and log-sum-exp of the earlier launches with the
 exact merge ``o = sum_i softmax(lse)_i o_i``, reading only the rows an earlier launch wrote (``tiles.written_before``);
 the ``LAST`` launch (an ``r = 1`` branch, which reaches every row) writes the final output in its dtype to ``OUT``.
+With ``PARTS`` (``launch.forward``, contiguous layouts) the branches but the last run as one launch instead, each
+program's branch ("part") from a table, each part's rows stored once, compact (row ``base + column // r`` of ``O`` and
+``PL``), and the last launch merges every part's rows into its own: no launch per small branch, whose last wave left
+SMs idle.
 """
 
 from __future__ import annotations
@@ -19,14 +23,14 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    allowed, drop_rows, finish, item_query_tile, load_rows, mm, n_rows, query_tile_keys, row_desc, rounded,
-    softmax_step, tile_mask, tile_rows, written_before,
+    PART_COLUMNS, allowed, drop_rows, finish, item_query_tile, load_rows, merge_rows, mm, n_rows, part_query_tile,
+    query_tile_keys, row_desc, rounded, softmax_step, tile_mask, tile_rows, written_before,
 )
 
 
 @triton.jit
 def dilated_fwd_branch_kernel(
-    Q, K, V, O, L, OUT, PREV, T, QV, KV, S,
+    Q, K, V, O, L, OUT, PREV, T, QV, KV, S, PL,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -35,10 +39,15 @@ def dilated_fwd_branch_kernel(
     Nq, Nk, H, head_offset, group, r, qk_scale, window, drop_threshold, inv_keep, n_tiles, n_prev,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-    MERGE: tl.constexpr, LAST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    MERGE: tl.constexpr, LAST: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(T, n_tiles, head_offset, r,
-                                                                                           BLOCK_M, IS_CAUSAL)
+    base = 0
+    if PARTS and not LAST:  # the one launch over the parts: this program's part (``PREV``: the parts' table)
+        r, base, b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = part_query_tile(
+            PREV, n_prev, T, head_offset, BLOCK_M, IS_CAUSAL)
+    else:
+        b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
+            T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)
     if p_min >= q_hi:
         return
     qp, in_range, qc, qmask = tile_rows(q_first, tile, r, q_hi, qbase, QV, b * Nq, BLOCK_M, HOLES)
@@ -105,25 +114,30 @@ def dilated_fwd_branch_kernel(
                                      UPCAST)
 
     o_b, lse_b = finish(acc, l_i, m_i)
+    smask = tile_mask(in_range, dmask, EVEN_D)
+    if PARTS and not LAST:  # a part's rows, compact: row ``base + column // r`` of ``O`` and ``PL``
+        rows = (base + qc // r).to(tl.int64)
+        tl.store(O + b * stride_ob + h64 * stride_oh + rows[:, None] * stride_on + d[None, :], o_b, mask=smask)
+        tl.store(PL + b * stride_lb + h64 * stride_lh + rows, lse_b, mask=in_range)
+        return
     o_ptrs = O + b * stride_ob + h64 * stride_oh + qc.to(tl.int64)[:, None] * stride_on + d[None, :]
     l_ptrs = L + b * stride_lb + h64 * stride_lh + qc.to(tl.int64)
-    smask = tile_mask(in_range, dmask, EVEN_D)
-    if MERGE:  # rows an earlier launch wrote (the others read as no output, lse -inf)
+    out = o_b
+    lse = lse_b
+    if PARTS:  # the last launch: merge in each part's rows (a part's rate selects them; ``PREV``: the parts' table)
+        for j in range(n_prev):
+            rj = tl.load(PREV + j * PART_COLUMNS + 3)
+            seen = in_range & ((((qp - h - head_offset) % rj) + rj) % rj == 0)
+            rows = tl.where(seen, tl.load(PREV + j * PART_COLUMNS + 4) + qc // rj, 0).to(tl.int64)
+            old_lse = tl.load(PL + b * stride_lb + h64 * stride_lh + rows, mask=seen, other=float("-inf"))
+            old_o = tl.load(O + b * stride_ob + h64 * stride_oh + rows[:, None] * stride_on + d[None, :],
+                            mask=tile_mask(seen, dmask, EVEN_D), other=0.0)
+            out, lse = merge_rows(old_o, old_lse, out, lse)
+    elif MERGE:  # rows an earlier launch wrote (the others read as no output, lse -inf)
         seen = in_range & written_before(qp, h, head_offset, PREV, n_prev, 1)
         old_lse = tl.load(l_ptrs, mask=seen, other=float("-inf"))
         old_o = tl.load(o_ptrs, mask=tile_mask(seen, dmask, EVEN_D), other=0.0).to(tl.float32)
-        m = tl.maximum(old_lse, lse_b)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        a = tl.exp(old_lse - m)
-        c = tl.exp(lse_b - m)
-        s = a + c
-        reached = s != 0  # 0: no key in any launch; NaN (a NaN input) stays NaN (tiles.finish)
-        s_safe = tl.where(reached, s, 1.0)
-        out = (old_o * a[:, None] + o_b * c[:, None]) / s_safe[:, None]
-        lse = tl.where(reached, m + tl.log(s_safe), float("-inf"))
-    else:
-        out = o_b
-        lse = lse_b
+        out, lse = merge_rows(old_o, old_lse, o_b, lse_b)
     if LAST:  # the final output, in its dtype (``OUT`` has ``O``'s strides)
         o_ptrs = OUT + b * stride_ob + h64 * stride_oh + qc.to(tl.int64)[:, None] * stride_on + d[None, :]
         tl.store(o_ptrs, rounded(out, OUT.dtype.element_ty, UPCAST), mask=smask)

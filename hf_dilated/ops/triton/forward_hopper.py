@@ -12,12 +12,16 @@ portable kernel's grid and contract (one warpgroup per segment item, 64 dilated 
 - 128-key steps at head dim 128 (one K buffer, two V buffers: 112 KB, two programs per SM), 64-key steps at 64 and
   256 (at 256 one K and one V buffer: 96 KB, two programs per SM);
 - only tiles that cross the causal diagonal or the item's last key are masked;
-- the rows earlier launches wrote (``MERGE``) are not merged in an epilogue: a tile's online softmax starts from them
-  (``resume_rows``: a written row counts as one key whose score is its lse and whose value is its output), read before
-  the first scores so that the loads overlap them; the ``LAST`` launch writes the output in its dtype. Against the
-  portable kernel's epilogue merge this removed the merge's loads and math from the end of every tile and, at head dim
-  256, the last launch's 300 bytes of spills: forward 1.03-1.04x at D 256, 1.00-1.03x at D 128, 0.99-1.01x at D 64
-  (H200, session 35, ``benchmarks/results/session35-*``). It rounds in the last bits differently from that merge.
+- every branch launch but the last runs as one launch over the parts (``PARTS``, ``launch.forward``), each part's rows
+  stored once, compact, and the last launch (``r = 1``) merges them in its epilogue (``merge_parts``,
+  ``merge_parts_weighted``: started from them, the merge made ptxas serialize the tile's wgmma pipeline);
+- otherwise the rows earlier launches wrote (``MERGE``) are not merged in an epilogue: a tile's online softmax starts
+  from them (``resume_rows``: a written row counts as one key whose score is its lse and whose value is its output),
+  read before the first scores so that the loads overlap them; the ``LAST`` launch writes the output in its dtype.
+  Against the portable kernel's epilogue merge this removed the merge's loads and math from the end of every tile and,
+  at head dim 256, the last launch's 300 bytes of spills: forward 1.03-1.04x at D 256, 1.00-1.03x at D 128, 0.99-1.01x
+  at D 64 (H200, session 35, ``benchmarks/results/session35-*``). It rounds in the last bits differently from that
+  merge.
 
 The arithmetic is ``tiles.softmax_step``'s, so with the portable kernel's 64-key steps a launch that merges nothing is
 bit-identical (measured on the H100); 128-key steps move the running maximum less often and differ in the last bf16
@@ -39,11 +43,11 @@ import torch
 
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile,
-    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, query_tile_buffers, query_tile_keys,
-    release_barriers, row_desc, runnable, softmax_finish, softmax_start, softmax_step, switch, tma_load, warpgroup_mma,
-    warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
+    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, part_query_tile, query_tile_buffers,
+    query_tile_keys, release_barriers, row_desc, runnable, softmax_finish, softmax_start, softmax_step, switch,
+    tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
 )
-from .tiles import LOG2E
+from .tiles import LOG2E, PART_COLUMNS
 
 BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
 # (key rows per step, K buffers, V buffers) by head dim, measured on the H100 (benchmarks/NOTES_triton.md, round 2
@@ -52,6 +56,22 @@ BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
 # 0.92-0.98x. At D = 256 (Gemma's heads, 8 / 2) (64, 1, 1) (96 KB: two programs per SM; the portable kernel spills
 # 540-820 bytes there) ran 1.36x / 1.25x at 16K / 64K, bit-identical (round 2 session 19).
 STEPS = {64: (64, 2, 2), 128: (128, 1, 2), 256: (64, 1, 1)}
+# Head dims at which the one-warpgroup kernel runs the forward's parts in one launch (``launch.forward``), with how the
+# last launch merges them: (at most this many parts unrolled, register cap). At 64, ``merge_parts_weighted`` unrolled
+# with the registers capped at 128 (four programs an SM, as the other launches; 8 bytes spilled, outside the tile
+# loop) ran the 16K 9 / 3 forward 1.32x as fast as a launch per branch, the loop merge (``merge_parts``) 1.29x; at 64K
+# 1.01x / 0.99x (H200, session 41); more parts than that take the loop. Not at 256: the epilogue merge spilled 1.2 KB
+# there (session 35 had moved the merge into ``resume_rows`` to end 300 bytes of spills), and it was not timed.
+PARTS_MERGE = {64: (4, 128)}
+
+
+def parts_merge_config(head_dim: int, n_parts: int) -> dict:
+    """The last launch's merge of ``n_parts`` parts: ``MAX_PARTS`` 0 for the loop (``merge_parts``), else the parts
+    unrolled (``merge_parts_weighted``) with the register cap."""
+    unrolled, maxnreg = PARTS_MERGE[head_dim]
+    if n_parts > unrolled:
+        return dict(MAX_PARTS=0)
+    return dict(MAX_PARTS=unrolled, maxnreg=maxnreg)
 
 
 def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
@@ -134,14 +154,19 @@ if gluon is not None:
 
     @gluon.jit
     def store_rows(o_b, lse_b, p_min, q_hi, qbase, b, h, r, O, L, OUT, stride_ob, stride_oh, stride_on, stride_lb,
-                   stride_lh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, LAST: gl.constexpr):
+                   stride_lh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, LAST: gl.constexpr,
+                   PL, base, PARTS: gl.constexpr):
         """The epilogue for ``ROWS`` dilated query rows from position ``p_min`` (those below ``q_hi``): their output
         ``o_b`` (merged with earlier launches already: ``resume_rows``) and lse ``lse_b`` stored to ``O`` / ``L`` or,
-        ``LAST``, the output in its dtype to ``OUT`` (``O``'s strides)."""
+        ``LAST``, the output in its dtype to ``OUT`` (``O``'s strides). A part (``PARTS``, not ``LAST``) stores them
+        compact: row ``base + column // r`` of ``O`` and ``PL``."""
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
         in_range = qp < q_hi
         qc64 = (qbase + qp).to(gl.int64)
+        if PARTS and not LAST:
+            qc64 = base + qc64 // r
+            L = PL
         h64 = h.to(gl.int64)
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         if LAST:
@@ -151,6 +176,78 @@ if gluon is not None:
             o_ptrs = O + b * stride_ob + h64 * stride_oh + qc64[:, None] * stride_on + d[None, :]
             gl.store(o_ptrs, o_b.to(O.dtype.element_ty), mask=in_range[:, None])
         gl.store(L + b * stride_lb + h64 * stride_lh + qc64, lse_b, mask=in_range)
+
+    @gluon.jit
+    def merge_parts(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, PL, PARTS_TABLE, n_parts, stride_ob,
+                    stride_oh, stride_on, stride_lb, stride_lh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    ROWS: gl.constexpr):
+        """The last launch's rows (``o_b``, natural-log ``lse_b``) merged with the parts' (``launch.forward``: a part
+        of rate ``rj`` holds the rows it selects at row ``base + column // rj`` of ``O`` / ``PL``), with
+        ``tiles.merge_rows``' arithmetic. In the epilogue: started from them (as ``resume_rows`` starts from an
+        earlier launch's rows), the merge made ptxas serialize the tile's wgmma pipeline, or took 172 registers."""
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
+        in_range = qp < q_hi
+        qc64 = (qbase + qp).to(gl.int64)
+        h64 = h.to(gl.int64)
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        for j in range(n_parts):
+            rj = gl.load(PARTS_TABLE + j * PART_COLUMNS + 3)
+            seen = in_range & ((((qp - h - head_offset) % rj) + rj) % rj == 0)
+            rows = gl.where(seen, gl.load(PARTS_TABLE + j * PART_COLUMNS + 4) + qc64 // rj, 0)
+            old_lse = gl.load(PL + b * stride_lb + h64 * stride_lh + rows, mask=seen, other=float("-inf"))
+            old_o = gl.load((O + b * stride_ob + h64 * stride_oh + rows * stride_on)[:, None] + d[None, :],
+                            mask=seen[:, None], other=0.0)
+            m = gl.maximum(old_lse, lse_b)
+            m = gl.where(m == float("-inf"), 0.0, m)
+            a = gl.exp(old_lse - m)
+            c = gl.exp(lse_b - m)
+            total = a + c
+            reached = total != 0
+            t_safe = gl.where(reached, total, 1.0)
+            o_b = (old_o * a[:, None] + o_b * c[:, None]) / t_safe[:, None]
+            lse_b = gl.where(reached, m + gl.log(t_safe), float("-inf"))
+        return o_b, lse_b
+
+    @gluon.jit
+    def _part_rows(j, qp, in_range, qc64, h, head_offset, PARTS_TABLE, n_parts):
+        """Which of a tile's rows part ``j`` wrote (none when ``j >= n_parts``), and their compact rows there."""
+        rj = gl.load(PARTS_TABLE + j * PART_COLUMNS + 3, mask=j < n_parts, other=1)
+        seen = in_range & (j < n_parts) & ((((qp - h - head_offset) % rj) + rj) % rj == 0)
+        return seen, gl.where(seen, gl.load(PARTS_TABLE + j * PART_COLUMNS + 4, mask=j < n_parts, other=0)
+                              + qc64 // rj, 0)
+
+    @gluon.jit
+    def merge_parts_weighted(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, PL, PARTS_TABLE, n_parts,
+                             stride_ob, stride_oh, stride_on, stride_lb, stride_lh, o_layout: gl.constexpr,
+                             HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, MAX_PARTS: gl.constexpr):
+        """:func:`merge_parts` as one weighted sum: the lse of every part first (the softmax weights), then the
+        outputs, unrolled over at most ``MAX_PARTS`` parts so that their loads can be in flight together."""
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
+        in_range = qp < q_hi
+        qc64 = (qbase + qp).to(gl.int64)
+        h64 = h.to(gl.int64)
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        lse_rows = PL + b * stride_lb + h64 * stride_lh
+        o_rows_base = O + b * stride_ob + h64 * stride_oh
+        m = lse_b
+        for j in gl.static_range(MAX_PARTS):
+            seen, rows = _part_rows(j, qp, in_range, qc64, h, head_offset, PARTS_TABLE, n_parts)
+            m = gl.maximum(m, gl.load(lse_rows + rows, mask=seen, other=float("-inf")))
+        m = gl.where(m == float("-inf"), 0.0, m)
+        w = gl.exp(lse_b - m)
+        total = w
+        out = o_b * w[:, None]
+        for j in gl.static_range(MAX_PARTS):
+            seen, rows = _part_rows(j, qp, in_range, qc64, h, head_offset, PARTS_TABLE, n_parts)
+            wj = gl.exp(gl.load(lse_rows + rows, mask=seen, other=float("-inf")) - m)
+            total = total + wj
+            out = out + gl.load((o_rows_base + rows * stride_on)[:, None] + d[None, :], mask=seen[:, None],
+                                other=0.0) * wj[:, None]
+        reached = total != 0
+        t_safe = gl.where(reached, total, 1.0)
+        return out / t_safe[:, None], gl.where(reached, m + gl.log(t_safe), float("-inf"))
 
     @gluon.jit
     def resume_rows(p_min, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob, stride_oh, stride_on,
@@ -185,7 +282,7 @@ if gluon is not None:
 
     @gluon.jit
     def dilated_fwd_hopper_kernel(
-        Q, K, V, O, L, OUT, PREV, T,
+        Q, K, V, O, L, OUT, PREV, T, PL,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
@@ -194,10 +291,12 @@ if gluon is not None:
         head_offset, group, r, qk_scale, n_tiles, n_prev,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
         V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr,
-        num_warps: gl.constexpr,
+        PARTS: gl.constexpr, MAX_PARTS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """One branch's output rows for one tile of ``BLOCK_M`` dilated query rows of one segment item and head,
-        merged into what earlier launches wrote (``MERGE``), stored to ``O`` / ``L`` or, ``LAST``, to ``OUT``."""
+        merged into what earlier launches wrote (``MERGE``), stored to ``O`` / ``L`` or, ``LAST``, to ``OUT``. With
+        ``PARTS`` (``launch.forward``): the one launch over the parts, each program's part from ``PREV`` (the parts'
+        table), its rows stored compact to ``O`` / ``PL``; or the last launch, starting from the parts' rows."""
         dtype: gl.constexpr = Q.dtype.element_ty
         s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
         o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
@@ -210,8 +309,13 @@ if gluon is not None:
         q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = query_tile_buffers(
             dtype, q_smem_layout, kv_smem_layout, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES)
 
-        b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
-            T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)
+        base = 0
+        if PARTS and not LAST:
+            r, base, b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = part_query_tile(
+                PREV, n_prev, T, head_offset, BLOCK_M, IS_CAUSAL)
+        else:
+            b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
+                T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)
         if p_min < q_hi:
             k_first, n_k, n_plain, n_kt, shift = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, BLOCK_N,
                                                                  IS_CAUSAL)
@@ -251,8 +355,16 @@ if gluon is not None:
             else:  # no key of this branch: the earlier launches' rows as they are (none: 0, -inf)
                 o_b, lse_b = softmax_finish(acc, m_i, l_i, o_rows)
 
+            if PARTS and LAST and MAX_PARTS == 0:
+                o_b, lse_b = merge_parts(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, PL, PREV, n_prev,
+                                         stride_ob, stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM,
+                                         BLOCK_M)
+            elif PARTS and LAST:
+                o_b, lse_b = merge_parts_weighted(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, PL, PREV,
+                                                  n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh,
+                                                  o_layout, HEAD_DIM, BLOCK_M, MAX_PARTS)
             store_rows(o_b, lse_b, p_min, q_hi, qbase, b, h, r, O, L, OUT, stride_ob, stride_oh, stride_on, stride_lb,
-                       stride_lh, o_layout, HEAD_DIM, BLOCK_M, LAST)
+                       stride_lh, o_layout, HEAD_DIM, BLOCK_M, LAST, PL, base, PARTS)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
     # ---- the warp-specialized forward (head dim 128) --------------------------------------------------------------
@@ -353,7 +465,7 @@ if gluon is not None:
                     mbarrier.arrive(empty.index((c + t) % STAGES), count=1)
                 if p_w < q_hi:
                     store_rows(out, lse, p_w, q_hi, qbase, b, h, r, O, L, OUT, stride_ob, stride_oh, stride_on,
-                               stride_lb, stride_lh, o_layout, HEAD_DIM, 64, LAST)
+                               stride_lb, stride_lh, o_layout, HEAD_DIM, 64, LAST, L, 0, False)
                 c += n_kt
                 n_q += 1
 

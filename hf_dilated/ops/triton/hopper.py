@@ -19,7 +19,9 @@ from unittest import mock
 import triton
 
 from . import configs
-from .tiles import LOG2E, _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI, _IT_Q_LO
+from .tiles import (
+    LOG2E, PART_COLUMNS, _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI, _IT_Q_LO,
+)
 
 try:  # Gluon is experimental; a Triton without it (or with another API) keeps the portable kernels
     from triton.experimental import gluon
@@ -134,6 +136,25 @@ if gluon is not None:
         return gl.maximum((hi - first + r - 1) // r, 0)
 
     @gluon.jit
+    def part_query_tile(PARTS, n_parts, T, head_offset, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """``tiles.part_query_tile`` in Gluon: ``(r, base, b, qbase, ..., p_min)`` of a program of the forward's one
+        launch over its parts."""
+        pid = gl.program_id(0)
+        j = 0
+        for i in range(1, n_parts):
+            j = gl.where(pid >= gl.load(PARTS + i * PART_COLUMNS), i, j)
+        row = PARTS + j * PART_COLUMNS
+        local = pid - gl.load(row)
+        n_tiles = gl.load(row + 2)
+        r = gl.load(row + 3)
+        tile = local % n_tiles
+        if IS_CAUSAL:
+            tile = n_tiles - 1 - tile
+        b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = query_tile(
+            T, gl.load(row + 1) + local // n_tiles, tile, head_offset, r, BLOCK_M)
+        return r, gl.load(row + 4), b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min
+
+    @gluon.jit
     def item_query_tile(T, n_tiles, head_offset, r, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """``tiles.item_query_tile`` in Gluon: ``(b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0,
         p_min)`` of a query-tile program (an item's tiles last-first when causal: ``tiles.item_tile``)."""
@@ -142,6 +163,11 @@ if gluon is not None:
         tile = pid % n_tiles
         if IS_CAUSAL:
             tile = n_tiles - 1 - tile
+        return query_tile(T, item, tile, head_offset, r, BLOCK_M)
+
+    @gluon.jit
+    def query_tile(T, item, tile, head_offset, r, BLOCK_M: gl.constexpr):
+        """``tiles.query_tile`` in Gluon: the tuple of :func:`item_query_tile` for tile ``tile`` of item ``item``."""
         h = gl.program_id(1)
         b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
         off = (h + head_offset) % r

@@ -21,6 +21,7 @@ from .configs import (
 )
 from .decode import dilated_decode_kernel
 from .forward import dilated_fwd_branch_kernel
+from .hopper import switch
 from .schedule import RunPlan, branch_items
 from .tiles import LOG2E_F as LOG2E
 
@@ -228,8 +229,70 @@ def _buffer(shape, device, filled: bool, dtype=torch.float32, like: torch.Tensor
     return out
 
 
+# The forward's branch launches but the last in one launch, each branch's rows written once, compact, and merged by
+# the last launch (``_parts``); False (``HF_DILATED_PARTS=0`` in the environment when this is imported): a launch per
+# branch, each merging into what the launches before it wrote (the tests compare the two).
+COMPACT_PARTS = switch("HF_DILATED_PARTS")
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The forward's one launch over its parts (every branch launch but the last, an ``r = 1`` branch that merges
+    them): ``table`` (int32 rows of ``tiles.part_query_tile``: first program, first item, tiles per item, r, compact
+    row base), the parts' ``items`` concatenated, ``n_programs`` (axis 0 of its grid); a part of rate ``r`` writes
+    row ``base + column // r`` (its rows of one head have one residue mod ``r``: ``ceil(Nq / r)`` rows)."""
+
+    table: torch.Tensor
+    items: torch.Tensor
+    n_programs: int
+
+
+def _parts(order, Nq: int, block_m: int, device) -> Parts | None:
+    """:class:`Parts` for the branch launches ``order[:-1]`` (made once per order, block and length), or None where
+    their compact rows would not fit in the ``Nq`` rows of the buffer they share."""
+    memo = (id(order), Nq, block_m, str(device))
+    hit = _PARTS.get(memo)
+    if hit is not None and hit[0] is order:
+        return hit[1]
+    table, start, first_item, rows = [], 0, 0, 0
+    for _, r, it in order[:-1]:
+        n_tiles = cdiv(it.max_q_rows, block_m)
+        table.append([start, first_item, n_tiles, r, rows])
+        start, first_item, rows = start + it.n_items * n_tiles, first_item + it.n_items, rows + cdiv(Nq, r)
+    parts = None
+    if rows <= Nq and start < 2**31:
+        parts = Parts(torch.tensor(table, dtype=torch.int32).to(device),
+                      torch.cat([it.items for _, _, it in order[:-1]]), start)
+    if len(_PARTS) >= 256:
+        _PARTS.clear()
+    _PARTS[memo] = (order, parts)
+    return parts
+
+
+_PARTS: dict = {}
+
+
+def _forward_launches(order, rates, last, parts: Parts | None, heads: int, cfg: dict, ws: bool):
+    """The forward's launches: ``(j, branch, r, items, PREV, n_prev, grid, n_tiles, flags)``. Without ``parts``, one
+    per branch of ``order``, launch ``j`` merging into the rows launches ``< j`` wrote (``PREV`` their rates). With
+    them, the parts' launch and the last branch's, which merges the parts' rows (``PREV`` the parts' table)."""
+    if parts is None:
+        for j, (i, r, it) in enumerate(order):
+            grid, n_tiles = (None, None) if ws else items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], heads)
+            yield j, i, r, it.items, rates, j, grid, n_tiles, dict(MERGE=j > 0, LAST=i == last, PARTS=False)
+        return
+    n_parts = len(order) - 1
+    # r and the tiles per item of each program come from the table (2: placeholders no specialisation singles out)
+    yield (0, order[0][0], 2, parts.items, parts.table, n_parts, (parts.n_programs, heads), 2,
+           dict(MERGE=False, LAST=False, PARTS=True))
+    i, r, it = order[-1]
+    grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], heads)
+    yield n_parts, i, r, it.items, parts.table, n_parts, grid, n_tiles, dict(MERGE=False, LAST=True, PARTS=True)
+
+
 def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
-    """Merged output ``[B, H, Nq, D]`` (query dtype) and float32 lse ``[B, H, Nq]`` over all branches."""
+    """Merged output ``[B, H, Nq, D]`` (query dtype) and float32 lse ``[B, H, Nq]`` over all branches: a launch per
+    branch, or (:class:`Parts`, where the last launch reaches every row and the kernel takes them) two."""
     LAUNCHES["forward"] += 1
     q, k, v = rowmajor(q), rowmajor(k), rowmajor(v)
     B, H, Nq, D = q.shape
@@ -254,29 +317,44 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     if gluon:
         gcfg = forward_hopper.ws_launch_config() if ws else forward_hopper.launch_config(D)
         gkernel = forward_hopper.dilated_fwd_ws_kernel if ws else forward_hopper.dilated_fwd_hopper_kernel
+    parts = None
+    if (COMPACT_PARTS and not filled and len(order) > 1 and not ws and not flags["DROPOUT"]
+            and (not gluon or D in forward_hopper.PARTS_MERGE)):
+        parts = _parts(order, Nq, (gcfg if gluon else cfg)["BLOCK_M"], q.device)
+    if parts is not None:  # the parts' rows (compact) in ``o`` and ``part_lse``; ``out`` holds none of them
+        if o is out:
+            o = _buffer((B, H, Nq, D), q.device, False)
+        part_lse = _buffer((B, H, Nq), q.device, False)
+        LAUNCHES["forward_parts"] += 1
+    else:
+        part_lse = lse
     per_branch = streams if flags["DROPOUT"] else _branch_views(streams)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2])
-    for j, (i, r, it) in enumerate(order):
+    for j, i, r, items, prev, n_prev, grid, n_tiles, merge in _forward_launches(order, rates, last, parts, H, cfg if
+                                                                                not gluon else gcfg, ws):
         if gluon:
-            args = (q, k, v, o, lse, out, rates, it.items, *strides, pb.head_offset, group, r, pb.scale * LOG2E)
-            common = dict(HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=j > 0, LAST=i == last, **gcfg)
+            args = (q, k, v, o, lse, out, prev, items, *(() if ws else (part_lse,)), *strides, pb.head_offset, group,
+                    r, pb.scale * LOG2E)
+            common = dict(HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=merge["MERGE"], LAST=merge["LAST"], **gcfg)
+            if not ws:  # (the warp-specialized kernel takes no parts)
+                common["PARTS"] = merge["PARTS"]
+                common.update(forward_hopper.parts_merge_config(D, n_prev) if merge["PARTS"] and merge["LAST"]
+                              else dict(MAX_PARTS=0))
             if ws:  # programs over units of an item's query tiles, persistent where the items allow
+                it = order[j][2]
                 grid, sched = forward_hopper.ws_schedule(it.n_items, it.items_per_group, it.max_q_rows, H,
                                                          sm_count(q.device))
-                relaunch.run(gkernel, grid, *args, sched["n_tiles"], j, sched["G"], sched["n_units"], sched["n_items"],
-                             PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
+                relaunch.run(gkernel, grid, *args, sched["n_tiles"], n_prev, sched["G"], sched["n_units"],
+                             sched["n_items"], PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
                 LAUNCHES["forward_persistent"] += sched["PERSISTENT"]
             else:
-                grid, n_tiles = items_grid(it.n_items, it.max_q_rows, gcfg["BLOCK_M"], H)
-                relaunch.run(gkernel, grid, *args, n_tiles, j, **common)
+                relaunch.run(gkernel, grid, *args, n_tiles, n_prev, **common)
             LAUNCHES["forward_ws" if ws else "forward_hopper"] += 1
             continue
-        grid, n_tiles = items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], H)
         relaunch.run(dilated_fwd_branch_kernel, grid,
-            q, k, v, o, lse, out, rates, it.items, qv, kv, per_branch[i], *strides,
-            Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles, j,
-            HEAD_DIM=head_dim_block(D), D=D, MERGE=j > 0, LAST=i == last, UPCAST=dot_mode(q.dtype), TMA=tma,
-            **flags, **cfg,
+            q, k, v, o, lse, out, prev, items, qv, kv, per_branch[i], part_lse, *strides,
+            Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles, n_prev,
+            HEAD_DIM=head_dim_block(D), D=D, **merge, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **cfg,
         )
     return (o.to(q.dtype) if filled else out), lse
 

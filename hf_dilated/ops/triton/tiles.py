@@ -23,6 +23,7 @@ _IT_Q_HI = tl.constexpr(schedule.IT_Q_HI)
 _IT_K_LO = tl.constexpr(schedule.IT_K_LO)
 _IT_K_HI = tl.constexpr(schedule.IT_K_HI)
 _ITEM_COLUMNS = tl.constexpr(schedule.ITEM_COLUMNS)
+PART_COLUMNS = tl.constexpr(schedule.PART_COLUMNS)
 
 
 @triton.jit
@@ -55,6 +56,34 @@ def item_query_tile(T, n_tiles, head_offset, r, BLOCK_M: tl.constexpr, IS_CAUSAL
     and offset class, the item's first selected query position, the tile, its first dilated row and that row's
     position; the tile has rows where ``p_min < q_hi``."""
     item, tile = item_tile(n_tiles, IS_CAUSAL)
+    return query_tile(T, item, tile, head_offset, r, BLOCK_M)
+
+
+@triton.jit
+def part_query_tile(PARTS, n_parts, T, head_offset, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """:func:`item_query_tile` for a program of the forward's one launch over its parts (every branch but the last:
+    ``launch.forward``), and the program's part: ``(r, base, b, qbase, ..., p_min)``. ``PARTS``: int32 rows
+    ``(first program, first item, tiles per item, r, compact row base)`` per part, axis 0 of the grid the parts'
+    programs one after another (each part's as :func:`item_tile` orders them), ``T`` the parts' items in order."""
+    pid = tl.program_id(0)
+    j = 0
+    for i in range(1, n_parts):
+        j = tl.where(pid >= tl.load(PARTS + i * PART_COLUMNS), i, j)
+    row = PARTS + j * PART_COLUMNS
+    local = pid - tl.load(row)
+    n_tiles = tl.load(row + 2)
+    r = tl.load(row + 3)
+    tile = local % n_tiles
+    if IS_CAUSAL:
+        tile = n_tiles - 1 - tile
+    b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = query_tile(
+        T, tl.load(row + 1) + local // n_tiles, tile, head_offset, r, BLOCK_M)
+    return r, tl.load(row + 4), b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min
+
+
+@triton.jit
+def query_tile(T, item, tile, head_offset, r, BLOCK_M: tl.constexpr):
+    """:func:`item_query_tile`'s tuple for tile ``tile`` of item ``item`` (the head: axis 1 of the grid)."""
     h = tl.program_id(1)
     b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
     off = (h + head_offset) % r
@@ -262,6 +291,21 @@ def finish(acc, l_i, m_i):
     has = l_i != 0
     l_safe = tl.where(has, l_i, 1.0)
     return acc / l_safe[:, None], tl.where(has, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+
+
+@triton.jit
+def merge_rows(o_a, lse_a, o_b, lse_b):
+    """The exact merge of two softmax-normalised row sets (outputs, natural-log lse): ``o = sum_i softmax(lse)_i
+    o_i``; rows with no key in either stay (0, -inf), a NaN stays NaN (:func:`finish`)."""
+    m = tl.maximum(lse_a, lse_b)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    a = tl.exp(lse_a - m)
+    c = tl.exp(lse_b - m)
+    s = a + c
+    reached = s != 0
+    s_safe = tl.where(reached, s, 1.0)
+    return (o_a * a[:, None] + o_b * c[:, None]) / s_safe[:, None], tl.where(reached, m + tl.log(s_safe),
+                                                                              float("-inf"))
 
 
 @triton.jit
