@@ -118,6 +118,21 @@ def test_every_launch_site_launches_directly(rng, monkeypatch):
         assert all(type(a) in (int, float, bool, type(None)) for a in args[n:]), kernel.fn.__name__
 
 
+def _launches_through_triton(monkeypatch) -> list:
+    """A list that gets every kernel launched through Triton's own ``JITFunction.run`` from now on."""
+    from triton.runtime.jit import JITFunction
+
+    through_triton = []
+    triton_run = JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        through_triton.append(self)
+        return triton_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "run", counted)
+    return through_triton
+
+
 @pytest.mark.gpu
 def test_gpu_direct_launches_match_triton_launches(rng, monkeypatch):
     """The dilated op's forward and backward (the Gluon kernels on Hopper, GQA, LongNet-style branches) and the
@@ -135,16 +150,7 @@ def test_gpu_direct_launches_match_triton_launches(rng, monkeypatch):
         bs = block_sparse_attention(qq, k, v, layout, is_causal=True, backend="triton")
         return (out, bs) + torch.autograd.grad((out, bs), (qq, k, v), (do, do))
 
-    from triton.runtime.jit import JITFunction
-
-    through_triton = []
-    triton_run = JITFunction.run
-
-    def counted(self, *args, **kwargs):
-        through_triton.append(self)
-        return triton_run(self, *args, **kwargs)
-
-    monkeypatch.setattr(JITFunction, "run", counted)
+    through_triton = _launches_through_triton(monkeypatch)
     for qq in (q, torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view_as(q).copy_(q)):
         # the second: a query tensor 2 bytes off 16-byte alignment, its own specialisation, the same values
         qq = qq.detach().requires_grad_()
@@ -168,8 +174,6 @@ def test_gpu_decoding_with_a_growing_cache_launches_directly(rng, monkeypatch):
     launch."""
     if not torch.cuda.is_available() or INTERPRET:
         pytest.skip("needs a CUDA GPU")
-    from triton.runtime.jit import JITFunction
-
     from hf_dilated.ops.triton import op
 
     q, k, v = (torch.randn(1, h, 120, 64, generator=rng).to("cuda", torch.bfloat16) for h in (4, 2, 2))
@@ -180,14 +184,7 @@ def test_gpu_decoding_with_a_growing_cache_launches_directly(rng, monkeypatch):
         return op.dilated_attention_decode(q[:, :, n - 1:n], kc, vc, torch.tensor([[n - 1]], device="cuda"), keys,
                                            [32, 64], [1, 2], True, 0.125, 0, 0, 0)[0]
 
-    through_triton = []
-    triton_run = JITFunction.run
-
-    def counted(self, *args, **kwargs):
-        through_triton.append(self)
-        return triton_run(self, *args, **kwargs)
-
-    monkeypatch.setattr(JITFunction, "run", counted)
+    through_triton = _launches_through_triton(monkeypatch)
     lengths = [97, 98, 99, 101, 102, 103, 105, 107, 109, 111]  # none a multiple of 16: one class of ints
     monkeypatch.setattr(relaunch, "ENABLED", False)
     want = [step(n) for n in lengths]
