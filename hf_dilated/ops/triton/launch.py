@@ -317,10 +317,11 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     if gluon:
         gcfg = forward_hopper.ws_launch_config() if ws else forward_hopper.launch_config(D)
         gkernel = forward_hopper.dilated_fwd_ws_kernel if ws else forward_hopper.dilated_fwd_hopper_kernel
+    tiles_cfg = gcfg if gluon else cfg
     parts = None
     if (COMPACT_PARTS and not filled and len(order) > 1 and not ws and not flags["DROPOUT"]
             and (not gluon or D in forward_hopper.PARTS_MERGE)):
-        parts = _parts(order, Nq, (gcfg if gluon else cfg)["BLOCK_M"], q.device)
+        parts = _parts(order, Nq, tiles_cfg["BLOCK_M"], q.device)
     if parts is not None:  # the parts' rows (compact) in ``o`` and ``part_lse``; ``out`` holds none of them
         if o is out:
             o = _buffer((B, H, Nq, D), q.device, False)
@@ -330,8 +331,8 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
         part_lse = lse
     per_branch = streams if flags["DROPOUT"] else _branch_views(streams)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2])
-    for j, i, r, items, prev, n_prev, grid, n_tiles, merge in _forward_launches(order, rates, last, parts, H, cfg if
-                                                                                not gluon else gcfg, ws):
+    for j, i, r, items, prev, n_prev, grid, n_tiles, merge in _forward_launches(order, rates, last, parts, H,
+                                                                                tiles_cfg, ws):
         if gluon:
             args = (q, k, v, o, lse, out, prev, items, *(() if ws else (part_lse,)), *strides, pb.head_offset, group,
                     r, pb.scale * LOG2E)
