@@ -7,7 +7,9 @@ fused dK/dV (``HF_DILATED_WS_DKDV=1``, head dim 128) against the fused dK/dV of 
 ``--switch persistent``: the warp-specialized forward's persistent programs (``HF_DILATED_PERSISTENT=1``, one per SM)
 against one segment item a program (bit-identical: the same tiles). ``--switch relaunch``: the kernels relaunched
 directly (``ops/triton/relaunch.py``) against Triton's own launch of every call (the same kernels, bit for bit; a host
-time change, so it shows where the host sets the pace: small heads, 16K). Interleaved in one process, as here, is
+time change, so it shows where the host sets the pace: small heads, 16K). ``--switch parts``: the branch launches but
+the last as one launch over the parts (``launch.Parts``, ``HF_DILATED_PARTS=1``) against a launch per branch (float32
+sums in another order: held to 1e-2). Interleaved in one process, as here, is
 how to measure a host-time change: the lent host's speed drifts between runs by more than such a change.
 
 - ``--op dilated``: ``launch.forward`` / ``launch.backward`` (``ops/triton/forward_hopper.py``,
@@ -45,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hf_dilated.environment import run_environment  # noqa: E402
-from hf_dilated.ops.triton import relaunch  # noqa: E402
+from hf_dilated.ops.triton import launch, relaunch  # noqa: E402
 from hf_dilated.ops.layout import resolve_layout  # noqa: E402
 
 CASES = ((16384, 16, 16, 128), (65536, 16, 16, 128), (262144, 16, 16, 128), (65536, 32, 8, 128), (65536, 9, 3, 64))
@@ -130,6 +132,10 @@ SWITCHES = {
     # the compiled kernels relaunched directly against Triton's launch of every call: the same kernels; read at
     # import, so switched as relaunch.ENABLED (the "1" side counted by relaunch.DIRECT)
     "relaunch": ("HF_DILATED_RELAUNCH", ("triton_launch", "direct"), {"forward": (), "backward": ()}, True),
+    # the branch launches but the last as one launch over the parts against a launch per branch: float32 sums in
+    # another order; read at import, so switched as launch.COMPACT_PARTS
+    "parts": ("HF_DILATED_PARTS", ("per_branch", "parts"),
+              {"forward": ("forward_parts",), "backward": ("backward_parts",)}, False),
 }
 
 
@@ -145,6 +151,8 @@ def set_switch(switch: str, flag: str) -> None:
     """Select one side (``"0"`` / ``"1"``) of ``switch`` for the launches that follow."""
     if switch == "relaunch":
         relaunch.ENABLED = flag == "1"
+    elif switch == "parts":
+        launch.COMPACT_PARTS = flag == "1"
     else:
         os.environ[SWITCHES[switch][0]] = flag
 
@@ -168,7 +176,8 @@ def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, r
     grads, ran = {}, {}
     fused_before = launches["dq_fused"]
     # set per call below, restored on the way out
-    with mock.patch.dict(os.environ), mock.patch.object(relaunch, "ENABLED", relaunch.ENABLED):
+    with (mock.patch.dict(os.environ), mock.patch.object(relaunch, "ENABLED", relaunch.ENABLED),
+          mock.patch.object(launch, "COMPACT_PARTS", launch.COMPACT_PARTS)):
         for name, flag in kernels.items():
             set_switch(switch, flag)
             before = counted()
@@ -211,10 +220,11 @@ def main() -> int:
                          "at head dim 128, block-sparse dQ) against the one-warpgroup ones; persistent: the "
                          "warp-specialized forward's persistent programs against one item a program; ws_dkdv: the "
                          "warp-specialized fused dK/dV against the one-program one (dilated backward, head dim 128); "
-                         "relaunch: the kernels relaunched directly against Triton's launch of every call")
+                         "relaunch: the kernels relaunched directly against Triton's launch of every call; parts: "
+                         "the branch launches but the last as one launch against a launch per branch")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    dilated_only = ("fused_dq", "ws_dkdv", "persistent")
+    dilated_only = ("fused_dq", "ws_dkdv", "persistent", "parts")
     if args.which not in SWITCHES[args.switch][2] or (args.switch in dilated_only and args.op != "dilated") or (
             args.switch == "ws" and args.op == "dilated" and args.which == "backward"):
         ap.error(f"--switch {args.switch} has no --op {args.op} --pass {args.which}")

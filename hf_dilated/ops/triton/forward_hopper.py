@@ -43,11 +43,11 @@ import torch
 
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile,
-    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, part_query_tile, query_tile_buffers,
-    query_tile_keys, release_barriers, row_desc, runnable, softmax_finish, softmax_start, softmax_step, switch,
-    tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
+    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, part_query_tile, part_rows,
+    query_tile_buffers, query_tile_keys, release_barriers, row_desc, runnable, softmax_finish, softmax_start,
+    softmax_step, switch, tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
 )
-from .tiles import LOG2E, PART_COLUMNS
+from .tiles import LOG2E
 
 BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
 # (key rows per step, K buffers, V buffers) by head dim, measured on the H100 (benchmarks/NOTES_triton.md, round 2
@@ -192,9 +192,7 @@ if gluon is not None:
         h64 = h.to(gl.int64)
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         for j in range(n_parts):
-            rj = gl.load(PARTS_TABLE + j * PART_COLUMNS + 3)
-            seen = in_range & ((((qp - h - head_offset) % rj) + rj) % rj == 0)
-            rows = gl.where(seen, gl.load(PARTS_TABLE + j * PART_COLUMNS + 4) + qc64 // rj, 0)
+            seen, rows = part_rows(j, qp, in_range, qc64, h, 1, head_offset, PARTS_TABLE, n_parts, False)
             old_lse = gl.load(PL + b * stride_lb + h64 * stride_lh + rows, mask=seen, other=float("-inf"))
             old_o = gl.load((O + b * stride_ob + h64 * stride_oh + rows * stride_on)[:, None] + d[None, :],
                             mask=seen[:, None], other=0.0)
@@ -208,14 +206,6 @@ if gluon is not None:
             o_b = (old_o * a[:, None] + o_b * c[:, None]) / t_safe[:, None]
             lse_b = gl.where(reached, m + gl.log(t_safe), float("-inf"))
         return o_b, lse_b
-
-    @gluon.jit
-    def _part_rows(j, qp, in_range, qc64, h, head_offset, PARTS_TABLE, n_parts):
-        """Which of a tile's rows part ``j`` wrote (none when ``j >= n_parts``), and their compact rows there."""
-        rj = gl.load(PARTS_TABLE + j * PART_COLUMNS + 3, mask=j < n_parts, other=1)
-        seen = in_range & (j < n_parts) & ((((qp - h - head_offset) % rj) + rj) % rj == 0)
-        return seen, gl.where(seen, gl.load(PARTS_TABLE + j * PART_COLUMNS + 4, mask=j < n_parts, other=0)
-                              + qc64 // rj, 0)
 
     @gluon.jit
     def merge_parts_weighted(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, PL, PARTS_TABLE, n_parts,
@@ -233,14 +223,14 @@ if gluon is not None:
         o_rows_base = O + b * stride_ob + h64 * stride_oh
         m = lse_b
         for j in gl.static_range(MAX_PARTS):
-            seen, rows = _part_rows(j, qp, in_range, qc64, h, head_offset, PARTS_TABLE, n_parts)
+            seen, rows = part_rows(j, qp, in_range, qc64, h, 1, head_offset, PARTS_TABLE, n_parts, False)
             m = gl.maximum(m, gl.load(lse_rows + rows, mask=seen, other=float("-inf")))
         m = gl.where(m == float("-inf"), 0.0, m)
         w = gl.exp(lse_b - m)
         total = w
         out = o_b * w[:, None]
         for j in gl.static_range(MAX_PARTS):
-            seen, rows = _part_rows(j, qp, in_range, qc64, h, head_offset, PARTS_TABLE, n_parts)
+            seen, rows = part_rows(j, qp, in_range, qc64, h, 1, head_offset, PARTS_TABLE, n_parts, False)
             wj = gl.exp(gl.load(lse_rows + rows, mask=seen, other=float("-inf")) - m)
             total = total + wj
             out = out + gl.load((o_rows_base + rows * stride_on)[:, None] + d[None, :], mask=seen[:, None],
