@@ -7,9 +7,9 @@ fused dK/dV (``HF_DILATED_WS_DKDV=1``, head dim 128) against the fused dK/dV of 
 ``--switch persistent``: the warp-specialized forward's persistent programs (``HF_DILATED_PERSISTENT=1``, one per SM)
 against one segment item a program (bit-identical: the same tiles). ``--switch relaunch``: the kernels relaunched
 directly (``ops/triton/relaunch.py``) against Triton's own launch of every call (the same kernels, bit for bit; a host
-time change, so it shows where the host sets the pace: small heads, 16K). ``--switch parts``: the branch launches but
-the last as one launch over the parts (``launch.Parts``, ``HF_DILATED_PARTS=1``) against a launch per branch (float32
-sums in another order: held to 1e-2). Interleaved in one process, as here, is
+time change, so it shows where the host sets the pace: small heads, 16K). ``--switch parts``: the forward's branch
+launches but the last as one launch over the parts (``launch.Parts``, ``HF_DILATED_PARTS=1``) against a launch per
+branch (the merges in another order: held to 1e-2). Interleaved in one process, as here, is
 how to measure a host-time change: the lent host's speed drifts between runs by more than such a change.
 
 - ``--op dilated``: ``launch.forward`` / ``launch.backward`` (``ops/triton/forward_hopper.py``,
@@ -132,10 +132,9 @@ SWITCHES = {
     # the compiled kernels relaunched directly against Triton's launch of every call: the same kernels; read at
     # import, so switched as relaunch.ENABLED (the "1" side counted by relaunch.DIRECT)
     "relaunch": ("HF_DILATED_RELAUNCH", ("triton_launch", "direct"), {"forward": (), "backward": ()}, True),
-    # the branch launches but the last as one launch over the parts against a launch per branch: float32 sums in
-    # another order; read at import, so switched as launch.COMPACT_PARTS
-    "parts": ("HF_DILATED_PARTS", ("per_branch", "parts"),
-              {"forward": ("forward_parts",), "backward": ("backward_parts",)}, False),
+    # the forward's branch launches but the last as one launch over the parts against a launch per branch: float32
+    # merges in another order; read at import, so switched as launch.COMPACT_PARTS
+    "parts": ("HF_DILATED_PARTS", ("per_branch", "parts"), {"forward": ("forward_parts",)}, False),
 }
 
 
@@ -221,7 +220,7 @@ def main() -> int:
                          "warp-specialized forward's persistent programs against one item a program; ws_dkdv: the "
                          "warp-specialized fused dK/dV against the one-program one (dilated backward, head dim 128); "
                          "relaunch: the kernels relaunched directly against Triton's launch of every call; parts: "
-                         "the branch launches but the last as one launch against a launch per branch")
+                         "the forward's branch launches but the last as one launch against a launch per branch")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     dilated_only = ("fused_dq", "ws_dkdv", "persistent", "parts")

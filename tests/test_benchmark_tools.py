@@ -235,7 +235,8 @@ print(json.dumps([kr.compare(before, rows),
 @pytest.mark.parametrize("argv, option", [(["--shapes", "8/2"], "--shapes"), (["--rounds", "0"], "--rounds"),
                                           (["--switch", "fused_dq", "--pass", "forward"], "--switch"),
                                           (["--switch", "persistent", "--op", "block_sparse", "--pass", "forward"],
-                                           "--switch")])
+                                           "--switch"),
+                                          (["--switch", "parts", "--pass", "backward"], "--switch")])
 def test_ab_gluon_refuses_bad_options_by_name(argv, option):
     """``benchmarks/ab_gluon.py`` checks its options before any GPU work, naming the one at fault."""
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_gluon.py"), *argv], capture_output=True,

@@ -1262,17 +1262,16 @@ def test_unfilled_buffers_and_last_launch(rng, monkeypatch):
 
 
 @cpu
-@pytest.mark.parametrize("causal, heads", [(True, (6, 2)), (False, (4, 2))])
-def test_parts_in_one_launch(rng, monkeypatch, causal, heads):
-    """Every branch launch but the last of the forward, the dK/dV and the dQ kernels runs as one launch over the
-    parts, each part writing its rows once, compact (key rows: a class of query heads at a time, more rows than the
-    sequence has where a GQA group is wider than some rate); the last (r = 1) launch adds or merges them in: two
-    launches of each kernel whatever the branches (GQA, head offset, a partial last segment, parts with fewer offset
-    classes than others), the float64 oracle's answer, and the per-branch launches' up to float32 rounding."""
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_parts_in_one_launch(rng, monkeypatch, causal):
+    """Every forward branch launch but the last runs as one launch over the parts, each part writing its rows once,
+    compact; the last (r = 1) launch merges them in: two forward launches whatever the branches (GQA, head offset,
+    a partial last segment), the float64 oracle's answer, and the per-branch merge's up to float32 rounding."""
     from hf_dilated.ops.triton import relaunch
 
-    q, k, v = make_qkv(rng, 2, heads[0], heads[1], 70, 70, 16, torch.float32, "cpu")
+    q, k, v = make_qkv(rng, 2, 4, 2, 70, 70, 16, torch.float32, "cpu")
     branches = [(8, 2), (16, 1), (32, 4), (64, 8)]
+    ws, rs = [w for w, _ in branches], [r for _, r in branches]
     runs = []
     through = relaunch.run
 
@@ -1280,53 +1279,33 @@ def test_parts_in_one_launch(rng, monkeypatch, causal, heads):
         runs.append((kernel.fn.__name__, constexprs.get("PARTS"), constexprs.get("LAST")))
         return through(kernel, grid, *args, **constexprs)
 
-    kinds = ("dilated_fwd_branch_kernel", "dilated_bwd_dkdv_kernel", "dilated_bwd_dq_kernel")
     monkeypatch.setattr(relaunch, "run", record)
-    before = Counter({key: launch.LAUNCHES[key] for key in ("forward_parts", "backward_parts")})
+    before = launch.LAUNCHES["forward_parts"]
     check(q, k, v, branches, TOL[torch.float32], is_causal=causal, head_offset=1)
-    assert launch.LAUNCHES["forward_parts"] == before["forward_parts"] + 1
-    assert launch.LAUNCHES["backward_parts"] == before["backward_parts"] + 1
-    for kind in kinds:
-        assert [x for x in runs if x[0] == kind] == [(kind, True, False), (kind, True, True)], kind
-    grad = torch.randn(q.shape, generator=rng, dtype=torch.float64).float()
-    got = _output_and_grads(q, k, v, branches, grad, is_causal=causal, head_offset=1)
+    assert launch.LAUNCHES["forward_parts"] == before + 1
+    assert [x for x in runs if x[0] == "dilated_fwd_branch_kernel"] == [
+        ("dilated_fwd_branch_kernel", True, False), ("dilated_fwd_branch_kernel", True, True)]
+    got = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton", is_causal=causal, head_offset=1,
+                                       return_lse=True)
     monkeypatch.setattr(launch, "COMPACT_PARTS", False)
     runs.clear()
-    want = _output_and_grads(q, k, v, branches, grad, is_causal=causal, head_offset=1)
-    for kind in kinds:
-        assert len([x for x in runs if x[0] == kind]) == len(branches), kind
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-        assert rel_err(a, b) < 1e-6, name
+    want = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton", is_causal=causal, head_offset=1,
+                                        return_lse=True)
+    assert len([x for x in runs if x[0] == "dilated_fwd_branch_kernel"]) == len(branches)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-6
 
 
-def _output_and_grads(q, k, v, branches, grad, **kw):
-    """``(out, lse, dq, dk, dv)`` of the Triton backend for the output gradient ``grad``."""
-    q1, k1, v1 = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = hf_dilated.dilated_attention(q1, k1, v1, [w for w, _ in branches], [r for _, r in branches],
-                                            backend="triton", return_lse=True, **kw)
-    return (out, lse, *torch.autograd.grad(out, (q1, k1, v1), grad))
+def test_gluon_forward_takes_parts_only_where_its_merge_is_unrolled():
+    """The Gluon forward runs the parts where its last launch merges them unrolled (head dim 64, at most 4 parts:
+    LongNet's 5 branches); more parts, or another head dim, take a launch per branch (``launch.forward`` asks
+    ``parts_merge_config``), so no untested merge runs."""
+    from hf_dilated.ops.triton import forward_hopper
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("D, heads", [(64, (9, 3)), (64, (8, 8)), (80, (6, 2))])
-def test_gpu_parts_match_per_branch_launches(rng, monkeypatch, D, heads):
-    """On the GPU the parts (``launch.Parts``) run where they apply: at head dim 64 the forward's and the Gluon dK/dV
-    kernel's on sm_90 beside the portable dQ's, at head dim 80 (padded: no descriptors) the portable kernels'. Their
-    output and gradients are the float64 oracle's and, up to the order of float32 sums, the per-branch launches'."""
-    _gpu_skip()
-    bf16 = torch.bfloat16
-    q, k, v = make_qkv(rng, 1, heads[0], heads[1], 3000, 3000, D, bf16, "cuda")
-    kinds = ("forward_parts", "backward_parts", "dkdv_parts", "dq_parts")
-    before = Counter({kind: launch.LAUNCHES[kind] for kind in kinds})
-    check(q, k, v, LONGNET_SMALL, TOL[bf16], use_naive=False, head_offset=1)
-    assert {kind: launch.LAUNCHES[kind] - before[kind] for kind in kinds} == {
-        "forward_parts": 1, "backward_parts": 1, "dkdv_parts": 1, "dq_parts": 1}
-    grad = torch.randn(q.shape, generator=rng, dtype=torch.float64).to(device="cuda", dtype=bf16)
-    got = _output_and_grads(q, k, v, LONGNET_SMALL, grad, head_offset=1)
-    monkeypatch.setattr(launch, "COMPACT_PARTS", False)
-    want = _output_and_grads(q, k, v, LONGNET_SMALL, grad, head_offset=1)
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-        assert rel_err(a, b) < 2e-3, name
+    assert forward_hopper.parts_merge_config(64, 4) == dict(MAX_PARTS=4, maxnreg=128)
+    assert forward_hopper.parts_merge_config(64, 2)["MAX_PARTS"] == 4
+    assert forward_hopper.parts_merge_config(64, 5) is None
+    assert forward_hopper.parts_merge_config(128, 4) is None
 
 
 @triton.jit

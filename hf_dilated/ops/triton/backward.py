@@ -25,8 +25,7 @@ import triton.language as tl
 
 from .tiles import (
     LOG2E, allowed, drop_keep, drop_rows, first_selected, item_query_tile, item_tile, load_item, load_rows, mm, n_rows,
-    part_query_tile, part_tile, parts_sum, query_range, query_tile_keys, rounded, row_desc, tile_mask, tile_rows,
-    written_before,
+    query_range, query_tile_keys, rounded, row_desc, tile_mask, tile_rows, written_before,
 )
 
 
@@ -113,23 +112,12 @@ def dilated_bwd_dkdv_kernel(
     Nq, Nk, H, head_offset, group, n_classes, r, scale, qk_scale, window, drop_threshold, inv_keep, n_tiles, n_prev,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-    MERGE: tl.constexpr, LAST: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    MERGE: tl.constexpr, LAST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    base = 0
-    class_rows = 0
-    if PARTS and not LAST:  # the one launch over the parts: this program's part (``PREV``: the parts' table)
-        part, item, tile, n_tiles = part_tile(PREV, n_prev)
-        r = tl.load(part + 3)
-        base = tl.load(part + 4)
-        class_rows = tl.load(part + 5)
-    else:
-        item, tile = item_tile(n_tiles, False)  # under causal attention the first key tile is the heaviest already
+    item, tile = item_tile(n_tiles, False)  # under causal attention the first key tile is the heaviest already
     hc = tl.program_id(1)
     kvh = hc // n_classes
-    cls = hc % n_classes
-    if cls >= tl.minimum(group, r):  # a part with fewer offset classes than the launch's widest
-        return
-    h0 = kvh * group + cls
+    h0 = kvh * group + hc % n_classes
     b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
     off = (h0 + head_offset) % r
     k_first = first_selected(k_lo, off, r)
@@ -154,11 +142,6 @@ def dilated_bwd_dkdv_kernel(
     start_q = (j0 // BLOCK_M) * BLOCK_M
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    if PARTS and LAST:  # start from every part's rows (dK's unscaled: it is scaled once, at the end)
-        dk = parts_sum(dk, DK + b * stride_dkb + kvh64 * stride_dkh, stride_dkn, kp, in_range, kc, kvh * group, group,
-                       head_offset, PREV, n_prev, d, dmask, EVEN_D, True) / scale
-        dv = parts_sum(dv, DV + b * stride_dvb + kvh64 * stride_dvh, stride_dvn, kp, in_range, kc, kvh * group, group,
-                       head_offset, PREV, n_prev, d, dmask, EVEN_D, True)
     rows_base = tl.arange(0, BLOCK_M)
     for h in range(h0, (kvh + 1) * group, r):
         h64 = tl.cast(h, tl.int64)
@@ -202,8 +185,6 @@ def dilated_bwd_dkdv_kernel(
                                EVEN_D, q_desc, do_desc, TMA)
     dk = dk * scale
     smask = tile_mask(in_range, dmask, EVEN_D)
-    if PARTS and not LAST:  # a part's rows, compact: row ``base + class * class_rows + column // r``
-        kc64 = (base + cls * class_rows + kc // r).to(tl.int64)[:, None]
     dk_ptrs = DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :]
     dv_ptrs = DV + b * stride_dvb + kvh64 * stride_dvh + kc64 * stride_dvn + d[None, :]
     if MERGE:  # key rows an earlier launch wrote for some query head of this kv head
@@ -233,15 +214,10 @@ def dilated_bwd_dq_kernel(
     Nq, Nk, H, head_offset, group, r, scale, qk_scale, window, drop_threshold, inv_keep, n_tiles, n_prev,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-    MERGE: tl.constexpr, LAST: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    MERGE: tl.constexpr, LAST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
-    base = 0
-    if PARTS and not LAST:  # the one launch over the parts: this program's part (``PREV``: the parts' table)
-        r, base, b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = part_query_tile(
-            PREV, n_prev, T, head_offset, BLOCK_M, IS_CAUSAL)
-    else:
-        b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
-            T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)
+    b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(T, n_tiles, head_offset, r,
+                                                                                           BLOCK_M, IS_CAUSAL)
     if p_min >= q_hi:
         return
     qp, in_range, qc, qmask = tile_rows(q_first, tile, r, q_hi, qbase, QV, b * Nq, BLOCK_M, HOLES)
@@ -275,9 +251,6 @@ def dilated_bwd_dq_kernel(
         k_desc = row_desc(K + b * stride_kb + kvh * stride_kh + k0 * stride_kn, n_all, r * stride_kn, BLOCK_N, HEAD_DIM)
         v_desc = row_desc(V + b * stride_vb + kvh * stride_vh + k0 * stride_vn, n_all, r * stride_vn, BLOCK_N, HEAD_DIM)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if PARTS and LAST:  # start from every part's rows (unscaled: dQ is scaled once, at the end)
-        dq = parts_sum(dq, DQ + b * stride_dqb + h64 * stride_dqh, stride_dqn, qp, in_range, qc, h, 1, head_offset,
-                       PREV, n_prev, d, dmask, EVEN_D, False) / scale
     for start in range(0, n_full, BLOCK_N):
         dq = dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_first, r, n_k, kbase, b, Nk, KV,
                      k_row, v_row, stride_kn, stride_vn, dmask, window, qk_scale, drop_threshold, inv_keep, False,
@@ -288,10 +261,7 @@ def dilated_bwd_dq_kernel(
                      IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST, EVEN_D, k_desc, v_desc, TMA)
     dq = dq * scale
     smask = tile_mask(in_range, dmask, EVEN_D)
-    rows = qc64
-    if PARTS and not LAST:  # a part's rows, compact: row ``base + column // r``
-        rows = (base + qc // r).to(tl.int64)
-    dq_ptrs = DQ + b * stride_dqb + h64 * stride_dqh + rows[:, None] * stride_dqn + d[None, :]
+    dq_ptrs = DQ + b * stride_dqb + h64 * stride_dqh + qc64[:, None] * stride_dqn + d[None, :]
     if MERGE:  # query rows an earlier launch wrote
         seen = tile_mask(in_range & written_before(qp, h, head_offset, PREV, n_prev, 1), dmask, EVEN_D)
         dq += tl.load(dq_ptrs, mask=seen, other=0.0).to(tl.float32)

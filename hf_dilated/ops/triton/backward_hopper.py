@@ -85,8 +85,7 @@ import torch
 from .hopper import (
     WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
     fence_async_shared, first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, lse_base2,
-    mbarrier, n_rows, mma_layout, part_rows, part_tile, query_tile_buffers, query_tile_keys, register_product,
-    release_barriers, row_desc,
+    mbarrier, n_rows, mma_layout, query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc,
     runnable, score_buffers, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init,
     warpgroup_mma_wait, written_before,
 )
@@ -103,10 +102,6 @@ DQ_STEPS = {128: (64, 64, 3, 2, 4), 256: (64, 32, 2, 1, 4)}
 # shared memory: 96 KB at 32-query steps) and one dK (3 products), 5 products where D <= 128 runs 4 in one launch.
 DKDV_STEPS = {64: ((0, BLOCK_Q),), 128: ((0, BLOCK_Q),), 256: ((1, 32), (2, 32))}  # measured (H100): the docstring
 DKDV_HEAD_DIMS = tuple(DKDV_STEPS)
-# Head dims at which the one-warpgroup dK/dV kernel runs the backward's parts in one launch (``launch.backward``: with
-# the portable dQ kernel's parts beside it); elsewhere a launch per branch. D 64 only, as the forward's parts
-# (``forward_hopper.PARTS_MERGE``): 128 fuses dQ into the warp-specialized dK/dV, 256 splits dK and dV.
-PARTS_HEAD_DIMS = (64,)
 # dK/dV with the step's dQ (``FUSED_DQ``): (key rows per program, query rows per step, warps) by head dim. 128 keys on
 # two warpgroups, FA3's tile: each dQ share added to the sums covers 128 keys, and K, V, Q, dO, P^T, dS^T and the dQ
 # tile take 192 KB, one program per SM. Not D = 64 / 256: the docstring.
@@ -133,23 +128,18 @@ if gluon is not None:
     @gluon.jit
     def _key_tile(T, n_tiles, n_classes, group, head_offset, r, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
                   IS_CAUSAL: gl.constexpr):
-        """What a dK/dV program's grid place means (the portable kernel's grid: items x tiles on axis 0, kv heads x
-        offset classes on axis 1): :func:`_keys_of_tile`'s tuple."""
-        pid = gl.program_id(0)
-        hc = gl.program_id(1)
-        kvh = hc // n_classes
-        return _keys_of_tile(T, pid // n_tiles, pid % n_tiles, kvh, kvh * group + hc % n_classes, head_offset, r,
-                             BLOCK_N, BLOCK_Q, IS_CAUSAL)
-
-    @gluon.jit
-    def _keys_of_tile(T, item, tile, kvh, h0, head_offset, r, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
-                      IS_CAUSAL: gl.constexpr):
-        """Tile ``tile`` of item ``item`` for kv head ``kvh`` and the offset class whose first query head is ``h0``:
-        the kv head and ``h0``, the segment item (batch row, query / key column bases), the class's first key
+        """What a dK/dV program's grid place means (the portable kernel's grid): its kv head ``kvh`` and the class's
+        first query head ``h0``, its segment item (batch row, query / key column bases), the offset class's first key
         position and dilated key rows ``k_first`` / ``n_k``, the tile's first dilated key row ``j_first`` and last
         key position ``kp_max``, the class's first query position and rows ``q_first`` / ``n_q``, and the 64-query
         steps from dilated query row ``start_q`` (queries before the tile's first key see none of it) that see the
         tile: ``n_steps``, 0 where it holds no keys."""
+        pid = gl.program_id(0)
+        item = pid // n_tiles
+        tile = pid % n_tiles
+        hc = gl.program_id(1)
+        kvh = hc // n_classes
+        h0 = kvh * group + hc % n_classes
         b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, item)
         off = (h0 + head_offset) % r
         k_first = first_selected(k_lo, off, r)
@@ -183,7 +173,7 @@ if gluon is not None:
         head_offset, group, n_classes, r, scale, qk_scale, n_tiles, n_prev,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
         IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, PART: gl.constexpr, FUSED_DQ: gl.constexpr,
-        PARTS: gl.constexpr, MAX_PARTS: gl.constexpr, num_warps: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """dK and dV of one tile of ``BLOCK_N`` dilated key rows of one segment item, for one kv head and offset
         class (the query heads ``h0, h0 + r, ...`` of its GQA group read the same key rows), added to the rows of
@@ -192,10 +182,7 @@ if gluon is not None:
         ``dK += dS^T Q``): one accumulator per program where two do not fit the registers (head dim 256).
         ``FUSED_DQ`` (with ``PART`` 0): each step also computes the step's share of dQ, ``dS K`` of its queries, and
         adds it to the float32 sums ``DQ`` by a TMA reduce-add (FA3's scheme): no dQ kernel, which would compute
-        ``S`` and ``dP`` again. ``PARTS`` (``PART`` 0, ``launch.backward``): the one launch over the parts, each
-        program's part from ``PREV`` (the parts' table), its rows stored compact; or the last launch, its sums
-        started from the ``MAX_PARTS`` parts' rows."""
-        gl.static_assert(PART == 0 or not PARTS)
+        ``S`` and ``dP`` again."""
         dtype: gl.constexpr = Q.dtype.element_ty
         s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_Q)
         g_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
@@ -210,22 +197,8 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, HEAD_DIM // (num_warps // 4), 16])
         dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], gl.float32)
 
-        base = 0
-        class_rows = 0
-        cls = gl.program_id(1) % n_classes
-        if PARTS and not LAST:  # the one launch over the parts: this program's part and offset class
-            part, item, tile, n_part_tiles = part_tile(PREV, n_prev)
-            r = gl.load(part + 3)
-            base = gl.load(part + 4)
-            class_rows = gl.load(part + 5)
-            if cls >= gl.minimum(group, r):  # a part with fewer offset classes than the launch's widest
-                return
-            kvh = gl.program_id(1) // n_classes
-            kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = _keys_of_tile(
-                T, item, tile, kvh, kvh * group + cls, head_offset, r, BLOCK_N, BLOCK_Q, IS_CAUSAL)
-        else:
-            kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = _key_tile(
-                T, n_tiles, n_classes, group, head_offset, r, BLOCK_N, BLOCK_Q, IS_CAUSAL)
+        kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = _key_tile(
+            T, n_tiles, n_classes, group, head_offset, r, BLOCK_N, BLOCK_Q, IS_CAUSAL)
 
         k_smem, v_smem, q_smem, do_smem, kv_bar, ready = dkdv_buffers(
             dtype, kv_smem_layout, q_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM, PART)
@@ -264,19 +237,8 @@ if gluon is not None:
         vrows = gl.arange(0, BLOCK_Q, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
         s_zero = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=s_layout)
         if PART == 0:
-            dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
-            dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
-            if PARTS and LAST:  # start from every part's rows, read while K / V arrive (dK unscaled: scaled at the end)
-                rows = j_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
-                kp = k_first + rows * r
-                kcol = (kbase + kp).to(gl.int64)
-                d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
-                dk = _add_parts(dk, DK + b * stride_dkb + kvh64 * stride_dkh, kp, rows < n_k, kcol, kvh * group, group,
-                                head_offset, PREV, n_prev, stride_dkn, d, MAX_PARTS) / scale
-                dv = _add_parts(dv, DV + b * stride_dvb + kvh64 * stride_dvh, kp, rows < n_k, kcol, kvh * group, group,
-                                head_offset, PREV, n_prev, stride_dvn, d, MAX_PARTS)
-            dk = warpgroup_mma_init(dk)
-            dv = warpgroup_mma_init(dv)
+            dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
+            dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
         else:
             acc = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
         if has_keys:
@@ -369,8 +331,6 @@ if gluon is not None:
         kc64, d, kin, seen = _key_rows(j_first, k_first, kbase, n_k, r, kvh * group, group, head_offset, PREV, n_prev,
                                        BLOCK_N, HEAD_DIM, g_layout, MERGE)
         if PART == 0:
-            if PARTS and not LAST:  # a part's rows, compact: row ``base + class * class_rows + column // r``
-                kc64 = base + cls * class_rows + kc64 // r
             _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh,
                     DK_OUT + b * stride_xkb + kvh64 * stride_xkh, kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE,
                     LAST)
@@ -703,17 +663,6 @@ if gluon is not None:
         if MERGE:
             seen = kin & written_before(kp, head0, head_offset, PREV, n_prev, heads)
         return kc64, d, kin, seen
-
-    @gluon.jit
-    def _add_parts(acc, SUMS, kp, kin, kcol, head0, heads, head_offset, PARTS_TABLE, n_parts, stride_sn, d,
-                   MAX_PARTS: gl.constexpr):
-        """``tiles.parts_sum`` for a dK/dV tile of the last launch (key positions ``kp``, in the item ``kin``, columns
-        ``kcol``; ``hopper.part_rows``), unrolled over at most ``MAX_PARTS`` parts so that their loads can be in
-        flight together."""
-        for j in gl.static_range(MAX_PARTS):
-            seen, rows = part_rows(j, kp, kin, kcol, head0, heads, head_offset, PARTS_TABLE, n_parts, True)
-            acc += gl.load(SUMS + rows[:, None] * stride_sn + d[None, :], mask=seen[:, None], other=0.0)
-        return acc
 
     @gluon.jit
     def _finish(acc, SUMS, OUT, rows64, d, rmask, seen, stride_sn, stride_on, MERGE: gl.constexpr,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    allowed, drop_rows, finish, item_query_tile, load_rows, merge_rows, mm, n_rows, part_query_tile, part_rows,
+    PART_COLUMNS, allowed, drop_rows, finish, item_query_tile, load_rows, merge_rows, mm, n_rows, part_query_tile,
     query_tile_keys, row_desc, rounded, softmax_step, tile_mask, tile_rows, written_before,
 )
 
@@ -126,7 +126,9 @@ def dilated_fwd_branch_kernel(
     lse = lse_b
     if PARTS:  # the last launch: merge in each part's rows (a part's rate selects them; ``PREV``: the parts' table)
         for j in range(n_prev):
-            seen, rows = part_rows(j, qp, in_range, qc, h, 1, head_offset, PREV, False)
+            rj = tl.load(PREV + j * PART_COLUMNS + 3)
+            seen = in_range & ((((qp - h - head_offset) % rj) + rj) % rj == 0)
+            rows = tl.where(seen, tl.load(PREV + j * PART_COLUMNS + 4) + qc // rj, 0).to(tl.int64)
             old_lse = tl.load(PL + b * stride_lb + h64 * stride_lh + rows, mask=seen, other=float("-inf"))
             old_o = tl.load(O + b * stride_ob + h64 * stride_oh + rows[:, None] * stride_on + d[None, :],
                             mask=tile_mask(seen, dmask, EVEN_D), other=0.0)

@@ -13,8 +13,8 @@ portable kernel's grid and contract (one warpgroup per segment item, 64 dilated 
   256 (at 256 one K and one V buffer: 96 KB, two programs per SM);
 - only tiles that cross the causal diagonal or the item's last key are masked;
 - every branch launch but the last runs as one launch over the parts (``PARTS``, ``launch.forward``), each part's rows
-  stored once, compact, and the last launch (``r = 1``) merges them in its epilogue (``merge_parts``,
-  ``merge_parts_weighted``: started from them, the merge made ptxas serialize the tile's wgmma pipeline);
+  stored once, compact, and the last launch (``r = 1``) merges them in its epilogue (``merge_parts_weighted``: started
+  from them, the merge made ptxas serialize the tile's wgmma pipeline);
 - otherwise the rows earlier launches wrote (``MERGE``) are not merged in an epilogue: a tile's online softmax starts
   from them (``resume_rows``: a written row counts as one key whose score is its lse and whose value is its output),
   read before the first scores so that the loads overlap them; the ``LAST`` launch writes the output in its dtype.
@@ -43,11 +43,11 @@ import torch
 
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile,
-    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, part_query_tile, part_rows,
-    query_tile_buffers, query_tile_keys, release_barriers, row_desc, runnable, softmax_finish, softmax_start,
-    softmax_step, switch, tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
+    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, part_query_tile, query_tile_buffers,
+    query_tile_keys, release_barriers, row_desc, runnable, softmax_finish, softmax_start, softmax_step, switch,
+    tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
 )
-from .tiles import LOG2E
+from .tiles import LOG2E, PART_COLUMNS
 
 BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
 # (key rows per step, K buffers, V buffers) by head dim, measured on the H100 (benchmarks/NOTES_triton.md, round 2
@@ -57,20 +57,21 @@ BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
 # 540-820 bytes there) ran 1.36x / 1.25x at 16K / 64K, bit-identical (round 2 session 19).
 STEPS = {64: (64, 2, 2), 128: (128, 1, 2), 256: (64, 1, 1)}
 # Head dims at which the one-warpgroup kernel runs the forward's parts in one launch (``launch.forward``), with how the
-# last launch merges them: (at most this many parts unrolled, register cap). At 64, ``merge_parts_weighted`` unrolled
+# last launch merges them (``merge_parts_weighted``): (at most this many parts, unrolled; register cap). At 64, unrolled
 # with the registers capped at 128 (four programs an SM, as the other launches; 8 bytes spilled, outside the tile
-# loop) ran the 16K 9 / 3 forward 1.32x as fast as a launch per branch, the loop merge (``merge_parts``) 1.29x; at 64K
-# 1.01x / 0.99x (H200, session 41); more parts than that take the loop. Not at 256: the epilogue merge spilled 1.2 KB
-# there (session 35 had moved the merge into ``resume_rows`` to end 300 bytes of spills), and it was not timed.
+# loop) it ran the 16K 9 / 3 forward 1.32x as fast as a launch per branch, a loop over the parts 1.29x; at 64K
+# 1.01x / 0.99x (H200, session 41). More parts than that (6 branches or more) take a launch per branch: the loop
+# merge had no GPU test and was dropped (session 42). Not at 256: the epilogue merge spilled 1.2 KB there (session 35
+# had moved the merge into ``resume_rows`` to end 300 bytes of spills), and it was not timed.
 PARTS_MERGE = {64: (4, 128)}
 
 
-def parts_merge_config(head_dim: int, n_parts: int) -> dict:
-    """The last launch's merge of ``n_parts`` parts: ``MAX_PARTS`` 0 for the loop (``merge_parts``), else the parts
-    unrolled (``merge_parts_weighted``) with the register cap."""
+def parts_merge_config(head_dim: int, n_parts: int) -> dict | None:
+    """The last launch's merge of ``n_parts`` parts (``MAX_PARTS`` unrolled, the register cap), or None where this
+    kernel takes no parts: a head dim not in ``PARTS_MERGE``, or more parts than it unrolls there."""
+    if head_dim not in PARTS_MERGE or n_parts > PARTS_MERGE[head_dim][0]:
+        return None
     unrolled, maxnreg = PARTS_MERGE[head_dim]
-    if n_parts > unrolled:
-        return dict(MAX_PARTS=0)
     return dict(MAX_PARTS=unrolled, maxnreg=maxnreg)
 
 
@@ -178,41 +179,23 @@ if gluon is not None:
         gl.store(L + b * stride_lb + h64 * stride_lh + qc64, lse_b, mask=in_range)
 
     @gluon.jit
-    def merge_parts(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, PL, PARTS_TABLE, n_parts, stride_ob,
-                    stride_oh, stride_on, stride_lb, stride_lh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    ROWS: gl.constexpr):
-        """The last launch's rows (``o_b``, natural-log ``lse_b``) merged with the parts' (``launch.forward``: a part
-        of rate ``rj`` holds the rows it selects at row ``base + column // rj`` of ``O`` / ``PL``), with
-        ``tiles.merge_rows``' arithmetic. In the epilogue: started from them (as ``resume_rows`` starts from an
-        earlier launch's rows), the merge made ptxas serialize the tile's wgmma pipeline, or took 172 registers."""
-        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
-        in_range = qp < q_hi
-        qc64 = (qbase + qp).to(gl.int64)
-        h64 = h.to(gl.int64)
-        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        for j in range(n_parts):
-            seen, rows = part_rows(j, qp, in_range, qc64, h, 1, head_offset, PARTS_TABLE, n_parts, False)
-            old_lse = gl.load(PL + b * stride_lb + h64 * stride_lh + rows, mask=seen, other=float("-inf"))
-            old_o = gl.load((O + b * stride_ob + h64 * stride_oh + rows * stride_on)[:, None] + d[None, :],
-                            mask=seen[:, None], other=0.0)
-            m = gl.maximum(old_lse, lse_b)
-            m = gl.where(m == float("-inf"), 0.0, m)
-            a = gl.exp(old_lse - m)
-            c = gl.exp(lse_b - m)
-            total = a + c
-            reached = total != 0
-            t_safe = gl.where(reached, total, 1.0)
-            o_b = (old_o * a[:, None] + o_b * c[:, None]) / t_safe[:, None]
-            lse_b = gl.where(reached, m + gl.log(t_safe), float("-inf"))
-        return o_b, lse_b
+    def _part_rows(j, qp, in_range, qc64, h, head_offset, PARTS_TABLE, n_parts):
+        """Which of a tile's rows part ``j`` wrote (none when ``j >= n_parts``), and their compact rows there."""
+        rj = gl.load(PARTS_TABLE + j * PART_COLUMNS + 3, mask=j < n_parts, other=1)
+        seen = in_range & (j < n_parts) & ((((qp - h - head_offset) % rj) + rj) % rj == 0)
+        return seen, gl.where(seen, gl.load(PARTS_TABLE + j * PART_COLUMNS + 4, mask=j < n_parts, other=0)
+                              + qc64 // rj, 0)
 
     @gluon.jit
     def merge_parts_weighted(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, PL, PARTS_TABLE, n_parts,
                              stride_ob, stride_oh, stride_on, stride_lb, stride_lh, o_layout: gl.constexpr,
                              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, MAX_PARTS: gl.constexpr):
-        """:func:`merge_parts` as one weighted sum: the lse of every part first (the softmax weights), then the
-        outputs, unrolled over at most ``MAX_PARTS`` parts so that their loads can be in flight together."""
+        """The last launch's rows (``o_b``, natural-log ``lse_b``) merged with the parts' (``launch.forward``: a part
+        of rate ``rj`` holds the rows it selects at row ``base + column // rj`` of ``O`` / ``PL``) as one weighted sum
+        (``tiles.merge_rows``' arithmetic): the lse of every part first (the softmax weights), then the outputs,
+        unrolled over at most ``MAX_PARTS`` parts so that their loads can be in flight together. In the epilogue:
+        started from them (as ``resume_rows`` starts from an earlier launch's rows), the merge made ptxas serialize
+        the tile's wgmma pipeline, or took 172 registers."""
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
         in_range = qp < q_hi
@@ -223,14 +206,14 @@ if gluon is not None:
         o_rows_base = O + b * stride_ob + h64 * stride_oh
         m = lse_b
         for j in gl.static_range(MAX_PARTS):
-            seen, rows = part_rows(j, qp, in_range, qc64, h, 1, head_offset, PARTS_TABLE, n_parts, False)
+            seen, rows = _part_rows(j, qp, in_range, qc64, h, head_offset, PARTS_TABLE, n_parts)
             m = gl.maximum(m, gl.load(lse_rows + rows, mask=seen, other=float("-inf")))
         m = gl.where(m == float("-inf"), 0.0, m)
         w = gl.exp(lse_b - m)
         total = w
         out = o_b * w[:, None]
         for j in gl.static_range(MAX_PARTS):
-            seen, rows = part_rows(j, qp, in_range, qc64, h, 1, head_offset, PARTS_TABLE, n_parts, False)
+            seen, rows = _part_rows(j, qp, in_range, qc64, h, head_offset, PARTS_TABLE, n_parts)
             wj = gl.exp(gl.load(lse_rows + rows, mask=seen, other=float("-inf")) - m)
             total = total + wj
             out = out + gl.load((o_rows_base + rows * stride_on)[:, None] + d[None, :], mask=seen[:, None],
@@ -345,11 +328,7 @@ if gluon is not None:
             else:  # no key of this branch: the earlier launches' rows as they are (none: 0, -inf)
                 o_b, lse_b = softmax_finish(acc, m_i, l_i, o_rows)
 
-            if PARTS and LAST and MAX_PARTS == 0:
-                o_b, lse_b = merge_parts(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, PL, PREV, n_prev,
-                                         stride_ob, stride_oh, stride_on, stride_lb, stride_lh, o_layout, HEAD_DIM,
-                                         BLOCK_M)
-            elif PARTS and LAST:
+            if PARTS and LAST:
                 o_b, lse_b = merge_parts_weighted(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, PL, PREV,
                                                   n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh,
                                                   o_layout, HEAD_DIM, BLOCK_M, MAX_PARTS)

@@ -136,8 +136,9 @@ if gluon is not None:
         return gl.maximum((hi - first + r - 1) // r, 0)
 
     @gluon.jit
-    def part_tile(PARTS, n_parts):
-        """``tiles.part_tile`` in Gluon: ``(row, item, tile, n_tiles)`` of a program of a launch over parts."""
+    def part_query_tile(PARTS, n_parts, T, head_offset, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """``tiles.part_query_tile`` in Gluon: ``(r, base, b, qbase, ..., p_min)`` of a program of the forward's one
+        launch over its parts."""
         pid = gl.program_id(0)
         j = 0
         for i in range(1, n_parts):
@@ -145,33 +146,13 @@ if gluon is not None:
         row = PARTS + j * PART_COLUMNS
         local = pid - gl.load(row)
         n_tiles = gl.load(row + 2)
-        return row, gl.load(row + 1) + local // n_tiles, local % n_tiles, n_tiles
-
-    @gluon.jit
-    def part_query_tile(PARTS, n_parts, T, head_offset, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """``tiles.part_query_tile`` in Gluon: ``(r, base, b, qbase, ..., p_min)`` of a query-tile program of a
-        launch over parts."""
-        row, item, tile, n_tiles = part_tile(PARTS, n_parts)
+        r = gl.load(row + 3)
+        tile = local % n_tiles
         if IS_CAUSAL:
             tile = n_tiles - 1 - tile
-        r = gl.load(row + 3)
         b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = query_tile(
-            T, item, tile, head_offset, r, BLOCK_M)
+            T, gl.load(row + 1) + local // n_tiles, tile, head_offset, r, BLOCK_M)
         return r, gl.load(row + 4), b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min
-
-    @gluon.jit
-    def part_rows(j, p, in_range, c, head0, heads, head_offset, PARTS, n_parts, CLASSES: gl.constexpr):
-        """``tiles.part_rows`` in Gluon, ``(seen, compact row)`` of part ``j``; none seen where ``j >= n_parts`` (so
-        that a loop unrolled over a constexpr bound may pass it)."""
-        row = PARTS + j * PART_COLUMNS
-        live = j < n_parts
-        r = gl.load(row + 3, mask=live, other=1)
-        t = (((p - head0 - head_offset) % r) + r) % r
-        seen = in_range & live & (t < heads)
-        rows = gl.load(row + 4, mask=live, other=0) + c // r
-        if CLASSES:
-            rows += t * gl.load(row + 5, mask=live, other=0)
-        return seen, gl.where(seen, rows, 0)
 
     @gluon.jit
     def item_query_tile(T, n_tiles, head_offset, r, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
@@ -609,4 +590,3 @@ else:  # pragma: no cover - a Triton without Gluon: the kernel modules import th
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
     softmax_first = softmax_step = softmax_start = softmax_finish = None
     dq_first = dq_step = dq_last = ws_barriers = ws_copy_kv = mma_layout = None
-    part_tile = part_query_tile = part_rows = None

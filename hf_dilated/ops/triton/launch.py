@@ -229,50 +229,40 @@ def _buffer(shape, device, filled: bool, dtype=torch.float32, like: torch.Tensor
     return out
 
 
-# The branch launches but the last in one launch, each branch's rows written once, compact, and merged by the last
-# launch (``_parts``; the forward's, and the backward's dK / dV and dQ); False (``HF_DILATED_PARTS=0`` in the
-# environment when this is imported): a launch per branch, each merging into what the launches before it wrote (the
-# tests compare the two).
+# The forward's branch launches but the last in one launch, each branch's rows written once, compact, and merged by
+# the last launch (``_parts``); False (``HF_DILATED_PARTS=0`` in the environment when this is imported): a launch per
+# branch, each merging into what the launches before it wrote (the tests compare the two).
 COMPACT_PARTS = switch("HF_DILATED_PARTS")
 
 
 @dataclass(frozen=True)
 class Parts:
-    """One launch over the parts (every branch launch but the last, an ``r = 1`` branch that merges them): ``table``
-    (int32 rows of ``tiles.part_tile``: first program, first item, tiles per item, r, compact row base, compact rows
-    per offset class), the parts' ``items`` concatenated, ``n_programs`` (axis 0 of its grid), ``rows`` (the compact
-    rows of a head in all), ``classes`` (the most offset classes a part has: axis 1 of a dK/dV grid is kv heads times
-    that) and ``heads`` (the most query heads a class has). A part of rate ``r`` writes row
-    ``base + t * class_rows + column // r`` of the rows of offset class ``t`` (query rows: one class, ``ceil(N / r)``
-    rows a head; key rows: ``min(group, r)`` classes of ``ceil(N / r)``)."""
+    """The forward's one launch over its parts (every branch launch but the last, an ``r = 1`` branch that merges
+    them): ``table`` (int32 rows of ``tiles.part_query_tile``: first program, first item, tiles per item, r, compact
+    row base), the parts' ``items`` concatenated, ``n_programs`` (axis 0 of its grid); a part of rate ``r`` writes
+    row ``base + column // r`` (its rows of one head have one residue mod ``r``: ``ceil(Nq / r)`` rows)."""
 
     table: torch.Tensor
     items: torch.Tensor
     n_programs: int
-    rows: int
-    classes: int = 1
-    heads: int = 1
 
 
-def _parts(order, n: int, block: int, device, group: int | None = None) -> Parts | None:
-    """:class:`Parts` for the branch launches ``order[:-1]`` over ``n`` rows in tiles of ``block`` (made once per
-    order, length, block and group): query rows, or with ``group`` (query heads per kv head) key rows. None where
-    query rows' compact rows would not fit in the ``n`` rows of the buffer they share with the last launch's."""
-    memo = (id(order), n, block, str(device), group)
+def _parts(order, Nq: int, block_m: int, device) -> Parts | None:
+    """:class:`Parts` for the branch launches ``order[:-1]`` (made once per order, block and length), or None where
+    their compact rows would not fit in the ``Nq`` rows of the buffer they share."""
+    memo = (id(order), Nq, block_m, str(device))
     hit = _PARTS.get(memo)
     if hit is not None and hit[0] is order:
         return hit[1]
-    table, start, first_item, rows, classes, heads = [], 0, 0, 0, 1, 1
+    table, start, first_item, rows = [], 0, 0, 0
     for _, r, it in order[:-1]:
-        n_tiles = cdiv(it.max_q_rows if group is None else it.max_k_rows, block)
-        n_classes = 1 if group is None else min(group, r)
-        table.append([start, first_item, n_tiles, r, rows, cdiv(n, r)])
-        start, first_item, rows = start + it.n_items * n_tiles, first_item + it.n_items, rows + n_classes * cdiv(n, r)
-        classes, heads = max(classes, n_classes), max(heads, 1 if group is None else cdiv(group, n_classes))
+        n_tiles = cdiv(it.max_q_rows, block_m)
+        table.append([start, first_item, n_tiles, r, rows])
+        start, first_item, rows = start + it.n_items * n_tiles, first_item + it.n_items, rows + cdiv(Nq, r)
     parts = None
-    if (group is not None or rows <= n) and start < 2**31:
+    if rows <= Nq and start < 2**31:
         parts = Parts(torch.tensor(table, dtype=torch.int32).to(device),
-                      torch.cat([it.items for _, _, it in order[:-1]]), start, rows, classes, heads)
+                      torch.cat([it.items for _, _, it in order[:-1]]), start)
     if len(_PARTS) >= 256:
         _PARTS.clear()
     _PARTS[memo] = (order, parts)
@@ -330,7 +320,7 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     tiles_cfg = gcfg if gluon else cfg
     parts = None
     if (COMPACT_PARTS and not filled and len(order) > 1 and not ws and not flags["DROPOUT"]
-            and (not gluon or D in forward_hopper.PARTS_MERGE)):
+            and (not gluon or forward_hopper.parts_merge_config(D, len(order) - 1) is not None)):
         parts = _parts(order, Nq, tiles_cfg["BLOCK_M"], q.device)
     if parts is not None:  # the parts' rows (compact) in ``o`` and ``part_lse``; ``out`` holds none of them
         if o is out:
@@ -395,16 +385,8 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
     tma = use_tma((q, k, v, do), hd != D, flags["HOLES"])
     gluon = backward_hopper.applies(q, flags, tma)
     fused = fused if gluon else None
-    parts = None
-    gluon_parts = hd in backward_hopper.PARTS_HEAD_DIMS and backward_hopper.dq_launch_config(hd) is None
-    if (COMPACT_PARTS and not filled and len(order) > 1 and fused is None and not flags["DROPOUT"]
-            and (not gluon or gluon_parts)):
-        q_parts = _parts(order, Nq, q_cfg["BLOCK_M"], q.device)
-        kv_block = backward_hopper.BLOCK_N if gluon else kv_cfg["BLOCK_N"]
-        parts = None if q_parts is None else (_parts(order, k.shape[2], kv_block, q.device, group), q_parts)
-        LAUNCHES["backward_parts"] += parts is not None
-    args = (order, rates, last, pb, extras, kv_cfg, q_cfg, tma, gluon, fused, parts)
-    if parts is None and (q.dtype == torch.float32 or (not filled and len(order) == 1 and fused is None)):
+    args = (order, rates, last, pb, extras, kv_cfg, q_cfg, tma, gluon, fused)
+    if q.dtype == torch.float32 or (not filled and len(order) == 1 and fused is None):
         # The sums are the gradients (the last launch writes them in place; one launch alone writes them and merges
         # nothing), laid out like q, k, v (the op's fake implementation says so: compiled graphs rely on it).
         grads = tuple(_buffer(t.shape, q.device, filled, q.dtype, like=t) for t in (q, k, v))
@@ -413,13 +395,10 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
     # Half precision: sum the branches in float32 scratch (rounding once, not once per branch), a chunk of kv heads
     # at a time so the scratch stays within SCRATCH_FRACTION of q + k + v; the last launch writes the gradients in
     # their dtype (a copy from the scratch when no launch reaches every row). A dQ the dK/dV launches add (``fused``)
-    # sums into zeros, and is always that copy. With ``parts`` the dK / dV scratch holds the parts' compact rows
-    # (``Parts.rows`` a kv head: up to ``min(group, r)`` offset classes a part) and the last launch writes the
-    # gradients (float32 ones too: its programs read the parts' rows while others write theirs).
+    # sums into zeros, and is always that copy.
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     limit = max(SCRATCH_MIN_BYTES, SCRATCH_FRACTION * (q.nbytes + k.nbytes + v.nbytes))
-    kv_rows = k.shape[2] if parts is None else parts[0].rows
-    per_kv_head = 4 * B * D * (group * Nq + 2 * kv_rows)  # float32 bytes
+    per_kv_head = 2 * (q.nbytes + k.nbytes + v.nbytes) / Hk
     chunk = max(1, min(Hk, int(limit // per_kv_head)))
     for g0 in range(0, Hk, chunk):
         g1 = min(Hk, g0 + chunk)
@@ -430,9 +409,7 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
             sq, sk, sv = q[:, h0:h1], k[:, g0:g1], v[:, g0:g1]
             sdo, slse, sdelta = do[:, h0:h1], lse[:, h0:h1], delta[:, h0:h1]
             outs = (dq[:, h0:h1], dk[:, g0:g1], dv[:, g0:g1])
-        shapes = [sq.shape] + [t.shape if parts is None else (B, g1 - g0, kv_rows, D) for t in (sk, sv)]
-        scratch = tuple(_buffer(shape, q.device, filled or (i == 0 and fused is not None))
-                        for i, shape in enumerate(shapes))
+        scratch = tuple(_buffer(t.shape, q.device, filled or (t is sq and fused is not None)) for t in (sq, sk, sv))
         _backward_heads(sq, sk, sv, sdo, slse, sdelta, scratch, outs, h0, *args)
         if filled:
             for out, sums in zip(outs, scratch):
@@ -448,14 +425,13 @@ SCRATCH_MIN_BYTES = 2**30
 
 
 def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem, extras, kv_cfg, q_cfg,
-                    tma, gluon, fused, parts):
+                    tma, gluon, fused):
     """All branches of the backward for the heads ``h0..`` of these (possibly head-sliced) tensors, in launch
     ``order``, summed into the float32 ``sums`` (dq, dk, dv); the ``last`` branch's launches write ``outs`` in their
     dtype. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0.
     The dQ launches run beside the dK / dV ones (``forked``); with ``fused`` (a config) the dK/dV launches add dQ to
     its zeroed sums and there are none. ``tma`` / ``gluon``: descriptor loads / the Gluon kernels (sm_90), each at
-    the head dims it takes, as ``backward`` decided them. ``parts`` (dK/dV's and dQ's :class:`Parts`): each kind's
-    branches but the last as one launch, their rows compact in the sums, added by the last launch."""
+    the head dims it takes, as ``backward`` decided them."""
     H, Hk, Nq, Nk, D = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
     group = H // Hk
     qv, kv, streams, window, thr, inv_keep, flags = extras
@@ -470,82 +446,53 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
     dq_cfg = backward_hopper.dq_launch_config(hd) if gluon else None
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
     per_branch = _branch_views(streams) if not flags["DROPOUT"] else None
-    kv_launches, q_launches = (_backward_launches(order, rates, last, p) for p in (parts or (None, None)))
-    kv_tensors = (q, k, v, do, lse, delta, dk, dv, xk, xv)
+    launches = [(j, i, r, it, streams[i, :, h0:] if flags["DROPOUT"] else per_branch[i],
+                 dict(MERGE=j > 0, LAST=i == last)) for j, (i, r, it) in enumerate(order)]
+    kv_tensors = (q, k, v, do, lse, delta, dk, dv, xk, xv, rates)
     kv_strides = (*strides, *dk.stride()[:3], *dv.stride()[:3], *xk.stride()[:3], *xv.stride()[:3])
-    hopper_strides = (*kv_strides, *dq.stride()[:3])
-    q_tensors, q_strides = (q, k, v, do, lse, delta, dq, xq), (*strides, *dq.stride()[:3], *xq.stride()[:3])
+    hopper_tensors, hopper_strides = (*kv_tensors[:-1], dq, rates), (*kv_strides, *dq.stride()[:3])
+    q_tensors, q_strides = (q, k, v, do, lse, delta, dq, xq, rates), (*strides, *dq.stride()[:3], *xq.stride()[:3])
     with forked(q.device) as beside:
-        for i, r, it, items, prev, n_prev, part, merge in kv_launches:  # dK / dV on the current stream
-            s = streams[i, :, h0:] if flags["DROPOUT"] else per_branch[i]
-            n_classes = part.classes if part else min(group, r)
-            heads = part.heads if part else cdiv(group, n_classes)
+        for j, i, r, it, s, merge in launches:  # dK / dV on the current stream
+            n_classes = min(group, r)
             if dkdv_cfgs:
                 for dkdv_cfg in dkdv_cfgs:  # one launch, or at D = 256 one for dV and one for dK
-                    kernel, dkdv_cfg = backward_hopper.dkdv_kernel(dkdv_cfg, heads)
-                    grid, n_tiles = _launch_grid(it, part, it and it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
-                    if kernel is backward_hopper.dilated_bwd_dkdv_hopper_kernel:
-                        dkdv_cfg = dict(dkdv_cfg, PARTS=merge["PARTS"], MAX_PARTS=n_prev if merge["PARTS"] else 0)
+                    kernel, dkdv_cfg = backward_hopper.dkdv_kernel(dkdv_cfg, cdiv(group, n_classes))
+                    grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
                     relaunch.run(kernel, grid,
-                        *kv_tensors, dq, prev, items, *hopper_strides, pb.head_offset + h0, group, n_classes, r,
-                        pb.scale, pb.scale * LOG2E, n_tiles, n_prev, HEAD_DIM=hd, HEADS=heads,
-                        IS_CAUSAL=flags["IS_CAUSAL"], MERGE=merge["MERGE"], LAST=merge["LAST"], **dkdv_cfg,
+                        *hopper_tensors, it.items, *hopper_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
+                        pb.scale * LOG2E, n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes),
+                        IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dkdv_cfg,
                     )
                     LAUNCHES["dkdv_hopper"] += 1
                     LAUNCHES["dkdv_ws"] += kernel is not backward_hopper.dilated_bwd_dkdv_hopper_kernel
                     LAUNCHES["dq_fused"] += bool(dkdv_cfg["FUSED_DQ"])
             else:
-                grid, n_tiles = _launch_grid(it, part, it and it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
+                grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
                 relaunch.run(dilated_bwd_dkdv_kernel, grid,
-                    *kv_tensors, prev, items, qv, kv, s, *kv_strides,
+                    *kv_tensors, it.items, qv, kv, s, *kv_strides,
                     Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
-                    inv_keep, n_tiles, n_prev,
+                    inv_keep, n_tiles, j,
                     HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge, **kv_cfg,
                 )
-            LAUNCHES["dkdv_parts"] += bool(part)
         with beside():  # dQ on a second stream
-            for i, r, it, items, prev, n_prev, part, merge in q_launches if not fused else ():
-                s = streams[i, :, h0:] if flags["DROPOUT"] else per_branch[i]
-                if dq_cfg:  # (never with parts: ``backward``)
+            for j, i, r, it, s, merge in launches if not fused else ():
+                if dq_cfg:
                     grid, n_tiles = items_grid(it.n_items, it.max_q_rows, dq_cfg["BLOCK_M"], H)
                     relaunch.run(backward_hopper.dilated_bwd_dq_hopper_kernel, grid,
-                        *q_tensors, prev, items, *q_strides, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E,
-                        n_tiles, n_prev,
-                        HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=merge["MERGE"], LAST=merge["LAST"], **dq_cfg,
+                        *q_tensors, it.items, *q_strides, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E,
+                        n_tiles, j,
+                        HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dq_cfg,
                     )
                     LAUNCHES["dq_hopper"] += 1
                 else:
-                    grid, n_tiles = _launch_grid(it, part, it and it.max_q_rows, q_cfg["BLOCK_M"], H)
+                    grid, n_tiles = items_grid(it.n_items, it.max_q_rows, q_cfg["BLOCK_M"], H)
                     relaunch.run(dilated_bwd_dq_kernel, grid,
-                        *q_tensors, prev, items, qv, kv, s, *q_strides,
+                        *q_tensors, it.items, qv, kv, s, *q_strides,
                         Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr,
-                        inv_keep, n_tiles, n_prev, HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags,
-                        **merge, **q_cfg,
+                        inv_keep, n_tiles, j, HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge,
+                        **q_cfg,
                     )
-                LAUNCHES["dq_parts"] += bool(part)
-
-
-def _backward_launches(order, rates, last, parts: Parts | None):
-    """One kind of the backward's launches (dK/dV or dQ): ``(branch, r, BranchItems or None, items, PREV, n_prev,
-    Parts or None, flags)``. Without ``parts``, one per branch of ``order``, launch ``j`` adding to the rows launches
-    ``< j`` wrote (``PREV`` their rates); with them, the parts' launch (its ``Parts``; r and the tiles per item come
-    from its table, 2 a placeholder no specialisation singles out) and the last branch's, which adds the parts' rows
-    (``PREV`` the parts' table)."""
-    if parts is None:
-        return [(i, r, it, it.items, rates, j, None, dict(MERGE=j > 0, LAST=i == last, PARTS=False))
-                for j, (i, r, it) in enumerate(order)]
-    n_parts = len(order) - 1
-    i, r, it = order[-1]
-    return [(order[0][0], 2, None, parts.items, parts.table, n_parts, parts, dict(MERGE=False, LAST=False, PARTS=True)),
-            (i, r, it, it.items, parts.table, n_parts, None, dict(MERGE=False, LAST=True, PARTS=True))]
-
-
-def _launch_grid(it, parts: Parts | None, max_rows, block: int, axis1: int):
-    """``(grid, n_tiles)`` of a branch launch over ``it`` (``items_grid``), or of the launch over ``parts`` (its
-    programs; the tiles per item are in its table: 2, a placeholder)."""
-    if parts is None:
-        return items_grid(it.n_items, max_rows, block, axis1)
-    return (parts.n_programs, axis1), 2
 
 
 def decode(q, k, v, pb: Problem, q_pos, q_valid, k_valid, kdesc):

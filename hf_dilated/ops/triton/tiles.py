@@ -60,11 +60,11 @@ def item_query_tile(T, n_tiles, head_offset, r, BLOCK_M: tl.constexpr, IS_CAUSAL
 
 
 @triton.jit
-def part_tile(PARTS, n_parts):
-    """A program of a launch over parts (``launch.Parts``: every branch launch but the last as one launch):
-    ``(row, item, tile, n_tiles)``, its part's row of the table ``PARTS`` (int32 rows ``(first program, first item,
-    tiles per item, r, compact row base, compact rows per offset class)``), its item and tile. Axis 0 of the grid
-    holds the parts' programs one after another, each part's item-major (:func:`item_tile`)."""
+def part_query_tile(PARTS, n_parts, T, head_offset, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """:func:`item_query_tile` for a program of the forward's one launch over its parts (every branch but the last:
+    ``launch.forward``), and the program's part: ``(r, base, b, qbase, ..., p_min)``. ``PARTS``: int32 rows
+    ``(first program, first item, tiles per item, r, compact row base)`` per part, axis 0 of the grid the parts'
+    programs one after another (each part's as :func:`item_tile` orders them), ``T`` the parts' items in order."""
     pid = tl.program_id(0)
     j = 0
     for i in range(1, n_parts):
@@ -72,50 +72,13 @@ def part_tile(PARTS, n_parts):
     row = PARTS + j * PART_COLUMNS
     local = pid - tl.load(row)
     n_tiles = tl.load(row + 2)
-    return row, tl.load(row + 1) + local // n_tiles, local % n_tiles, n_tiles
-
-
-@triton.jit
-def part_query_tile(PARTS, n_parts, T, head_offset, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """:func:`item_query_tile` for a query-tile program of a launch over parts (:func:`part_tile`; ``T`` the parts'
-    items in order), and the program's part: ``(r, base, b, qbase, ..., p_min)``."""
-    row, item, tile, n_tiles = part_tile(PARTS, n_parts)
+    r = tl.load(row + 3)
+    tile = local % n_tiles
     if IS_CAUSAL:
         tile = n_tiles - 1 - tile
-    r = tl.load(row + 3)
     b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = query_tile(
-        T, item, tile, head_offset, r, BLOCK_M)
+        T, tl.load(row + 1) + local // n_tiles, tile, head_offset, r, BLOCK_M)
     return r, tl.load(row + 4), b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min
-
-
-@triton.jit
-def part_rows(j, p, in_range, c, head0, heads, head_offset, PARTS, CLASSES: tl.constexpr):
-    """Which of a tile's rows (positions ``p``, columns ``c``) part ``j`` of a launch over parts wrote, and where:
-    ``(seen, compact row)``. A part of rate ``r`` stores the rows it selects for the heads ``head0 ..
-    head0 + heads - 1`` at row ``base + t * class_rows + c // r``, ``t = (p - head0 - head_offset) mod r`` naming
-    the offset class (< ``heads``). Key rows (``CLASSES``): a kv head's query heads; query rows: one head (``heads``
-    1, ``t`` 0)."""
-    row = PARTS + j * PART_COLUMNS
-    r = tl.load(row + 3)
-    t = (((p - head0 - head_offset) % r) + r) % r
-    seen = in_range & (t < heads)
-    rows = tl.load(row + 4) + c // r
-    if CLASSES:
-        rows += t * tl.load(row + 5)
-    return seen, tl.where(seen, rows, 0).to(tl.int64)
-
-
-@triton.jit
-def parts_sum(acc, SUMS, stride_n, p, in_range, c, head0, heads, head_offset, PARTS, n_parts, d, dmask,
-              EVEN_D: tl.constexpr, CLASSES: tl.constexpr):
-    """``acc`` plus the rows every part of a launch over parts wrote (:func:`part_rows`) for a gradient tile of the
-    last launch (``SUMS`` at the head's first row, ``stride_n`` a row). The backward's last launch starts from them, so
-    that the loads run beside the tile's first loads instead of ending it (in the epilogue they made the 64K last
-    launches 1.19x (dK/dV) and 1.17x (dQ) as long, H200)."""
-    for j in range(n_parts):
-        seen, rows = part_rows(j, p, in_range, c, head0, heads, head_offset, PARTS, CLASSES)
-        acc += tl.load(SUMS + rows[:, None] * stride_n + d[None, :], mask=tile_mask(seen, dmask, EVEN_D), other=0.0)
-    return acc
 
 
 @triton.jit
