@@ -318,9 +318,11 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
         gcfg = forward_hopper.ws_launch_config() if ws else forward_hopper.launch_config(D)
         gkernel = forward_hopper.dilated_fwd_ws_kernel if ws else forward_hopper.dilated_fwd_hopper_kernel
     tiles_cfg = gcfg if gluon else cfg
+    # the Gluon kernel's last launch: how it merges the parts (None where it takes none)
+    merge_cfg = forward_hopper.parts_merge_config(D, len(order) - 1) if gluon and not ws else None
     parts = None
     if (COMPACT_PARTS and not filled and len(order) > 1 and not ws and not flags["DROPOUT"]
-            and (not gluon or forward_hopper.parts_merge_config(D, len(order) - 1) is not None)):
+            and (not gluon or merge_cfg is not None)):
         parts = _parts(order, Nq, tiles_cfg["BLOCK_M"], q.device)
     if parts is not None:  # the parts' rows (compact) in ``o`` and ``part_lse``; ``out`` holds none of them
         if o is out:
@@ -339,8 +341,7 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
             common = dict(HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=merge["MERGE"], LAST=merge["LAST"], **gcfg)
             if not ws:  # (the warp-specialized kernel takes no parts)
                 common["PARTS"] = merge["PARTS"]
-                common.update(forward_hopper.parts_merge_config(D, n_prev) if merge["PARTS"] and merge["LAST"]
-                              else dict(MAX_PARTS=0))
+                common.update(merge_cfg if merge["PARTS"] and merge["LAST"] else dict(MAX_PARTS=0))
             if ws:  # programs over units of an item's query tiles, persistent where the items allow
                 it = order[j][2]
                 grid, sched = forward_hopper.ws_schedule(it.n_items, it.items_per_group, it.max_q_rows, H,
