@@ -46,6 +46,16 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(SEED_LINE)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """No launch plan recorded by an earlier test is replayed in this one: tests patch the launchers' helpers
+    (``use_tma``, ``interpreting``, configs), which a plan recorded before would not consult."""
+    from hf_dilated.ops.triton import plans
+
+    plans.forget()
+    yield
+
+
 @pytest.fixture
 def rng(request):
     """A generator per test: the session seed mixed with the test's name (fresh each run, reproducible by seed)."""

@@ -1222,9 +1222,9 @@ def test_unfilled_buffers_and_last_launch(rng, monkeypatch):
     made, phase = [], []
     real = {name: getattr(launch, name) for name in ("_buffer", "forward", "backward")}
 
-    def buffer(shape, device, filled, dtype=torch.float32, **kw):
+    def buffer(rec, shape, device, filled, dtype=torch.float32, **kw):
         made.append((phase[-1], filled, dtype))
-        return real["_buffer"](shape, device, filled, dtype, **kw)
+        return real["_buffer"](rec, shape, device, filled, dtype, **kw)
 
     def in_phase(name):
         def run(*a, **kw):

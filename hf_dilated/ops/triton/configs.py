@@ -128,6 +128,12 @@ def forced(kernel: str, config: tuple[int, int, int, int]):
             _FORCED[kernel] = before
 
 
+def state() -> tuple:
+    """What the configs depend on besides the head dim and dtype: the forced ones and the tuned tables' generation
+    (part of a recorded launch plan's key, :mod:`.plans`)."""
+    return tuned.GENERATION, tuple(_FORCED.items())
+
+
 def _chosen(kernel: str, d: int, dtype: torch.dtype, table: dict) -> tuple:
     """A forced config, else one tuned on this GPU (``hf-dilated tune``), else the built-in table's, tiles halved
     for float32 (twice the bytes per element)."""

@@ -14,10 +14,11 @@ import torch
 
 from ...config import DENSE_SEGMENT
 from ..dropout import keep_threshold, stream
-from . import backward_hopper, forward_hopper, relaunch
+from . import backward_hopper, forward_hopper, plans, relaunch
 from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kernel
 from .configs import (
     bwd_config, decode_config, descriptor_scratch, dot_mode, fwd_config, interpreting, sm_count, use_tma,
+    state as config_state,
 )
 from .decode import dilated_decode_kernel
 from .forward import dilated_fwd_branch_kernel
@@ -109,10 +110,13 @@ def _int8(mask: torch.Tensor) -> torch.Tensor:
     return mask.contiguous().view(torch.int8) if mask.dtype == torch.bool else mask.to(torch.int8).contiguous()
 
 
-def _extras(pb: Problem, holes: bool, layout_valid, B: int, H: int, device):
-    """Kernel arguments shared by every launch: validity (int8, read with holes), dropout streams, flags."""
+def _extras(pb: Problem, holes: bool, layout_valid, B: int, H: int, device, rec: plans.Recorder | None = None):
+    """Kernel arguments shared by every launch: validity (int8, read with holes), dropout streams, flags; the shared
+    placeholders declared constants of ``rec``."""
     q_valid, k_valid = layout_valid
     none = _constant("int8", device, lambda: torch.zeros(1, dtype=torch.int8, device=device))
+    if rec is not None:
+        rec.constant(none)
     qv = _int8(q_valid.to(device=device)) if holes and q_valid is not None else none
     kv = _int8(k_valid.to(device=device)) if holes and k_valid is not None else none
     n_br = len(pb.kernel_branches())
@@ -216,17 +220,14 @@ def forked(device: torch.device):
         main.wait_stream(side)
 
 
-def _buffer(shape, device, filled: bool, dtype=torch.float32, like: torch.Tensor | None = None):
-    """A buffer the launches write (contiguous, or laid out ``like`` a tensor of that shape and dtype): zeros
-    (``filled``: rows no launch reaches must read as 0), or uninitialized memory (a fill of 10% of the forward's time at
-    64K on the H100, ``benchmarks/NOTES_triton.md``); under the interpreter unfilled buffers start as NaN, so that the
-    CPU tests would see any row the launches missed."""
+def _buffer(rec: plans.Recorder, shape, device, filled: bool, dtype=torch.float32, like: torch.Tensor | None = None):
+    """A buffer the launches write (contiguous, or laid out ``like`` a tensor of that shape and dtype), registered with
+    ``rec``: zeros (``filled``: rows no launch reaches must read as 0), or uninitialized memory (a fill of 10% of the
+    forward's time at 64K on the H100, ``benchmarks/NOTES_triton.md``); under the interpreter unfilled buffers start
+    as NaN, so that the CPU tests would see any row the launches missed."""
     out = torch.empty(shape, device=device, dtype=dtype) if like is None else torch.empty_like(like, dtype=dtype)
-    if filled:
-        return out.zero_()
-    if interpreting():
-        return out.fill_(float("nan"))
-    return out
+    fill = 0.0 if filled else float("nan") if interpreting() else None
+    return rec.buffer(out if fill is None else out.fill_(fill), fill)
 
 
 # The forward's branch launches but the last in one launch, each branch's rows written once, compact, and merged by
@@ -290,28 +291,49 @@ def _forward_launches(order, rates, last, parts: Parts | None, heads: int, cfg: 
     yield n_parts, i, r, it.items, parts.table, n_parts, grid, n_tiles, dict(MERGE=False, LAST=True, PARTS=True)
 
 
+def _plan_key(kind: str, tensors, pb: Problem, plan: RunPlan, cache_key, *extra):
+    """The :mod:`.plans` key of a launcher call, or None where it is not replayed: layouts other than contiguous ones
+    (their work lists and validity masks are the call's own), dropout (its streams are drawn per call)."""
+    if cache_key is None or plan.holes or pb.dropout_p > 0 or not plans.ENABLED:
+        return None
+    return plans.signature(kind, tensors, pb, cache_key, COMPACT_PARTS, CONCURRENT_BACKWARD, SCRATCH_FRACTION,
+                           SCRATCH_MIN_BYTES, relaunch.ENABLED, config_state(), *extra)
+
+
 def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     """Merged output ``[B, H, Nq, D]`` (query dtype) and float32 lse ``[B, H, Nq]`` over all branches: a launch per
-    branch, or (:class:`Parts`, where the last launch reaches every row and the kernel takes them) two."""
+    branch, or (:class:`Parts`, where the last launch reaches every row and the kernel takes them) two. A call with
+    the signature of an earlier one on a contiguous layout replays its recorded launches (:mod:`.plans`)."""
     LAUNCHES["forward"] += 1
     q, k, v = rowmajor(q), rowmajor(k), rowmajor(v)
+    key = _plan_key("forward", (q, k, v), pb, plan, cache_key)
+    recorded = plans.lookup(key) if key is not None else None
+    if recorded is not None:
+        return recorded.replay((q, k, v), LAUNCHES)
+    rec = plans.Recorder(key, (q, k, v), LAUNCHES)
+    return rec.finish(_forward(rec, q, k, v, pb, plan, layout_valid, cache_key), q.device)
+
+
+def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
+    """:func:`forward`'s launches, each step through ``rec``."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     group = H // k.shape[1]
     order, rates, last = _launch_order(pb, plan, cache_key, q.device, rows_reached=True)
     filled = last is None
-    lse = torch.full((B, H, Nq), float("-inf"), device=q.device) if filled else _buffer((B, H, Nq), q.device, False)
-    if filled:  # the launches merge into float32 zeros, cast at the end
-        o = out = _buffer((B, H, Nq, D), q.device, True)
+    if filled:  # the launches merge into float32 zeros (lse: -inf), cast at the end
+        lse = rec.buffer(torch.full((B, H, Nq), float("-inf"), device=q.device), float("-inf"))
+        o = out = _buffer(rec, (B, H, Nq, D), q.device, True)
     else:  # the last launch writes the output in the query dtype; a float32 buffer only where launches merge into it
-        out = _buffer((B, H, Nq, D), q.device, False, q.dtype)
-        o = _buffer((B, H, Nq, D), q.device, False) if len(order) > 1 and q.dtype != torch.float32 else out
-    qv, kv, streams, window, thr, inv_keep, flags = _extras(pb, plan.holes, layout_valid, B, H, q.device)
+        lse = _buffer(rec, (B, H, Nq), q.device, False)
+        out = _buffer(rec, (B, H, Nq, D), q.device, False, q.dtype)
+        o = _buffer(rec, (B, H, Nq, D), q.device, False) if len(order) > 1 and q.dtype != torch.float32 else out
+    qv, kv, streams, window, thr, inv_keep, flags = _extras(pb, plan.holes, layout_valid, B, H, q.device, rec)
     cfg = fwd_config(head_dim_block(D), q.dtype)
     tma = use_tma((q, k, v), head_dim_block(D) != D, plan.holes)
     if tma:
-        descriptor_scratch(q.device)
-        LAUNCHES["forward_tma"] += 1
+        rec.call(descriptor_scratch, q.device)
+        rec.count("forward_tma")
     gluon = forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
     ws = gluon and forward_hopper.ws_applies(q, flags, tma)  # warp-specialized, head dim 128
     if gluon:
@@ -326,15 +348,17 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
         parts = _parts(order, Nq, tiles_cfg["BLOCK_M"], q.device)
     if parts is not None:  # the parts' rows (compact) in ``o`` and ``part_lse``; ``out`` holds none of them
         if o is out:
-            o = _buffer((B, H, Nq, D), q.device, False)
-        part_lse = _buffer((B, H, Nq), q.device, False)
-        LAUNCHES["forward_parts"] += 1
+            o = _buffer(rec, (B, H, Nq, D), q.device, False)
+        part_lse = _buffer(rec, (B, H, Nq), q.device, False)
+        rec.count("forward_parts")
     else:
         part_lse = lse
-    per_branch = streams if flags["DROPOUT"] else _branch_views(streams)
+    per_branch = streams if flags["DROPOUT"] else tuple(map(rec.constant, _branch_views(streams)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2])
     for j, i, r, items, prev, n_prev, grid, n_tiles, merge in _forward_launches(order, rates, last, parts, H,
                                                                                 tiles_cfg, ws):
+        rec.constant(prev)
+        rec.constant(items)
         if gluon:
             args = (q, k, v, o, lse, out, prev, items, *(() if ws else (part_lse,)), *strides, pb.head_offset, group,
                     r, pb.scale * LOG2E)
@@ -346,14 +370,14 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
                 it = order[j][2]
                 grid, sched = forward_hopper.ws_schedule(it.n_items, it.items_per_group, it.max_q_rows, H,
                                                          sm_count(q.device))
-                relaunch.run(gkernel, grid, *args, sched["n_tiles"], n_prev, sched["G"], sched["n_units"],
-                             sched["n_items"], PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
-                LAUNCHES["forward_persistent"] += sched["PERSISTENT"]
+                rec.run(gkernel, grid, *args, sched["n_tiles"], n_prev, sched["G"], sched["n_units"],
+                        sched["n_items"], PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
+                rec.count("forward_persistent", sched["PERSISTENT"])
             else:
-                relaunch.run(gkernel, grid, *args, n_tiles, n_prev, **common)
-            LAUNCHES["forward_ws" if ws else "forward_hopper"] += 1
+                rec.run(gkernel, grid, *args, n_tiles, n_prev, **common)
+            rec.count("forward_ws" if ws else "forward_hopper")
             continue
-        relaunch.run(dilated_fwd_branch_kernel, grid,
+        rec.run(dilated_fwd_branch_kernel, grid,
             q, k, v, o, lse, out, prev, items, qv, kv, per_branch[i], part_lse, *strides,
             Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles, n_prev,
             HEAD_DIM=head_dim_block(D), D=D, **merge, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **cfg,
@@ -368,11 +392,22 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
     LAUNCHES["backward"] += 1
     q, k, v, o, do = (rowmajor(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
+    delta = row_deltas(o, do, dlse)
+    inputs = (q, k, v, do, lse, delta)
+    key = _plan_key("backward", inputs, pb, plan, cache_key)
+    recorded = plans.lookup(key) if key is not None else None
+    if recorded is not None:
+        return recorded.replay(inputs, LAUNCHES, forked)
+    rec = plans.Recorder(key, inputs, LAUNCHES)
+    return rec.finish(_backward(rec, *inputs, pb, plan, layout_valid, cache_key), q.device)
+
+
+def _backward(rec: plans.Recorder, q, k, v, do, lse, delta, pb: Problem, plan: RunPlan, layout_valid, cache_key):
+    """:func:`backward`'s launches after the row deltas, each step through ``rec``."""
     B, H, Nq, D = q.shape
     Hk = k.shape[1]
     group = H // Hk
-    delta = row_deltas(o, do, dlse)
-    extras = _extras(pb, plan.holes, layout_valid, B, H, q.device)
+    extras = _extras(pb, plan.holes, layout_valid, B, H, q.device, rec)
     flags = extras[-1]
     hd = head_dim_block(D)
     kv_cfg, q_cfg = bwd_config(hd, q.dtype)
@@ -390,14 +425,14 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
     if q.dtype == torch.float32 or (not filled and len(order) == 1 and fused is None):
         # The sums are the gradients (the last launch writes them in place; one launch alone writes them and merges
         # nothing), laid out like q, k, v (the op's fake implementation says so: compiled graphs rely on it).
-        grads = tuple(_buffer(t.shape, q.device, filled, q.dtype, like=t) for t in (q, k, v))
-        _backward_heads(q, k, v, do, lse, delta, grads, grads, 0, *args)
+        grads = tuple(_buffer(rec, t.shape, q.device, filled, q.dtype, like=t) for t in (q, k, v))
+        _backward_heads(rec, q, k, v, do, lse, delta, grads, grads, 0, *args)
         return grads
     # Half precision: sum the branches in float32 scratch (rounding once, not once per branch), a chunk of kv heads
     # at a time so the scratch stays within SCRATCH_FRACTION of q + k + v; the last launch writes the gradients in
     # their dtype (a copy from the scratch when no launch reaches every row). A dQ the dK/dV launches add (``fused``)
     # sums into zeros, and is always that copy.
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (rec.buffer(torch.empty_like(t)) for t in (q, k, v))
     limit = max(SCRATCH_MIN_BYTES, SCRATCH_FRACTION * (q.nbytes + k.nbytes + v.nbytes))
     per_kv_head = 2 * (q.nbytes + k.nbytes + v.nbytes) / Hk
     chunk = max(1, min(Hk, int(limit // per_kv_head)))
@@ -410,13 +445,14 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
             sq, sk, sv = q[:, h0:h1], k[:, g0:g1], v[:, g0:g1]
             sdo, slse, sdelta = do[:, h0:h1], lse[:, h0:h1], delta[:, h0:h1]
             outs = (dq[:, h0:h1], dk[:, g0:g1], dv[:, g0:g1])
-        scratch = tuple(_buffer(t.shape, q.device, filled or (t is sq and fused is not None)) for t in (sq, sk, sv))
-        _backward_heads(sq, sk, sv, sdo, slse, sdelta, scratch, outs, h0, *args)
+        scratch = tuple(_buffer(rec, t.shape, q.device, filled or (t is sq and fused is not None))
+                        for t in (sq, sk, sv))
+        _backward_heads(rec, sq, sk, sv, sdo, slse, sdelta, scratch, outs, h0, *args)
         if filled:
             for out, sums in zip(outs, scratch):
-                out.copy_(sums)
+                rec.copy(out, sums)
         elif fused is not None:
-            outs[0].copy_(scratch[0])
+            rec.copy(outs[0], scratch[0])
         del scratch
     return dq, dk, dv
 
@@ -425,14 +461,14 @@ SCRATCH_FRACTION = 0.125
 SCRATCH_MIN_BYTES = 2**30
 
 
-def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem, extras, kv_cfg, q_cfg,
+def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem, extras, kv_cfg, q_cfg,
                     tma, gluon, fused):
     """All branches of the backward for the heads ``h0..`` of these (possibly head-sliced) tensors, in launch
     ``order``, summed into the float32 ``sums`` (dq, dk, dv); the ``last`` branch's launches write ``outs`` in their
     dtype. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0.
     The dQ launches run beside the dK / dV ones (``forked``); with ``fused`` (a config) the dK/dV launches add dQ to
     its zeroed sums and there are none. ``tma`` / ``gluon``: descriptor loads / the Gluon kernels (sm_90), each at
-    the head dims it takes, as ``backward`` decided them."""
+    the head dims it takes, as ``backward`` decided them. Each step goes through ``rec``."""
     H, Hk, Nq, Nk, D = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
     group = H // Hk
     qv, kv, streams, window, thr, inv_keep, flags = extras
@@ -441,36 +477,39 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
     xq, xk, xv = outs
     hd = head_dim_block(D)
     if tma:
-        descriptor_scratch(q.device)
-        LAUNCHES["backward_tma"] += 1
+        rec.call(descriptor_scratch, q.device)
+        rec.count("backward_tma")
     dkdv_cfgs = ([fused] if fused else backward_hopper.dkdv_launch_configs(hd)) if gluon else None
     dq_cfg = backward_hopper.dq_launch_config(hd) if gluon else None
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
-    per_branch = _branch_views(streams) if not flags["DROPOUT"] else None
+    per_branch = tuple(map(rec.constant, _branch_views(streams))) if not flags["DROPOUT"] else None
+    rec.constant(rates)
+    for _, _, it in order:
+        rec.constant(it.items)
     launches = [(j, i, r, it, streams[i, :, h0:] if flags["DROPOUT"] else per_branch[i],
                  dict(MERGE=j > 0, LAST=i == last)) for j, (i, r, it) in enumerate(order)]
     kv_tensors = (q, k, v, do, lse, delta, dk, dv, xk, xv, rates)
     kv_strides = (*strides, *dk.stride()[:3], *dv.stride()[:3], *xk.stride()[:3], *xv.stride()[:3])
     hopper_tensors, hopper_strides = (*kv_tensors[:-1], dq, rates), (*kv_strides, *dq.stride()[:3])
     q_tensors, q_strides = (q, k, v, do, lse, delta, dq, xq, rates), (*strides, *dq.stride()[:3], *xq.stride()[:3])
-    with forked(q.device) as beside:
+    with rec.forked(forked(q.device)) as beside:
         for j, i, r, it, s, merge in launches:  # dK / dV on the current stream
             n_classes = min(group, r)
             if dkdv_cfgs:
                 for dkdv_cfg in dkdv_cfgs:  # one launch, or at D = 256 one for dV and one for dK
                     kernel, dkdv_cfg = backward_hopper.dkdv_kernel(dkdv_cfg, cdiv(group, n_classes))
                     grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
-                    relaunch.run(kernel, grid,
+                    rec.run(kernel, grid,
                         *hopper_tensors, it.items, *hopper_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
                         pb.scale * LOG2E, n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes),
                         IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dkdv_cfg,
                     )
-                    LAUNCHES["dkdv_hopper"] += 1
-                    LAUNCHES["dkdv_ws"] += kernel is not backward_hopper.dilated_bwd_dkdv_hopper_kernel
-                    LAUNCHES["dq_fused"] += bool(dkdv_cfg["FUSED_DQ"])
+                    rec.count("dkdv_hopper")
+                    rec.count("dkdv_ws", kernel is not backward_hopper.dilated_bwd_dkdv_hopper_kernel)
+                    rec.count("dq_fused", bool(dkdv_cfg["FUSED_DQ"]))
             else:
                 grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
-                relaunch.run(dilated_bwd_dkdv_kernel, grid,
+                rec.run(dilated_bwd_dkdv_kernel, grid,
                     *kv_tensors, it.items, qv, kv, s, *kv_strides,
                     Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
                     inv_keep, n_tiles, j,
@@ -480,15 +519,15 @@ def _backward_heads(q, k, v, do, lse, delta, sums, outs, h0, order, rates, last,
             for j, i, r, it, s, merge in launches if not fused else ():
                 if dq_cfg:
                     grid, n_tiles = items_grid(it.n_items, it.max_q_rows, dq_cfg["BLOCK_M"], H)
-                    relaunch.run(backward_hopper.dilated_bwd_dq_hopper_kernel, grid,
+                    rec.run(backward_hopper.dilated_bwd_dq_hopper_kernel, grid,
                         *q_tensors, it.items, *q_strides, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E,
                         n_tiles, j,
                         HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dq_cfg,
                     )
-                    LAUNCHES["dq_hopper"] += 1
+                    rec.count("dq_hopper")
                 else:
                     grid, n_tiles = items_grid(it.n_items, it.max_q_rows, q_cfg["BLOCK_M"], H)
-                    relaunch.run(dilated_bwd_dq_kernel, grid,
+                    rec.run(dilated_bwd_dq_kernel, grid,
                         *q_tensors, it.items, qv, kv, s, *q_strides,
                         Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr,
                         inv_keep, n_tiles, j, HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge,

@@ -82,6 +82,27 @@ def class_key(exact: tuple) -> tuple:
     return tensors, tuple(map(spec, rest))
 
 
+def _find(kernel, args, constexprs: dict):
+    """``(exact key, class key, the remembered launch or None, the leading tensors' pointers, the device)`` of a
+    launch. Raises ``TypeError`` / ``AssertionError`` / ``RuntimeError`` where it cannot be keyed: a leading argument
+    that is not a tensor, a value that cannot be hashed or has no class (Unkeyed), no CUDA."""
+    n = _LEADING.get(kernel)
+    if n is None:  # the kernel's first launch: how many of its arguments lead as tensors
+        n = _LEADING[kernel] = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
+    launch_key, ptrs = key(args, n)
+    device = torch.cuda.current_device()
+    options = tuple(constexprs.items())
+    launch_key = (kernel, device, launch_key, options)
+    hit = _COMPILED.get(launch_key)
+    wide_key = None
+    if hit is None:  # new values: perhaps of classes Triton compiled for before
+        wide_key = (kernel, device, class_key(launch_key[2]), options)
+        hit = _CLASSES.get(wide_key)
+        if hit is not None:
+            _keep(_COMPILED, launch_key, hit)
+    return launch_key, wide_key, hit, ptrs, device
+
+
 def run(kernel, grid, *args, **constexprs):
     """``kernel[grid](*args, **constexprs)``; a launch whose :func:`key` (with ``constexprs``' values and the current
     device) compiled before runs that compiled kernel through its driver launcher (:func:`direct_launcher`).
@@ -90,32 +111,39 @@ def run(kernel, grid, *args, **constexprs):
     global DIRECT
     if not ENABLED or kernel in _NOT_DIRECT or interpreting():
         return kernel[grid](*args, **constexprs)
-    n = _LEADING.get(kernel)
-    if n is None:  # the kernel's first launch: how many of its arguments lead as tensors
-        n = _LEADING[kernel] = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
     try:
-        launch_key, ptrs = key(args, n)
-        device = torch.cuda.current_device()
-        options = tuple(constexprs.items())
-        launch_key = (kernel, device, launch_key, options)
-        hit = _COMPILED.get(launch_key)
-        if hit is None:  # new values: perhaps of classes Triton compiled for before
-            wide_key = (kernel, device, class_key(launch_key[2]), options)
-            hit = _CLASSES.get(wide_key)
-            if hit is not None:
-                _keep(_COMPILED, launch_key, hit)
-    except (TypeError, AssertionError, RuntimeError):  # a leading argument that is not a tensor, a value that
-        # cannot be hashed or has no class (Unkeyed), no CUDA
+        launch_key, wide_key, hit, ptrs, device = _find(kernel, args, constexprs)
+    except (TypeError, AssertionError, RuntimeError):
         return kernel[grid](*args, **constexprs)
-    if hit is not None and not _hooked():
+    if hit is not None and not hooked():
         launcher, tail = hit
-        launcher(grid if len(grid) == 3 else (*grid, 1, 1)[:3], device, *ptrs, *args[n:], *tail)
+        launcher(grid if len(grid) == 3 else (*grid, 1, 1)[:3], device, *ptrs, *args[len(ptrs):], *tail)
         DIRECT += 1
         return None
-    compiled = kernel[grid](*args, **constexprs)
+    compiled_kernel = kernel[grid](*args, **constexprs)
     if hit is None:
-        _learn(kernel, (launch_key, wide_key), compiled, len(args), constexprs)
-    return compiled
+        _learn(kernel, (launch_key, wide_key), compiled_kernel, len(args), constexprs)
+    return compiled_kernel
+
+
+def compiled(kernel, args, constexprs: dict):
+    """``(device index, launch, tail)``: how :func:`run` launches these arguments directly now (``launch(grid3,
+    device, *pointers, *other args, *tail)``), or None where it would go through Triton (switched off, the
+    interpreter, a kernel or argument it cannot key, nothing compiled yet). What a recorded plan
+    (:mod:`.plans`) replays with."""
+    if not ENABLED or kernel in _NOT_DIRECT or interpreting():
+        return None
+    try:
+        _, _, hit, _, device = _find(kernel, args, constexprs)
+    except (TypeError, AssertionError, RuntimeError):
+        return None
+    return None if hit is None else (device, *hit)
+
+
+def count_direct() -> None:
+    """Count a launch made directly elsewhere (a replayed plan) in ``DIRECT``."""
+    global DIRECT
+    DIRECT += 1
 
 
 def _keep(cache: dict, key_, value):
@@ -166,7 +194,7 @@ def direct_launcher(compiled):
     return launch
 
 
-def _hooked() -> bool:
+def hooked() -> bool:
     """Whether Triton has a launch hook registered (a profiler such as proton): then launches go through
     ``kernel[grid]``, which calls the hooks with their metadata."""
     global _RUNTIME_KNOBS

@@ -177,9 +177,14 @@ def _locked(lock_path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+GENERATION = 0  # how many times the tables were forgotten: recorded launch plans (``plans``) key on it
+
+
 def reload() -> None:
     """Forget what was read, so that the next lookup reads the file again (after another process tuned), and warns
     again about what it cannot use."""
+    global GENERATION
+    GENERATION += 1
     _WARNED.clear()
     _read.cache_clear()
     _device_table.cache_clear()

@@ -1,0 +1,142 @@
+"""A/B of a host-side switch of the dilated op on one GPU, in one process, call by call: the time the host takes to
+queue one call, and the time a call takes when ``--queue`` calls are queued back to back (what the benchmarks time).
+
+Host-time changes are measured this way, not by separate runs: the lent machine's host speed drifts between runs by
+more than such a change (``benchmarks/NOTES_triton.md``, round 2, sessions 38-41). The op is called as the attention
+benchmark calls it (``scripts/bench_attention.py``'s ``run_dilated``: ``hf_dilated.dilated_attention`` under eager
+autograd, LongNet branches, causal, bf16, B 1), so the numbers include the op's own Python and autograd.
+
+    PYTHONPATH=$PWD python benchmarks/host_ab.py --switch plans --shapes 9/3/64 16/16/128 --seqlens 16384
+
+``--switch plans``: recorded launch plans (``ops/triton/plans.py``) against the launchers' code at every call;
+``relaunch``: kernels relaunched directly against Triton's launch. Both sides must give the same bits (checked
+first). Writes ``host_ab_<switch>-<GPU>-<date>.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_attention import LONGNET, parse_shape, run_dilated  # noqa: E402
+
+from hf_dilated.environment import run_environment  # noqa: E402
+from hf_dilated.ops.triton import plans, relaunch  # noqa: E402
+
+SWITCHES = {"plans": plans, "relaunch": relaunch}  # the module whose ENABLED flag is switched
+
+
+def host_ms(call, n: int) -> float:
+    """Median host milliseconds to queue one call, the GPU idle at each start (synchronised before)."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def queued_ms(call, n: int) -> float:
+    """Milliseconds a call of ``n`` queued back to back, by CUDA events around the block."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def run_case(switch: str, mode: str, N: int, H: int, Hk: int, D: int, rounds: int, queue: int) -> dict:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(N + H)
+    q = torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, Hk, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    do = torch.randn_like(q) if mode == "fwdbwd" else None
+    module = SWITCHES[switch]
+    saved = module.ENABLED
+
+    def call():
+        return run_dilated("triton", q, k, v, LONGNET, do)
+
+    results, row = {}, dict(switch=switch, mode=mode, N=N, H=H, Hk=Hk, D=D, host_ms={}, queued_ms={})
+    try:
+        for flag in (False, True):
+            module.ENABLED = flag
+            call()  # compile, record
+            results[flag] = call()
+            row["host_ms"][str(flag)], row["queued_ms"][str(flag)] = [], []
+        names = ("out", "dq", "dk", "dv")
+        pairs = list(zip(names, *(r if isinstance(r, tuple) else (r,) for r in results.values())))
+        row["identical"] = {n: bool(torch.equal(a, b)) for n, a, b in pairs}
+        row["rel_err"] = {n: float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+                          for n, a, b in pairs}
+        for i in range(rounds):  # alternate the order round by round
+            for flag in ((False, True) if i % 2 == 0 else (True, False)):
+                module.ENABLED = flag
+                row["host_ms"][str(flag)].append(round(host_ms(call, 12), 4))
+                row["queued_ms"][str(flag)].append(round(queued_ms(call, queue), 4))
+    finally:
+        module.ENABLED = saved
+    for what in ("host_ms", "queued_ms"):
+        off, on = (statistics.median(row[what][k]) for k in ("False", "True"))
+        row[f"{what}_median"] = dict(off=round(off, 4), on=round(on, 4), speedup=round(off / on, 3))
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--switch", choices=tuple(SWITCHES), default="plans")
+    ap.add_argument("--shapes", nargs="+", default=["9/3/64", "16/16/128"], metavar="H/Hk/D")
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[16384])
+    ap.add_argument("--modes", nargs="+", choices=("fwd", "fwdbwd"), default=["fwd", "fwdbwd"])
+    ap.add_argument("--rounds", type=int, default=8, help="blocks each way, alternated")
+    ap.add_argument("--queue", type=int, default=20, help="calls queued back to back per block")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    try:
+        shapes = [parse_shape(x) for x in args.shapes]
+    except ValueError as err:
+        ap.error(str(err))
+    if args.rounds < 1 or args.queue < 1:
+        ap.error(f"--rounds and --queue must be >= 1, got {args.rounds} and {args.queue}")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (host time against GPU time)")
+    rows = []
+    for mode in args.modes:
+        for N in args.seqlens:
+            for H, Hk, D in shapes:
+                rows.append(run_case(args.switch, mode, N, H, Hk, D, args.rounds, args.queue))
+                print(json.dumps({k: rows[-1][k] for k in ("mode", "N", "H", "Hk", "D", "identical",
+                                                             "host_ms_median", "queued_ms_median")}), flush=True)
+    gpu = torch.cuda.get_device_name()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"host_ab_{args.switch}-{gpu.replace(' ', '_')}-{datetime.date.today()}.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=run_environment(dtype=torch.bfloat16), command=" ".join(sys.argv), rows=rows), f, indent=1)
+    print("wrote", path)
+    # dQ at head dim 128 is summed by reduce-adds in no fixed order (the fused dK/dV launch): held to 1e-2, the rest
+    # bit for bit
+    bad = [r for r in rows if any(v > 1e-2 for v in r["rel_err"].values())
+           or not all(same for n, same in r["identical"].items() if n != "dq")]
+    if bad:
+        print(f"the two sides gave different results: {[(r['mode'], r['N'], r['H'], r['D']) for r in bad]}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

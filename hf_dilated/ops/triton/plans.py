@@ -1,0 +1,246 @@
+"""Launch plans: a launcher's work for one call signature, recorded at its first call and replayed after.
+
+A launcher (``launch.forward`` / ``launch.backward``) decides much per call: the kernels and their configs, the
+branch order, the grids, the buffers, every argument list. For a contiguous layout, all of it follows from what
+:func:`signature` keys (shapes, strides, dtypes, the device, the problem, the switches): the same every layer and
+every step of a model. A small problem's GPU waits on that host work (``benchmarks/NOTES_triton.md``: 2 ms a
+forward+backward of SmolLM2's heads at 16K on the lent H200's host, against 1.07 ms of GPU time). So the launcher runs
+its code once with a :class:`Recorder`, which performs every step as it is asked and notes it in terms of slots (the
+call's input tensors, the buffers it allocates, constants that stay the same); later calls with the same signature
+:meth:`Plan.replay`: allocate the buffers as recorded and launch each kernel again, directly where ``relaunch`` has
+the compiled kernel (its pointers taken once a call, no per-launch key).
+
+A recording becomes a plan only when every tensor a launch reads is a slot or a declared constant, and every output
+a slot: anything else (a tensor made for this call alone) leaves the call unrecorded, so a replay cannot launch on
+a stale pointer. The first replay is checked by the tests against the recording call, bit for bit, on the CPU
+interpreter and on the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+from functools import reduce
+from operator import or_
+
+import torch
+
+from . import relaunch
+from .hopper import switch
+
+# Replayed plans (``HF_DILATED_PLANS=0`` in the environment when this is imported: every call runs the launcher's
+# code; tests compare the two).
+ENABLED = switch("HF_DILATED_PLANS")
+_PLANS: dict = {}
+_MAX_PLANS = 256
+# Environment switches that change what a launcher does, read at every call (part of the signature).
+ENV_SWITCHES = ("HF_DILATED_GLUON", "HF_DILATED_WS", "HF_DILATED_PERSISTENT", "HF_DILATED_FUSED_DQ",
+                "HF_DILATED_WS_DKDV")
+REPLAYS = 0  # calls replayed: what a test asserts to know this path ran
+
+
+def forget() -> None:
+    """Drop every recorded plan (tests call it before each test, since they patch the launchers' helpers)."""
+    _PLANS.clear()
+
+
+def signature(kind: str, tensors, *extra):
+    """The key of a call: ``kind``, each tensor's shape, strides and dtype, the device, whether every pointer is
+    16-byte aligned (the tensor-descriptor path depends on it), ``extra`` (the problem, the layout's key, the
+    launcher's own switches) and the environment's switches."""
+    first = tensors[0]
+    aligned = not reduce(or_, [t.data_ptr() for t in tensors], 0) & 15
+    shapes = tuple((t.shape, t.stride(), t.dtype) for t in tensors)
+    env = tuple(map(os.environ.get, ENV_SWITCHES))
+    return kind, shapes, first.device, aligned, extra, env, torch.are_deterministic_algorithms_enabled()
+
+
+def lookup(key) -> Plan | None:
+    """The plan recorded for ``key`` (None: record one)."""
+    return _PLANS.get(key) if ENABLED else None
+
+
+class _Launch:
+    """One kernel launch: the kernel, its grid, where its leading tensors come from (slot indices), its other
+    positional arguments and its keyword arguments; ``direct``: the compiled kernel's launcher and argument tail, once
+    ``relaunch`` has one (``None``: through :func:`relaunch.run`)."""
+
+    __slots__ = ("kernel", "grid", "grid3", "slots", "rest", "constexprs", "direct")
+
+    def __init__(self, kernel, grid, slots, rest, constexprs):
+        self.kernel, self.grid, self.slots, self.rest, self.constexprs = kernel, grid, slots, rest, constexprs
+        self.grid3 = tuple(grid) if len(grid) == 3 else (*grid, 1, 1)[:3]
+        self.direct = None
+
+
+class Recorder:
+    """Runs a launcher's steps as it asks for them and, if ``key`` is not None, records them as a :class:`Plan`.
+
+    ``inputs``: the call's tensors (slots 0..); :meth:`buffer` registers each tensor the launcher allocates,
+    :meth:`constant` each one that is the same object every call (work lists, tables, placeholders); :meth:`run`
+    launches a kernel, :meth:`forked` forks the dQ stream (``launch.forked``), :meth:`copy` copies between slots,
+    :meth:`count` counts in ``launch.LAUNCHES``."""
+
+    def __init__(self, key, inputs, launches: Counter):
+        self.key, self.launches = key, launches
+        self.slots = {id(t): i for i, t in enumerate(inputs)}
+        self.tensors = list(inputs)  # keeps every slot alive while recording (ids stay unique)
+        self.n_inputs = len(inputs)
+        self.buffers, self.constants, self.steps = [], [], []
+        self.counts = Counter()
+        self.ok = key is not None
+
+    def buffer(self, t: torch.Tensor, fill=None) -> torch.Tensor:
+        """``t``, a tensor this call allocated (``fill``: None, or the value it was filled with), as a slot."""
+        if self.ok:
+            if t.storage_offset():  # a view: a replay's ``empty_strided`` would not lay it out the same
+                self.ok = False
+            self.slots[id(t)] = len(self.tensors)
+            self.tensors.append(t)
+            self.buffers.append((len(self.tensors) - 1, (tuple(t.shape), t.stride(), t.dtype, fill)))
+        return t
+
+    def constant(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t``, a tensor every call with this key passes as it is (kept alive by the plan); None passes."""
+        if self.ok and t is not None and id(t) not in self.slots:
+            self.slots[id(t)] = len(self.tensors)
+            self.tensors.append(t)
+            self.constants.append(len(self.tensors) - 1)
+        return t
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.launches[name] += n
+        self.counts[name] += n
+
+    def call(self, fn, *args) -> None:
+        """``fn(*args)``, a host call every replay makes again (``configs.descriptor_scratch``: a thread's setting)."""
+        fn(*args)
+        self.steps.append(("call", (fn, args)))
+
+    def run(self, kernel, grid, *args, **constexprs):
+        """``relaunch.run(kernel, grid, *args, **constexprs)``, recorded."""
+        relaunch.run(kernel, grid, *args, **constexprs)
+        if not self.ok:
+            return
+        n = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
+        slots = tuple(self.slots.get(id(a), -1) for a in args[:n])
+        if -1 in slots:  # a tensor made for this call alone: no plan
+            self.ok = False
+            return
+        step = _Launch(kernel, tuple(grid), slots, args[n:], constexprs)
+        step.direct = relaunch.compiled(kernel, args, constexprs)
+        self.steps.append(("launch", step))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+        if self.ok:
+            ends = self.slots.get(id(dst)), self.slots.get(id(src))
+            if None in ends:
+                self.ok = False
+            else:
+                self.steps.append(("copy", ends))
+
+    @contextlib.contextmanager
+    def forked(self, fork):
+        """``with fork as beside:`` (``launch.forked(device)``), recorded: launches inside ``with beside():`` run
+        (and replay) on the second stream."""
+        with fork as beside:
+            self.steps.append(("fork", None))
+
+            @contextlib.contextmanager
+            def side():
+                with beside():
+                    self.steps.append(("side", True))
+                    try:
+                        yield
+                    finally:
+                        self.steps.append(("side", False))
+
+            try:
+                yield side
+            finally:
+                self.steps.append(("join", None))
+
+    def finish(self, outputs: tuple, device: torch.device) -> tuple:
+        """Keep the recording as the plan of its key (when it qualifies) and return ``outputs``."""
+        if self.ok:
+            slots = tuple(self.slots.get(id(t)) for t in outputs)
+            if None not in slots:
+                if len(_PLANS) >= _MAX_PLANS:
+                    _PLANS.clear()
+                _PLANS[self.key] = Plan(self, slots, device)
+        return outputs
+
+
+class Plan:
+    """A recorded call: the buffers to allocate, the steps to run, the output slots, the launch counts to add."""
+
+    def __init__(self, rec: Recorder, outputs: tuple, device: torch.device):
+        # A replay lays its slots out as the inputs, then the buffers, then the constants (recording interleaved them)
+        order = list(range(rec.n_inputs)) + [i for i, _ in rec.buffers] + rec.constants
+        remap = {old: new for new, old in enumerate(order)}
+        self.buffers = [spec for _, spec in rec.buffers]
+        self.constants = [rec.tensors[i] for i in rec.constants]
+        self.constant_ptrs = [t.data_ptr() for t in self.constants]
+        self.steps = []
+        for kind, step in rec.steps:
+            if kind == "launch":
+                step.slots = tuple(remap[i] for i in step.slots)
+            elif kind == "copy":
+                step = tuple(remap[i] for i in step)
+            self.steps.append((kind, step))
+        self.outputs = tuple(remap[i] for i in outputs)
+        self.counts, self.device = rec.counts, device
+
+    def replay(self, inputs: tuple, launches: Counter, forked=None) -> tuple:
+        """The recorded call on new ``inputs`` (same signature): fresh buffers, the same steps in the same order;
+        ``forked`` (``launch.forked``) where the recording forked the dQ stream."""
+        global REPLAYS
+        device = self.device
+        tensors = list(inputs)
+        for shape, stride, dtype, fill in self.buffers:
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            tensors.append(t if fill is None else t.fill_(fill))
+        direct = relaunch.ENABLED and device.type == "cuda" and not relaunch.hooked()
+        if direct:
+            ptrs = [t.data_ptr() for t in tensors] + self.constant_ptrs
+            direct = not reduce(or_, ptrs, 0) & 15
+            index = torch.cuda.current_device()
+        tensors += self.constants
+        fork = side = beside = None
+        try:
+            for kind, step in self.steps:
+                if kind == "launch":
+                    hit = step.direct
+                    if direct and hit is not None and hit[0] == index:
+                        hit[1](step.grid3, index, *[ptrs[i] for i in step.slots], *step.rest, *hit[2])
+                        relaunch.count_direct()
+                    else:
+                        relaunch.run(step.kernel, step.grid, *[tensors[i] for i in step.slots], *step.rest,
+                                     **step.constexprs)
+                elif kind == "side":
+                    if step:
+                        side = beside()
+                        side.__enter__()
+                    else:
+                        side, done = None, side
+                        done.__exit__(None, None, None)
+                elif kind == "fork":
+                    fork = forked(device)
+                    beside = fork.__enter__()
+                elif kind == "join":
+                    fork, done = None, fork
+                    done.__exit__(None, None, None)
+                elif kind == "copy":
+                    tensors[step[0]].copy_(tensors[step[1]])
+                else:  # "call"
+                    step[0](*step[1])
+        finally:  # an error inside: leave the streams as they were
+            if side is not None:
+                side.__exit__(None, None, None)
+            if fork is not None:
+                fork.__exit__(None, None, None)
+        launches.update(self.counts)
+        REPLAYS += 1
+        return tuple(tensors[i] for i in self.outputs)

@@ -1,0 +1,166 @@
+"""Recorded launch plans (``hf_dilated/ops/triton/plans.py``): a launcher call with the signature of an earlier one
+replays its recorded launches. A replay must give the recording's bits on new inputs, count the same launches, and
+never replay where the recording was the call's own (padded layouts, dropout, a tensor made for one call)."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from unittest import mock
+
+import pytest
+import torch
+
+import hf_dilated
+from hf_dilated.ops.triton import configs, launch, plans
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu = pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (set by conftest without CUDA)")
+gpu = pytest.mark.gpu
+
+
+def _fwd_bwd(q, k, v, do, ws, rs, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton", **kw)
+    return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+
+def _inputs(rng, B, H, Hk, N, D, dtype, device):
+    q, do = (torch.randn(B, H, N, D, generator=rng).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(B, Hk, N, D, generator=rng).to(device, dtype) for _ in range(2))
+    return q, k, v, do
+
+
+def _replayed_equals_recorded(rng, B, H, Hk, N, D, dtype, device, ws, rs, **kw):
+    """Calls with plans off, then on (recording), then on again on new inputs (replaying), against plans off on
+    those: the same bits, the same launch counts, and two replays (forward and backward)."""
+    first, second = _inputs(rng, B, H, Hk, N, D, dtype, device), _inputs(rng, B, H, Hk, N, D, dtype, device)
+    with mock.patch.object(plans, "ENABLED", False):
+        want = [_fwd_bwd(*x, ws, rs, **kw) for x in (first, second)]
+    counts = []
+    got = []
+    for x in (first, second):
+        before, replays = Counter(launch.LAUNCHES), plans.REPLAYS
+        got.append(_fwd_bwd(*x, ws, rs, **kw))
+        counts.append((Counter(launch.LAUNCHES) - before, plans.REPLAYS - replays))
+    assert counts[0][1] == 0 and counts[1][1] == 2, f"expected a recording, then two replays: {counts}"
+    assert counts[0][0] == counts[1][0], f"a replay counted other launches than its recording: {counts}"
+    for w, g in zip(want, got):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), w, g):
+            assert torch.equal(a, b), f"{name} differs from the launchers' own code"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (set by conftest without CUDA)")
+@pytest.mark.parametrize("case", [
+    dict(B=1, H=4, Hk=2, N=70, D=16, dtype=torch.float32, ws=[8, 16, 32], rs=[2, 1, 4]),  # r = 1 moved last, GQA
+    dict(B=2, H=4, Hk=4, N=48, D=16, dtype=torch.bfloat16, ws=[8, 16], rs=[1, 2], is_causal=False),  # scratch
+    dict(B=1, H=2, Hk=1, N=40, D=16, dtype=torch.bfloat16, ws=[16], rs=[1]),  # one launch writes the gradients
+    dict(B=1, H=4, Hk=2, N=50, D=16, dtype=torch.bfloat16, ws=[8, 16], rs=[1, 2], global_tokens=3),  # filled + copies
+])
+def test_replay_gives_the_recordings_bits(rng, case):
+    case = dict(case)
+    _replayed_equals_recorded(rng, case.pop("B"), case.pop("H"), case.pop("Hk"), case.pop("N"), case.pop("D"),
+                              case.pop("dtype"), "cpu", case.pop("ws"), case.pop("rs"), **case)
+
+
+@cpu
+def test_calls_of_their_own_are_not_replayed(rng):
+    """Padded layouts (their work lists and masks are the call's own) and dropout (streams drawn per call) run the
+    launchers' code every call."""
+    q, k, v, do = _inputs(rng, 2, 4, 2, 40, 16, torch.float32, "cpu")
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :7] = 0
+    for kw in (dict(attention_mask=mask), dict(dropout_p=0.2, seed=torch.tensor(5))):
+        before = plans.REPLAYS
+        for _ in range(2):
+            _fwd_bwd(q, k, v, do, [8, 16], [1, 2], **kw)
+        assert plans.REPLAYS == before, kw
+
+
+def test_a_recording_with_a_tensor_of_its_own_is_not_kept():
+    """The safety net: a launch reading a tensor that is neither an input, a buffer nor a declared constant (made for
+    this call alone) leaves the call unrecorded, so no replay can launch on a stale pointer; so does an output that
+    is no slot."""
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    x = torch.zeros(4)
+    for stray_input in (True, False):
+        plans.forget()
+        rec = plans.Recorder(("test", stray_input), (x,), Counter())
+        buf = rec.buffer(torch.empty(4))
+        table = rec.constant(torch.ones(2))
+        stray = torch.ones(3)
+        with mock.patch.object(configs, "interpreting", lambda: True):  # relaunch.run launches through kernel[grid]
+            rec.run(NoLaunch(), (1,), x, buf, table, *((stray,) if stray_input else ()), 3)
+        out = rec.finish((buf,) if stray_input else (buf, stray), torch.device("cpu"))
+        assert out[0] is buf
+        assert plans.lookup(("test", stray_input)) is None
+    plans.forget()
+    rec = plans.Recorder(("test", "kept"), (x,), Counter())
+    buf = rec.buffer(torch.empty(4))
+    with mock.patch.object(configs, "interpreting", lambda: True):
+        rec.run(NoLaunch(), (1,), x, buf, 3)
+    rec.finish((buf,), torch.device("cpu"))
+    assert plans.lookup(("test", "kept")) is not None
+
+
+def test_the_signature_keys_what_changes_the_launches(monkeypatch):
+    """Shapes, strides, dtype, alignment, and the environment's kernel switches are in the key: a change of any of
+    them records anew."""
+    q = torch.zeros(1, 2, 8, 16)
+    base = plans.signature("forward", (q,), "extra")
+    assert plans.signature("forward", (q,), "extra") == base
+    assert plans.signature("forward", (q.transpose(1, 2).contiguous().transpose(1, 2),), "extra") != base
+    assert plans.signature("forward", (q.half(),), "extra") != base
+    assert plans.signature("forward", (torch.zeros(2 * 8 * 16 + 1)[1:].view(1, 2, 8, 16),), "extra") != base
+    assert plans.signature("forward", (q,), "other") != base
+    for name in plans.ENV_SWITCHES:
+        monkeypatch.setenv(name, "0")
+        assert plans.signature("forward", (q,), "extra") != base, name
+        monkeypatch.delenv(name)
+
+
+@cpu
+def test_forced_configs_record_anew(rng):
+    """A config forced by the tuner (``configs.forced``) is part of the key: a call inside the block is recorded with
+    the forced config, not replayed from a plan recorded outside it."""
+    q, k, v, do = _inputs(rng, 1, 2, 2, 40, 16, torch.float32, "cpu")
+    _fwd_bwd(q, k, v, do, [8, 16], [1, 2])
+    before = plans.REPLAYS
+    with configs.forced("fwd", (32, 32, 4, 1)):
+        _fwd_bwd(q, k, v, do, [8, 16], [1, 2])
+        assert plans.REPLAYS == before  # recorded anew (the key holds every forced config, forward and backward)
+        _fwd_bwd(q, k, v, do, [8, 16], [1, 2])
+        assert plans.REPLAYS == before + 2
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 128), (4, 2, 256), (2, 2, 80)])
+def test_gpu_replay_launches_directly_and_gives_the_recordings_bits(rng, shape):
+    """On the GPU the replay launches every kernel directly (``relaunch.DIRECT`` counts each; no launch through
+    Triton) and gives the launchers' bits: Gluon kernels at D 64 / 128 / 256 (the forward's parts, the warp-specialized
+    forward, the fused dQ's copy), the portable ones at D 80. dQ summed by the fused dK/dV launch's reduce-adds (D 128)
+    lands in no fixed order: held to 1e-5 there."""
+    from hf_dilated.ops.triton import relaunch
+
+    H, Hk, D = shape
+    N = 4096
+    first, second = (_inputs(rng, 1, H, Hk, N, D, torch.bfloat16, "cuda") for _ in range(2))
+    ws, rs = [512, 1024, 2048], [1, 2, 4]
+    with mock.patch.object(plans, "ENABLED", False):
+        want = _fwd_bwd(*second, ws, rs)
+    _fwd_bwd(*first, ws, rs)
+    direct, replays = relaunch.DIRECT, plans.REPLAYS
+    got = _fwd_bwd(*second, ws, rs)
+    torch.cuda.synchronize()
+    assert plans.REPLAYS == replays + 2
+    assert relaunch.DIRECT > direct
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        if name == "dq" and D == 128:
+            assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-5, name
+        else:
+            assert torch.equal(a, b), name
