@@ -155,10 +155,18 @@ def test_gpu_replay_launches_directly_and_gives_the_recordings_bits(rng, shape):
         want = _fwd_bwd(*second, ws, rs)
     _fwd_bwd(*first, ws, rs)
     direct, replays = relaunch.DIRECT, plans.REPLAYS
-    got = _fwd_bwd(*second, ws, rs)
+    through, kernels = relaunch.run, []
+
+    def spy(kernel, grid, *args, **constexprs):
+        kernels.append(kernel.fn.__name__)
+        return through(kernel, grid, *args, **constexprs)
+
+    with mock.patch.object(relaunch, "run", spy):
+        got = _fwd_bwd(*second, ws, rs)
     torch.cuda.synchronize()
     assert plans.REPLAYS == replays + 2
-    assert relaunch.DIRECT > direct
+    assert kernels == ["delta_kernel"], f"replayed launches went through relaunch.run: {kernels}"
+    assert relaunch.DIRECT >= direct + 4
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         if name == "dq" and D == 128:
             assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-5, name

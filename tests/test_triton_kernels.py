@@ -1140,8 +1140,11 @@ def _ws_schedules(rng, monkeypatch, run):
     # (WS_FILL, WS_WAVES, SMs): no fill asked takes pairs persistent; on 640 "SMs" pairs fill under 90% but single
     # tiles fill them at w 1024 (at w 4096 neither: one item a program); an unreachable fill gives one item a program,
     # over pairs where a tiny WS_WAVES finds work enough, else over single tiles
+    from hf_dilated.ops.triton import plans
+
     for fill, waves, sms in ((0.0, 4, 132), (0.9, 4, 640), (2.0, 1e-3, 132), (2.0, 4, 132)):
         chosen.append(set())
+        plans.forget()  # the schedule's constants are patched below: no plan recorded under other ones
         with monkeypatch.context() as patch:
             patch.setattr(forward_hopper, "ws_schedule", spy)
             patch.setattr(forward_hopper, "WS_FILL", fill)

@@ -203,9 +203,10 @@ class Plan:
             t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
             tensors.append(t if fill is None else t.fill_(fill))
         direct = relaunch.ENABLED and device.type == "cuda" and not relaunch.hooked()
-        if direct:
-            ptrs = [t.data_ptr() for t in tensors] + self.constant_ptrs
+        if direct:  # as recorded: this call's tensors 16-byte aligned (the constants are the recording's own)
+            ptrs = [t.data_ptr() for t in tensors]
             direct = not reduce(or_, ptrs, 0) & 15
+            ptrs += self.constant_ptrs
             index = torch.cuda.current_device()
         tensors += self.constants
         fork = side = beside = None
