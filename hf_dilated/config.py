@@ -36,7 +36,31 @@ def _check_int_list(name: str, values: Any) -> list[int]:
 
 
 def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """Check a branch list against SPEC.md and return it as ``((w, r), ...)``; raise ``ValueError`` naming the fault."""
+    """Check a branch list against SPEC.md and return it as ``((w, r), ...)``; raise ``ValueError`` naming the fault.
+    Lists and tuples that passed are remembered with their elements' types (every attention call of a model passes
+    the same ones: the checks are host time a small problem waits on)."""
+    memo = None
+    if type(segment_lengths) in (list, tuple) and type(dilation_rates) in (list, tuple):
+        memo = (tuple(segment_lengths), tuple(map(type, segment_lengths)), tuple(dilation_rates),
+                tuple(map(type, dilation_rates)))
+        try:
+            hit = _VALIDATED.get(memo)
+        except TypeError:  # an unhashable element: the checks below name it
+            hit = memo = None
+        if hit is not None:
+            return hit
+    branches = _validated(segment_lengths, dilation_rates)
+    if memo is not None:
+        if len(_VALIDATED) >= 1024:
+            _VALIDATED.clear()
+        _VALIDATED[memo] = branches
+    return branches
+
+
+_VALIDATED: dict = {}
+
+
+def _validated(segment_lengths, dilation_rates) -> tuple[tuple[int, int], ...]:
     ws = _check_int_list("segment_lengths", segment_lengths)
     rs = _check_int_list("dilation_rates", dilation_rates)
     if len(ws) != len(rs):

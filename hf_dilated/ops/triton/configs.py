@@ -186,15 +186,28 @@ def use_tma(tensors, padded_head_dim: bool, holes: bool) -> bool:
     return True
 
 
-def descriptor_scratch(device: torch.device):
+def descriptor_scratch(device: torch.device, arena: dict | None = None):
     """Give Triton an allocator for the tensor descriptors that kernels build on the device (a few hundred bytes per
     program). Set before each launch: the setting is a context variable, and the backward runs in autograd's thread.
 
-    Each launch gets its own allocation, freed when the launch returns (the caching allocator hands the block to the
-    next launch on the stream). A buffer kept per stream across calls saved host time (with the eager Function's
-    stored signature, 0.07 of 1.9 ms a 16K forward+backward on the lent H200's host) but broke
-    ``torch.compile(mode="reduce-overhead")``: made during a CUDA-graph tree's warm-up, it lived in the graph's pool
-    untracked (``benchmarks/NOTES_triton.md``, session 41)."""
+    Without ``arena``, each launch gets its own allocation, freed when the launch returns (the caching allocator hands
+    the block to the next launch on the stream). With ``arena`` (a dict the caller holds for one op call and empties
+    at its end, :mod:`.plans`), the launches on a stream share one buffer, made anew only when a launch asks for more:
+    a launch reads its descriptors only while it runs, and the next launch on the stream starts after it ends. That is
+    one allocation a stream instead of one a launch (11 in a forward+backward: about 7 us each on the lent H200's
+    host). A buffer kept per stream across calls broke ``torch.compile(mode="reduce-overhead")``: made during a
+    CUDA-graph tree's warm-up, it lived in the graph's pool untracked (``benchmarks/NOTES_triton.md``, session 41);
+    an arena lives for one call."""
     import triton
 
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+    if arena is None:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+        return
+
+    def shared(size, alignment, stream):
+        buf = arena.get(stream)
+        if buf is None or buf.numel() < size:
+            buf = arena[stream] = torch.empty(size, dtype=torch.int8, device=device)
+        return buf
+
+    triton.set_allocator(shared)

@@ -17,7 +17,7 @@ from ..dropout import keep_threshold, stream
 from . import backward_hopper, forward_hopper, plans, relaunch
 from .backward import delta_kernel, dilated_bwd_dkdv_kernel, dilated_bwd_dq_kernel
 from .configs import (
-    bwd_config, decode_config, descriptor_scratch, dot_mode, fwd_config, interpreting, sm_count, use_tma,
+    bwd_config, decode_config, dot_mode, fwd_config, interpreting, sm_count, use_tma,
     state as config_state,
 )
 from .decode import dilated_decode_kernel
@@ -332,7 +332,7 @@ def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_va
     cfg = fwd_config(head_dim_block(D), q.dtype)
     tma = use_tma((q, k, v), head_dim_block(D) != D, plan.holes)
     if tma:
-        rec.call(descriptor_scratch, q.device)
+        rec.scratch(q.device)
         rec.count("forward_tma")
     gluon = forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
     ws = gluon and forward_hopper.ws_applies(q, flags, tma)  # warp-specialized, head dim 128
@@ -477,7 +477,7 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
     xq, xk, xv = outs
     hd = head_dim_block(D)
     if tma:
-        rec.call(descriptor_scratch, q.device)
+        rec.scratch(q.device)
         rec.count("backward_tma")
     dkdv_cfgs = ([fused] if fused else backward_hopper.dkdv_launch_configs(hd)) if gluon else None
     dq_cfg = backward_hopper.dq_launch_config(hd) if gluon else None

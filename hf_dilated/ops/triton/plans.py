@@ -27,6 +27,7 @@ from operator import or_
 import torch
 
 from . import relaunch
+from .configs import descriptor_scratch
 from .hopper import switch
 
 # Replayed plans (``HF_DILATED_PLANS=0`` in the environment when this is imported: every call runs the launcher's
@@ -89,6 +90,7 @@ class Recorder:
         self.n_inputs = len(inputs)
         self.buffers, self.constants, self.steps = [], [], []
         self.counts = Counter()
+        self.arena, self.scratch_device = {}, None
         self.ok = key is not None
 
     def buffer(self, t: torch.Tensor, fill=None) -> torch.Tensor:
@@ -113,10 +115,12 @@ class Recorder:
         self.launches[name] += n
         self.counts[name] += n
 
-    def call(self, fn, *args) -> None:
-        """``fn(*args)``, a host call every replay makes again (``configs.descriptor_scratch``: a thread's setting)."""
-        fn(*args)
-        self.steps.append(("call", (fn, args)))
+    def scratch(self, device: torch.device) -> None:
+        """Tensor-descriptor scratch for the launches that follow (``configs.descriptor_scratch``: a thread's
+        setting), shared by a stream's launches for this call; every replay sets it again."""
+        descriptor_scratch(device, self.arena)
+        self.scratch_device = device
+        self.steps.append(("scratch", None))
 
     def run(self, kernel, grid, *args, **constexprs):
         """``relaunch.run(kernel, grid, *args, **constexprs)``, recorded."""
@@ -163,7 +167,11 @@ class Recorder:
                 self.steps.append(("join", None))
 
     def finish(self, outputs: tuple, device: torch.device) -> tuple:
-        """Keep the recording as the plan of its key (when it qualifies) and return ``outputs``."""
+        """Keep the recording as the plan of its key (when it qualifies) and return ``outputs``; the call's scratch
+        arena is let go (the allocator back to one allocation a launch)."""
+        if self.scratch_device is not None:
+            descriptor_scratch(self.scratch_device)
+            self.arena.clear()
         if self.ok:
             slots = tuple(self.slots.get(id(t)) for t in outputs)
             if None not in slots:
@@ -209,7 +217,7 @@ class Plan:
             ptrs += self.constant_ptrs
             index = torch.cuda.current_device()
         tensors += self.constants
-        fork = side = beside = None
+        fork = side = beside = arena = None
         try:
             for kind, step in self.steps:
                 if kind == "launch":
@@ -235,13 +243,17 @@ class Plan:
                     done.__exit__(None, None, None)
                 elif kind == "copy":
                     tensors[step[0]].copy_(tensors[step[1]])
-                else:  # "call"
-                    step[0](*step[1])
+                else:  # "scratch"
+                    arena = {}
+                    descriptor_scratch(device, arena)
         finally:  # an error inside: leave the streams as they were
             if side is not None:
                 side.__exit__(None, None, None)
             if fork is not None:
                 fork.__exit__(None, None, None)
+            if arena is not None:
+                descriptor_scratch(device)
+                arena.clear()
         launches.update(self.counts)
         REPLAYS += 1
         return tuple(tensors[i] for i in self.outputs)
