@@ -275,17 +275,26 @@ def check_backend(fn, q, k, v, branches, layout, tol, *, is_causal=True, scale=N
     loss = (out * g.to(out.dtype)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * gl.to(lse.dtype)).sum()
     ref_loss = (ref * g).sum() + (torch.where(finite, ref_lse, 0) * gl).sum()
     got = torch.autograd.grad(loss, (q, k, v), allow_unused=True)
-    want = torch.autograd.grad(ref_loss, (q64, k64, v64), allow_unused=True)
+    want = torch.autograd.grad(ref_loss, (q64, k64, v64), retain_graph=True, allow_unused=True)
     want = [torch.zeros_like(t) if w is None else w for t, w in zip((q64, k64, v64), want)]
+    # The backward's delta = rowsum(dO * O) reads the output as it was returned, rounded to its dtype (as
+    # FlashAttention's does). Against the float64 output that moves delta by eps = rowsum(dO * (O - round(O))), and
+    # the gradients by exactly the gradient of sum(eps * lse) (dS = P (dP - delta)). With few keys a row's dP - delta
+    # cancels (two keys: P_2 (dP_1 - dP_2)), and that shift alone can pass 1e-2 of a small dQ or dK: it is allowed
+    # on top of the tolerance.
+    eps = torch.where(finite, (g * (ref - ref.to(out.dtype).double())).sum(-1), 0).detach()
+    shift = [torch.zeros_like(t) if s is None else s for t, s in zip(
+        (q64, k64, v64), torch.autograd.grad((eps * torch.where(finite, ref_lse, 0)).sum(), (q64, k64, v64),
+                                             allow_unused=True))]
     # A gradient that is exactly 0 by symmetry (a query with one key, or one key reached by several branches) is 0
     # only up to the rounding of delta = rowsum(dO * O) against dO V^T (and of dS in half precision): a gradient
     # below 5% of the whole (q, k, v) gradient is measured against 5% of the whole.
     floor = 0.05 * float(sum(w.norm() ** 2 for w in want) ** 0.5)
-    for name, a, b in zip("qkv", got, want):
+    for name, a, b, d in zip("qkv", got, want, shift):
         a = torch.zeros_like(b) if a is None else a
         assert torch.isfinite(a).all(), f"d{name} not finite"
-        err = float((a.detach().double() - b).norm()) / max(float(b.norm()), floor, 1e-300)
-        assert err < tol, f"d{name} rel err {err}"
+        err = (float((a.detach().double() - b).norm()) - float(d.norm())) / max(float(b.norm()), floor, 1e-300)
+        assert err < tol, f"d{name} rel err {err} (beyond the shift of the output's rounding in delta)"
     return out, lse
 
 
