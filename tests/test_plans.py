@@ -15,7 +15,8 @@ import hf_dilated
 from hf_dilated.ops.triton import configs, launch, plans
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-cpu = pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (set by conftest without CUDA)")
+cpu = pytest.mark.skipif(not INTERPRET,
+                         reason="CPU kernel tests need TRITON_INTERPRET=1 (set by conftest without CUDA)")
 gpu = pytest.mark.gpu
 
 
@@ -50,7 +51,7 @@ def _replayed_equals_recorded(rng, B, H, Hk, N, D, dtype, device, ws, rs, **kw):
             assert torch.equal(a, b), f"{name} differs from the launchers' own code"
 
 
-@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (set by conftest without CUDA)")
+@cpu
 @pytest.mark.parametrize("case", [
     dict(B=1, H=4, Hk=2, N=70, D=16, dtype=torch.float32, ws=[8, 16, 32], rs=[2, 1, 4]),  # r = 1 moved last, GQA
     dict(B=2, H=4, Hk=4, N=48, D=16, dtype=torch.bfloat16, ws=[8, 16], rs=[1, 2], is_causal=False),  # scratch

@@ -31,7 +31,8 @@ def __getattr__(name: str):
     if name in ("dilated_attention_triton", "fallback_reason"):
         from . import op
 
-        return getattr(op, name)
+        value = globals()[name] = getattr(op, name)  # found directly from now on (every attention call asks)
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -461,8 +461,8 @@ SCRATCH_FRACTION = 0.125
 SCRATCH_MIN_BYTES = 2**30
 
 
-def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem, extras, kv_cfg, q_cfg,
-                    tma, gluon, fused):
+def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem,
+                    extras, kv_cfg, q_cfg, tma, gluon, fused):
     """All branches of the backward for the heads ``h0..`` of these (possibly head-sliced) tensors, in launch
     ``order``, summed into the float32 ``sums`` (dq, dk, dv); the ``last`` branch's launches write ``outs`` in their
     dtype. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0.
