@@ -9,8 +9,10 @@ autograd, LongNet branches, causal, bf16, B 1), so the numbers include the op's 
     PYTHONPATH=$PWD python benchmarks/host_ab.py --switch plans --shapes 9/3/64 16/16/128 --seqlens 16384
 
 ``--switch plans``: recorded launch plans (``ops/triton/plans.py``) against the launchers' code at every call;
-``relaunch``: kernels relaunched directly against Triton's launch. Both sides must give the same bits (checked
-first). Writes ``host_ab_<switch>-<GPU>-<date>.json`` under ``--out``.
+``relaunch``: kernels relaunched directly against Triton's launch; ``concurrent``: the backward's dQ launches on a
+second stream beside the dK/dV ones (``launch.CONCURRENT_BACKWARD``) against all on the current stream. Both sides
+must give the same bits (checked first; dQ summed by reduce-adds at head dim 128 within 1e-2). Writes
+``host_ab_<switch>-<GPU>-<date>.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_attention import LONGNET, parse_shape, run_dilated  # noqa: E402
 
 from hf_dilated.environment import run_environment  # noqa: E402
-from hf_dilated.ops.triton import plans, relaunch  # noqa: E402
+from hf_dilated.ops.triton import launch, plans, relaunch  # noqa: E402
 
-SWITCHES = {"plans": plans, "relaunch": relaunch}  # the module whose ENABLED flag is switched
+SWITCHES = {"plans": (plans, "ENABLED"), "relaunch": (relaunch, "ENABLED"),
+            "concurrent": (launch, "CONCURRENT_BACKWARD")}  # the module flag each switch sets
 
 
 def host_ms(call, n: int) -> float:
@@ -65,8 +68,8 @@ def run_case(switch: str, mode: str, N: int, H: int, Hk: int, D: int, rounds: in
     q = torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(1, Hk, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     do = torch.randn_like(q) if mode == "fwdbwd" else None
-    module = SWITCHES[switch]
-    saved = module.ENABLED
+    module, flag_name = SWITCHES[switch]
+    saved = getattr(module, flag_name)
 
     def call():
         return run_dilated("triton", q, k, v, LONGNET, do)
@@ -74,7 +77,7 @@ def run_case(switch: str, mode: str, N: int, H: int, Hk: int, D: int, rounds: in
     results, row = {}, dict(switch=switch, mode=mode, N=N, H=H, Hk=Hk, D=D, host_ms={}, queued_ms={})
     try:
         for flag in (False, True):
-            module.ENABLED = flag
+            setattr(module, flag_name, flag)
             call()  # compile, record
             results[flag] = call()
             row["host_ms"][str(flag)], row["queued_ms"][str(flag)] = [], []
@@ -85,11 +88,11 @@ def run_case(switch: str, mode: str, N: int, H: int, Hk: int, D: int, rounds: in
                           for n, a, b in pairs}
         for i in range(rounds):  # alternate the order round by round
             for flag in ((False, True) if i % 2 == 0 else (True, False)):
-                module.ENABLED = flag
+                setattr(module, flag_name, flag)
                 row["host_ms"][str(flag)].append(round(host_ms(call, 12), 4))
                 row["queued_ms"][str(flag)].append(round(queued_ms(call, queue), 4))
     finally:
-        module.ENABLED = saved
+        setattr(module, flag_name, saved)
     for what in ("host_ms", "queued_ms"):
         off, on = (statistics.median(row[what][k]) for k in ("False", "True"))
         row[f"{what}_median"] = dict(off=round(off, 4), on=round(on, 4), speedup=round(off / on, 3))

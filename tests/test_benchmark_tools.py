@@ -788,3 +788,16 @@ def test_host_profile_refuses_bad_input_by_name(tmp_path, capsys, argv, message)
     with pytest.raises(SystemExit):
         host_profile.main(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, option", [(["--switch", "nope"], "--switch"), (["--shapes", "9/4/64"], "--shapes"),
+                                          (["--rounds", "0"], "--rounds"), ([], "CUDA")])
+def test_host_ab_refuses_bad_options_by_name(argv, option):
+    """``benchmarks/host_ab.py`` names the bad option (or that it needs a GPU: host time against GPU time)."""
+    import torch
+
+    if not argv and torch.cuda.is_available():
+        pytest.skip("a GPU is present: the run would go ahead")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_ab.py"), *argv], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and option in run.stderr, run.stderr
