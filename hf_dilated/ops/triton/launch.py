@@ -307,11 +307,8 @@ def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
     LAUNCHES["forward"] += 1
     q, k, v = rowmajor(q), rowmajor(k), rowmajor(v)
     key = _plan_key("forward", (q, k, v), pb, plan, cache_key)
-    recorded = plans.lookup(key) if key is not None else None
-    if recorded is not None:
-        return recorded.replay((q, k, v), LAUNCHES)
-    rec = plans.Recorder(key, (q, k, v), LAUNCHES)
-    return rec.finish(_forward(rec, q, k, v, pb, plan, layout_valid, cache_key), q.device)
+    return plans.call(key, (q, k, v), LAUNCHES,
+                      lambda rec, q, k, v: _forward(rec, q, k, v, pb, plan, layout_valid, cache_key))
 
 
 def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
@@ -395,11 +392,8 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
     delta = row_deltas(o, do, dlse)
     inputs = (q, k, v, do, lse, delta)
     key = _plan_key("backward", inputs, pb, plan, cache_key)
-    recorded = plans.lookup(key) if key is not None else None
-    if recorded is not None:
-        return recorded.replay(inputs, LAUNCHES, forked)
-    rec = plans.Recorder(key, inputs, LAUNCHES)
-    return rec.finish(_backward(rec, *inputs, pb, plan, layout_valid, cache_key), q.device)
+    return plans.call(key, inputs, LAUNCHES, lambda rec, *ins: _backward(rec, *ins, pb, plan, layout_valid, cache_key),
+                      forked)
 
 
 def _backward(rec: plans.Recorder, q, k, v, do, lse, delta, pb: Problem, plan: RunPlan, layout_valid, cache_key):

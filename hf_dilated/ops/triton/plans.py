@@ -58,8 +58,19 @@ def signature(kind: str, tensors, *extra):
 
 
 def lookup(key) -> Plan | None:
-    """The plan recorded for ``key`` (None: record one)."""
-    return _PLANS.get(key) if ENABLED else None
+    """The plan recorded for ``key`` (None: none, or ``key`` is None)."""
+    return _PLANS.get(key) if key is not None else None
+
+
+def call(key, inputs: tuple, launches: Counter, launcher, forked=None) -> tuple:
+    """A launcher's outputs for ``inputs``: replayed from the plan recorded for ``key``, or ``launcher(rec, *inputs)``
+    run through a :class:`Recorder` (which records it when ``key`` is not None: the launchers pass None where a call
+    is not to be replayed). ``forked``: ``launch.forked``, for a plan that forks the dQ stream."""
+    recorded = lookup(key)
+    if recorded is not None:
+        return recorded.replay(inputs, launches, forked)
+    rec = Recorder(key, inputs, launches)
+    return rec.finish(launcher(rec, *inputs), inputs[0].device)
 
 
 class _Launch:
@@ -127,12 +138,11 @@ class Recorder:
         relaunch.run(kernel, grid, *args, **constexprs)
         if not self.ok:
             return
-        n = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
-        slots = tuple(self.slots.get(id(a), -1) for a in args[:n])
+        slots = tuple(self.slots.get(id(a), -1) for a in args[:relaunch.leading(kernel, args)])
         if -1 in slots:  # a tensor made for this call alone: no plan
             self.ok = False
             return
-        step = _Launch(kernel, tuple(grid), slots, args[n:], constexprs)
+        step = _Launch(kernel, tuple(grid), slots, args[len(slots):], constexprs)
         step.direct = relaunch.compiled(kernel, args, constexprs)
         self.steps.append(("launch", step))
 

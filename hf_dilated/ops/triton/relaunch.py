@@ -82,14 +82,20 @@ def class_key(exact: tuple) -> tuple:
     return tensors, tuple(map(spec, rest))
 
 
+def leading(kernel, args) -> int:
+    """How many of ``kernel``'s positional arguments lead as tensors (learned at its first launch: every launch site
+    passes its tensors first, ``test_every_launch_site_launches_directly``)."""
+    n = _LEADING.get(kernel)
+    if n is None:
+        n = _LEADING[kernel] = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
+    return n
+
+
 def _find(kernel, args, constexprs: dict):
     """``(exact key, class key, the remembered launch or None, the leading tensors' pointers, the device)`` of a
     launch. Raises ``TypeError`` / ``AssertionError`` / ``RuntimeError`` where it cannot be keyed: a leading argument
     that is not a tensor, a value that cannot be hashed or has no class (Unkeyed), no CUDA."""
-    n = _LEADING.get(kernel)
-    if n is None:  # the kernel's first launch: how many of its arguments lead as tensors
-        n = _LEADING[kernel] = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
-    launch_key, ptrs = key(args, n)
+    launch_key, ptrs = key(args, leading(kernel, args))
     device = torch.cuda.current_device()
     options = tuple(constexprs.items())
     launch_key = (kernel, device, launch_key, options)
