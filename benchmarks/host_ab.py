@@ -115,6 +115,8 @@ def main() -> int:
         ap.error(str(err))
     if args.rounds < 1 or args.queue < 1:
         ap.error(f"--rounds and --queue must be >= 1, got {args.rounds} and {args.queue}")
+    if min(args.seqlens) < 1:
+        ap.error(f"--seqlens must be positive token counts, got {args.seqlens}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (host time against GPU time)")
     rows = []

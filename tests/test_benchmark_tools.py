@@ -791,7 +791,8 @@ def test_host_profile_refuses_bad_input_by_name(tmp_path, capsys, argv, message)
 
 
 @pytest.mark.parametrize("argv, option", [(["--switch", "nope"], "--switch"), (["--shapes", "9/4/64"], "--shapes"),
-                                          (["--rounds", "0"], "--rounds"), ([], "CUDA")])
+                                          (["--rounds", "0"], "--rounds"), (["--seqlens", "0"], "--seqlens"),
+                                          ([], "CUDA")])
 def test_host_ab_refuses_bad_options_by_name(argv, option):
     """``benchmarks/host_ab.py`` names the bad option (or that it needs a GPU: host time against GPU time)."""
     import torch
