@@ -10,7 +10,8 @@ autograd, LongNet branches, causal, bf16, B 1), so the numbers include the op's 
 
 ``--switch plans``: recorded launch plans (``ops/triton/plans.py``) against the launchers' code at every call;
 ``relaunch``: kernels relaunched directly against Triton's launch; ``concurrent``: the backward's dQ launches on a
-second stream beside the dK/dV ones (``launch.CONCURRENT_BACKWARD``) against all on the current stream. Both sides
+second stream beside the dK/dV ones (``launch.CONCURRENT_BACKWARD``) against all on the current stream; ``graphs``:
+replays of a pointer set seen before as one CUDA graph (``plans.GRAPHS``) against launch by launch. Both sides
 must give the same bits (checked first; dQ summed by reduce-adds at head dim 128 within 1e-2). Writes
 ``host_ab_<switch>-<GPU>-<date>.json`` under ``--out``.
 """
@@ -35,7 +36,7 @@ from hf_dilated.environment import run_environment  # noqa: E402
 from hf_dilated.ops.triton import launch, plans, relaunch  # noqa: E402
 
 SWITCHES = {"plans": (plans, "ENABLED"), "relaunch": (relaunch, "ENABLED"),
-            "concurrent": (launch, "CONCURRENT_BACKWARD")}  # the module flag each switch sets
+            "concurrent": (launch, "CONCURRENT_BACKWARD"), "graphs": (plans, "GRAPHS")}  # the module flag each switch sets
 
 
 def host_ms(call, n: int) -> float:

@@ -273,7 +273,8 @@ def test_eager_autograd_equals_the_registered_op(rng, monkeypatch):
             True, True, 0.25, 0, 0, 0, 0.0, None, True)
     dlses = []
     deltas = launch.row_deltas
-    monkeypatch.setattr(launch, "row_deltas", lambda o, do, dlse=None: dlses.append(dlse) or deltas(o, do, dlse))
+    monkeypatch.setattr(launch, "row_deltas",
+                        lambda o, do, dlse=None, rec=None: dlses.append(dlse) or deltas(o, do, dlse, rec))
     applied = []
     eager_apply = op._EagerAutograd.apply
     monkeypatch.setattr(op._EagerAutograd, "apply", lambda *a: applied.append(1) or eager_apply(*a))

@@ -21,6 +21,7 @@ forward without gradients 115 and 77 (``benchmarks/host_overhead.py``): time a s
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Callable
 
 import torch
@@ -51,12 +52,29 @@ def direct(args: tuple) -> bool:
     return True
 
 
+_EAGER = threading.local()
+
+
+def running_eagerly() -> bool:
+    """Whether the calling thread is inside an implementation that :func:`eager_op` called directly: plain eager
+    code, not a traced or compiled graph, nor one whose allocations a CUDA-graph tree's warm-up routes to its pool
+    (what ``ops/triton/plans.py`` asks before it captures a CUDA graph of its own)."""
+    return getattr(_EAGER, "on", False)
+
+
 def eager_op(op, impl: Callable) -> Callable:
     """``op`` (a ``torch.library.custom_op`` object), except where :func:`direct` allows calling ``impl``, the
     Python function it was made from: the same computation without the dispatcher's per-call work."""
 
     def run(*args):
-        return impl(*args) if direct(args) else op(*args)
+        if not direct(args):
+            return op(*args)
+        outer = getattr(_EAGER, "on", False)
+        _EAGER.on = True
+        try:
+            return impl(*args)
+        finally:
+            _EAGER.on = outer
 
     run.__name__ = run.__qualname__ = f"eager_{impl.__name__}"
     return run

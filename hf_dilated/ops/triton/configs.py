@@ -186,7 +186,7 @@ def use_tma(tensors, padded_head_dim: bool, holes: bool) -> bool:
     return True
 
 
-def descriptor_scratch(device: torch.device, arena: dict | None = None):
+def descriptor_scratch(device: torch.device, arena: dict | None = None, grow: bool = True):
     """Give Triton an allocator for the tensor descriptors that kernels build on the device (a few hundred bytes per
     program). Set before each launch: the setting is a context variable, and the backward runs in autograd's thread.
 
@@ -197,7 +197,8 @@ def descriptor_scratch(device: torch.device, arena: dict | None = None):
     one allocation a stream instead of one a launch (11 in a forward+backward: about 7 us each on the lent H200's
     host). A buffer kept per stream across calls broke ``torch.compile(mode="reduce-overhead")``: made during a
     CUDA-graph tree's warm-up, it lived in the graph's pool untracked (``benchmarks/NOTES_triton.md``, session 41);
-    an arena lives for one call."""
+    an arena lives for one call. ``grow`` False: the arena's buffers are all there is (a CUDA graph's capture,
+    :mod:`.plans`), a request they do not cover raises ``RuntimeError``."""
     import triton
 
     if arena is None:
@@ -207,6 +208,8 @@ def descriptor_scratch(device: torch.device, arena: dict | None = None):
     def shared(size, alignment, stream):
         buf = arena.get(stream)
         if buf is None or buf.numel() < size:
+            if not grow:
+                raise RuntimeError(f"descriptor scratch: {size} bytes asked on stream {stream}, not in the arena")
             buf = arena[stream] = torch.empty(size, dtype=torch.int8, device=device)
         return buf
 

@@ -69,13 +69,17 @@ def rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def row_deltas(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None = None) -> torch.Tensor:
+def row_deltas(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None = None, rec=None) -> torch.Tensor:
     """``delta = rowsum(dO * O)`` in float32, contiguous ``[B, H, N]`` (one Triton pass, no float copies of O and dO),
-    minus ``dlse`` when the lse gets a gradient; the backward kernels read it with the contiguous lse's strides."""
+    minus ``dlse`` when the lse gets a gradient; the backward kernels read it with the contiguous lse's strides.
+    ``rec``: a :class:`plans.Recorder` to run (and record) the pass through, the backward's first step."""
     B, H, N, D = o.shape
     delta = torch.empty(B, H, N, device=o.device, dtype=torch.float32)
+    run = relaunch.run if rec is None else rec.run
+    if rec is not None:
+        rec.buffer(delta)
     if N:
-        relaunch.run(delta_kernel, (cdiv(N, 64), B * H),
+        run(delta_kernel, (cdiv(N, 64), B * H),
             o, do, delta, *o.stride()[:3], *do.stride()[:3], H, N, HEAD_DIM=head_dim_block(D), D=D, BLOCK=64
         )
     if dlse is not None:
@@ -389,11 +393,19 @@ def backward(do, q, k, v, o, lse, pb: Problem, plan: RunPlan, layout_valid, cach
     LAUNCHES["backward"] += 1
     q, k, v, o, do = (rowmajor(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
-    delta = row_deltas(o, do, dlse)
-    inputs = (q, k, v, do, lse, delta)
-    key = _plan_key("backward", inputs, pb, plan, cache_key)
-    return plans.call(key, inputs, LAUNCHES, lambda rec, *ins: _backward(rec, *ins, pb, plan, layout_valid, cache_key),
-                      forked)
+    if dlse is None:  # the row deltas are the plan's first launch
+        inputs = (q, k, v, do, lse, o)
+        key = _plan_key("backward", inputs, pb, plan, cache_key)
+
+        def launcher(rec, q, k, v, do, lse, o):
+            return _backward(rec, q, k, v, do, lse, row_deltas(o, do, rec=rec), pb, plan, layout_valid, cache_key)
+    else:  # (``delta - dlse`` is a tensor of this call alone: the deltas come in as an input)
+        inputs = (q, k, v, do, lse, row_deltas(o, do, dlse))
+        key = _plan_key("backward_dlse", inputs, pb, plan, cache_key)
+
+        def launcher(rec, *inputs):
+            return _backward(rec, *inputs, pb, plan, layout_valid, cache_key)
+    return plans.call(key, inputs, LAUNCHES, launcher, forked)
 
 
 def _backward(rec: plans.Recorder, q, k, v, do, lse, delta, pb: Problem, plan: RunPlan, layout_valid, cache_key):

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import Counter
+from collections import Counter, OrderedDict
 from functools import reduce
 from operator import or_
 
 import torch
 
+from ..eager_autograd import running_eagerly
 from . import relaunch
 from .configs import descriptor_scratch
 from .hopper import switch
@@ -39,6 +40,9 @@ _MAX_PLANS = 256
 ENV_SWITCHES = ("HF_DILATED_GLUON", "HF_DILATED_WS", "HF_DILATED_PERSISTENT", "HF_DILATED_FUSED_DQ",
                 "HF_DILATED_WS_DKDV")
 REPLAYS = 0  # calls replayed: what a test asserts to know this path ran
+# Replays of a pointer set seen before launched as one CUDA graph (``HF_DILATED_GRAPHS=0``: launch by launch)
+GRAPHS = switch("HF_DILATED_GRAPHS")
+GRAPH_REPLAYS = 0
 
 
 def forget() -> None:
@@ -191,6 +195,55 @@ class Recorder:
         return outputs
 
 
+class GraphCache:
+    """The CUDA graphs of one plan, keyed by the pointers its launches read and write (the call's inputs, buffers and
+    descriptor scratch; the constants are the plan's own). A pointer set is captured the second time it is seen:
+    a training loop or a benchmark hands the same tensors' memory back call after call, but a pointer set seen once
+    is not worth a capture. At most ``capacity`` graphs (the least recently used go first); after ``budget`` captures
+    no more, since pointer sets that keep changing would cost a capture each (and ``budget`` 0 after a capture
+    failed: that plan replays launch by launch)."""
+
+    def __init__(self, capacity: int = 64, budget: int = 256):
+        self.graphs: OrderedDict = OrderedDict()
+        self.seen: OrderedDict = OrderedDict()
+        self.capacity, self.budget, self.captures = capacity, budget, 0
+
+    def get(self, key):
+        """The graph captured for ``key``, or None."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+        return graph
+
+    def wants(self, key) -> bool:
+        """Whether to capture ``key`` now (seen before, captures left); otherwise note it as seen."""
+        if self.captures >= self.budget:
+            return False
+        if self.seen.pop(key, False) is None:
+            return True
+        self.seen[key] = None
+        if len(self.seen) > 4 * self.capacity:
+            self.seen.popitem(last=False)
+        return False
+
+    def keep(self, key, graph) -> None:
+        self.captures += 1
+        self.graphs[key] = graph
+        if len(self.graphs) > self.capacity:
+            self.graphs.popitem(last=False)
+
+
+def _capture_stream(device: torch.device):
+    """A stream to capture on (the legacy default stream cannot be), one per device."""
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+_CAPTURE_STREAMS: dict = {}
+
+
 class Plan:
     """A recorded call: the buffers to allocate, the steps to run, the output slots, the launch counts to add."""
 
@@ -198,7 +251,9 @@ class Plan:
         # A replay lays its slots out as the inputs, then the buffers, then the constants (recording interleaved them)
         order = list(range(rec.n_inputs)) + [i for i, _ in rec.buffers] + rec.constants
         remap = {old: new for new, old in enumerate(order)}
-        self.buffers = [spec for _, spec in rec.buffers]
+        self.buffers = [spec[:3] for _, spec in rec.buffers]
+        self.fills = [(rec.n_inputs + j, spec[3]) for j, (_, spec) in enumerate(rec.buffers) if spec[3] is not None]
+        self.n_call = rec.n_inputs + len(rec.buffers)  # the slots that are this call's own tensors
         self.constants = [rec.tensors[i] for i in rec.constants]
         self.constant_ptrs = [t.data_ptr() for t in self.constants]
         self.steps = []
@@ -210,29 +265,52 @@ class Plan:
             self.steps.append((kind, step))
         self.outputs = tuple(remap[i] for i in outputs)
         self.counts, self.device = rec.counts, device
+        # A CUDA graph needs every launch direct (on one device) and what the descriptor scratch takes per stream
+        # (``scratch``: [(None for the calling stream, else the stream's handle, bytes)], learned from a replay)
+        launches = [step for kind, step in self.steps if kind == "launch"]
+        self.graph_device = None
+        if device.type == "cuda" and launches and all(step.direct is not None for step in launches):
+            indices = {step.direct[0] for step in launches}
+            self.graph_device = indices.pop() if len(indices) == 1 else None
+        self.uses_scratch = any(kind == "scratch" for kind, _ in self.steps)
+        self.scratch = None
+        self.graphs = GraphCache()
 
     def replay(self, inputs: tuple, launches: Counter, forked=None) -> tuple:
         """The recorded call on new ``inputs`` (same signature): fresh buffers, the same steps in the same order;
-        ``forked`` (``launch.forked``) where the recording forked the dQ stream."""
+        ``forked`` (``launch.forked``) where the recording forked the dQ stream. In eager code on a GPU, the steps
+        of a pointer set seen before launch as one CUDA graph (:meth:`_graph`)."""
         global REPLAYS
         device = self.device
         tensors = list(inputs)
-        for shape, stride, dtype, fill in self.buffers:
-            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-            tensors.append(t if fill is None else t.fill_(fill))
+        for shape, stride, dtype in self.buffers:
+            tensors.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
         direct = relaunch.ENABLED and device.type == "cuda" and not relaunch.hooked()
+        ptrs = index = None
         if direct:  # as recorded: this call's tensors 16-byte aligned (the constants are the recording's own)
             ptrs = [t.data_ptr() for t in tensors]
             direct = not reduce(or_, ptrs, 0) & 15
             ptrs += self.constant_ptrs
             index = torch.cuda.current_device()
         tensors += self.constants
-        fork = side = beside = arena = None
+        if not (direct and index == self.graph_device and GRAPHS and self._graph(tensors, ptrs, forked)):
+            self._run(tensors, ptrs if direct else None, index, forked)
+        launches.update(self.counts)
+        REPLAYS += 1
+        return tuple(tensors[i] for i in self.outputs)
+
+    def _run(self, tensors: list, ptrs: list | None, index, forked, arena: dict | None = None) -> None:
+        """The fills and steps on ``tensors``: launches direct on ``ptrs`` where given (and recorded so), else through
+        ``relaunch.run``. ``arena``: the descriptor scratch, fixed (a capture), instead of one made for this run."""
+        device = self.device
+        for slot, value in self.fills:
+            tensors[slot].fill_(value)
+        fork = side = beside = scratch = None
         try:
             for kind, step in self.steps:
                 if kind == "launch":
                     hit = step.direct
-                    if direct and hit is not None and hit[0] == index:
+                    if ptrs is not None and hit is not None and hit[0] == index:
                         hit[1](step.grid3, index, *[ptrs[i] for i in step.slots], *step.rest, *hit[2])
                         relaunch.count_direct()
                     else:
@@ -254,16 +332,69 @@ class Plan:
                 elif kind == "copy":
                     tensors[step[0]].copy_(tensors[step[1]])
                 else:  # "scratch"
-                    arena = {}
-                    descriptor_scratch(device, arena)
+                    scratch = {} if arena is None else arena
+                    descriptor_scratch(device, scratch, grow=arena is None)
         finally:  # an error inside: leave the streams as they were
             if side is not None:
                 side.__exit__(None, None, None)
             if fork is not None:
                 fork.__exit__(None, None, None)
-            if arena is not None:
+            if scratch is not None:
                 descriptor_scratch(device)
-                arena.clear()
-        launches.update(self.counts)
-        REPLAYS += 1
-        return tuple(tensors[i] for i in self.outputs)
+                if arena is None:
+                    if self.scratch is None and device.type == "cuda":
+                        here = torch.cuda.current_stream(device).cuda_stream
+                        self.scratch = [(None if stream == here else stream, buf.numel())
+                                        for stream, buf in scratch.items()]
+                    scratch.clear()
+
+    def _graph(self, tensors: list, ptrs: list, forked) -> bool:
+        """Launch this call as the CUDA graph of its pointer set (captured now if seen before: :class:`GraphCache`);
+        False where it runs launch by launch instead. Only in eager code (``eager_autograd.running_eagerly``: a
+        compiled graph has its own CUDA graphs, and a CUDA-graph tree's warm-up routes allocations to its pool), and
+        not while the stream is being captured. The descriptor scratch is one buffer of this call, in the key: a graph
+        holds no memory of its own between calls, and launches only on memory this call owns."""
+        global GRAPH_REPLAYS
+        if (self.uses_scratch and self.scratch is None) or not running_eagerly():
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        scratch = None
+        key = tuple(ptrs[:self.n_call])
+        if self.uses_scratch:
+            scratch = torch.empty(sum(-(-n // 256) * 256 for _, n in self.scratch), dtype=torch.int8,
+                                  device=self.device)
+            key += (scratch.data_ptr(),)
+        graph = self.graphs.get(key)
+        if graph is None:
+            if not self.graphs.wants(key):
+                return False
+            graph = self._capture(tensors, ptrs, forked, scratch)
+            if graph is None:
+                return False
+            self.graphs.keep(key, graph)
+        graph.replay()
+        GRAPH_REPLAYS += 1
+        return True
+
+    def _capture(self, tensors: list, ptrs: list, forked, scratch: torch.Tensor | None):
+        """The steps captured as a CUDA graph on a stream of their own (nothing runs), or None (and no more captures
+        for this plan) where the capture fails."""
+        device = self.device
+        stream = _capture_stream(device)
+        arena, start = {}, 0
+        for other, n in self.scratch or ():  # the caller's stream is the capture stream now
+            arena[stream.cuda_stream if other is None else other] = scratch[start:start + n]
+            start += -(-n // 256) * 256
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._run(tensors, ptrs, self.graph_device, forked, arena)
+                finally:
+                    graph.capture_end()
+        except (RuntimeError, AssertionError, KeyError):
+            self.graphs.budget = 0
+            return None
+        return graph
