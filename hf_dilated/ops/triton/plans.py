@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections import Counter, OrderedDict
 from functools import reduce
 from operator import or_
@@ -207,6 +208,7 @@ class GraphCache:
         self.graphs: OrderedDict = OrderedDict()
         self.seen: OrderedDict = OrderedDict()
         self.capacity, self.budget, self.captures = capacity, budget, 0
+        self.failure = None  # why a capture failed (then ``budget`` is 0)
 
     def get(self, key):
         """The graph captured for ``key``, or None."""
@@ -394,7 +396,9 @@ class Plan:
                     self._run(tensors, ptrs, self.graph_device, forked, arena)
                 finally:
                     graph.capture_end()
-        except (RuntimeError, AssertionError, KeyError):
-            self.graphs.budget = 0
+        except (RuntimeError, AssertionError, KeyError) as exc:
+            self.graphs.budget, self.graphs.failure = 0, f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"hf_dilated: a launch plan's CUDA-graph capture failed ({self.graphs.failure}); that plan "
+                          "replays launch by launch", stacklevel=2)
             return None
         return graph
