@@ -106,7 +106,7 @@ class Recorder:
         self.n_inputs = len(inputs)
         self.buffers, self.constants, self.steps = [], [], []
         self.counts = Counter()
-        self.arena, self.scratch_device = {}, None
+        self.arena, self.scratch_device, self.scratch_sizes = {}, None, []
         self.ok = key is not None
 
     def buffer(self, t: torch.Tensor, fill=None) -> torch.Tensor:
@@ -185,6 +185,10 @@ class Recorder:
         """Keep the recording as the plan of its key (when it qualifies) and return ``outputs``; the call's scratch
         arena is let go (the allocator back to one allocation a launch)."""
         if self.scratch_device is not None:
+            if self.scratch_device.type == "cuda":  # what each stream's launches took, for the replays
+                here = torch.cuda.current_stream(self.scratch_device).cuda_stream
+                self.scratch_sizes = [(None if stream == here else stream, buf.numel())
+                                      for stream, buf in self.arena.items()]
             descriptor_scratch(self.scratch_device)
             self.arena.clear()
         if self.ok:
@@ -267,15 +271,20 @@ class Plan:
             self.steps.append((kind, step))
         self.outputs = tuple(remap[i] for i in outputs)
         self.counts, self.device = rec.counts, device
-        # A CUDA graph needs every launch direct (on one device) and what the descriptor scratch takes per stream
-        # (``scratch``: [(None for the calling stream, else the stream's handle, bytes)], learned from a replay)
+        # The descriptor scratch of a replay: one buffer of the call, a part per stream as the recording's launches
+        # took it (``scratch``: (None for the calling stream, else the stream's handle; offset; bytes)). Every replay
+        # allocates the same tensors in the same order whichever way it runs, so the allocator hands a loop the
+        # same pointers call after call (what a CUDA graph of the call needs).
+        self.scratch, self.scratch_bytes = [], 0
+        for stream, n in rec.scratch_sizes:
+            self.scratch.append((stream, self.scratch_bytes, n))
+            self.scratch_bytes += -(-n // 256) * 256
+        # A CUDA graph needs every launch direct, on one device
         launches = [step for kind, step in self.steps if kind == "launch"]
         self.graph_device = None
         if device.type == "cuda" and launches and all(step.direct is not None for step in launches):
             indices = {step.direct[0] for step in launches}
             self.graph_device = indices.pop() if len(indices) == 1 else None
-        self.uses_scratch = any(kind == "scratch" for kind, _ in self.steps)
-        self.scratch = None
         self.graphs = GraphCache()
 
     def replay(self, inputs: tuple, launches: Counter, forked=None) -> tuple:
@@ -287,6 +296,7 @@ class Plan:
         tensors = list(inputs)
         for shape, stride, dtype in self.buffers:
             tensors.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
+        scratch = torch.empty(self.scratch_bytes, dtype=torch.int8, device=device) if self.scratch else None
         direct = relaunch.ENABLED and device.type == "cuda" and not relaunch.hooked()
         ptrs = index = None
         if direct:  # as recorded: this call's tensors 16-byte aligned (the constants are the recording's own)
@@ -295,15 +305,23 @@ class Plan:
             ptrs += self.constant_ptrs
             index = torch.cuda.current_device()
         tensors += self.constants
-        if not (direct and index == self.graph_device and GRAPHS and self._graph(tensors, ptrs, forked)):
-            self._run(tensors, ptrs if direct else None, index, forked)
+        if not (direct and index == self.graph_device and GRAPHS and self._graph(tensors, ptrs, forked, scratch)):
+            arena = None if scratch is None else self._arena(scratch, torch.cuda.current_stream(device).cuda_stream)
+            self._run(tensors, ptrs if direct else None, index, forked, arena)
         launches.update(self.counts)
         REPLAYS += 1
         return tuple(tensors[i] for i in self.outputs)
 
-    def _run(self, tensors: list, ptrs: list | None, index, forked, arena: dict | None = None) -> None:
+    def _arena(self, scratch: torch.Tensor, caller: int) -> dict:
+        """The descriptor-scratch arena of a call: each stream's part of ``scratch`` (``caller``: the handle of the
+        stream the call runs on)."""
+        return {caller if stream is None else stream: scratch[start:start + n] for stream, start, n in self.scratch}
+
+    def _run(self, tensors: list, ptrs: list | None, index, forked, arena: dict | None = None,
+             grow: bool = True) -> None:
         """The fills and steps on ``tensors``: launches direct on ``ptrs`` where given (and recorded so), else through
-        ``relaunch.run``. ``arena``: the descriptor scratch, fixed (a capture), instead of one made for this run."""
+        ``relaunch.run``. ``arena``: the call's descriptor scratch (None: made as the launches ask); ``grow`` False
+        (a capture): the arena is all there is."""
         device = self.device
         for slot, value in self.fills:
             tensors[slot].fill_(value)
@@ -335,7 +353,7 @@ class Plan:
                     tensors[step[0]].copy_(tensors[step[1]])
                 else:  # "scratch"
                     scratch = {} if arena is None else arena
-                    descriptor_scratch(device, scratch, grow=arena is None)
+                    descriptor_scratch(device, scratch, grow)
         finally:  # an error inside: leave the streams as they were
             if side is not None:
                 side.__exit__(None, None, None)
@@ -343,30 +361,18 @@ class Plan:
                 fork.__exit__(None, None, None)
             if scratch is not None:
                 descriptor_scratch(device)
-                if arena is None:
-                    if self.scratch is None and device.type == "cuda":
-                        here = torch.cuda.current_stream(device).cuda_stream
-                        self.scratch = [(None if stream == here else stream, buf.numel())
-                                        for stream, buf in scratch.items()]
-                    scratch.clear()
+                scratch.clear()
 
-    def _graph(self, tensors: list, ptrs: list, forked) -> bool:
+    def _graph(self, tensors: list, ptrs: list, forked, scratch: torch.Tensor | None) -> bool:
         """Launch this call as the CUDA graph of its pointer set (captured now if seen before: :class:`GraphCache`);
         False where it runs launch by launch instead. Only in eager code (``eager_autograd.running_eagerly``: a
         compiled graph has its own CUDA graphs, and a CUDA-graph tree's warm-up routes allocations to its pool), and
-        not while the stream is being captured. The descriptor scratch is one buffer of this call, in the key: a graph
-        holds no memory of its own between calls, and launches only on memory this call owns."""
+        not while the stream is being captured. The descriptor ``scratch`` is a buffer of this call, in the key: a
+        graph holds no memory of its own between calls, and launches only on memory this call owns."""
         global GRAPH_REPLAYS
-        if (self.uses_scratch and self.scratch is None) or not running_eagerly():
+        if not running_eagerly() or torch.cuda.is_current_stream_capturing():
             return False
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        scratch = None
-        key = tuple(ptrs[:self.n_call])
-        if self.uses_scratch:
-            scratch = torch.empty(sum(-(-n // 256) * 256 for _, n in self.scratch), dtype=torch.int8,
-                                  device=self.device)
-            key += (scratch.data_ptr(),)
+        key = tuple(ptrs[:self.n_call]) if scratch is None else (*ptrs[:self.n_call], scratch.data_ptr())
         graph = self.graphs.get(key)
         if graph is None:
             if not self.graphs.wants(key):
@@ -382,18 +388,14 @@ class Plan:
     def _capture(self, tensors: list, ptrs: list, forked, scratch: torch.Tensor | None):
         """The steps captured as a CUDA graph on a stream of their own (nothing runs), or None (and no more captures
         for this plan) where the capture fails."""
-        device = self.device
-        stream = _capture_stream(device)
-        arena, start = {}, 0
-        for other, n in self.scratch or ():  # the caller's stream is the capture stream now
-            arena[stream.cuda_stream if other is None else other] = scratch[start:start + n]
-            start += -(-n // 256) * 256
+        stream = _capture_stream(self.device)
+        arena = {} if scratch is None else self._arena(scratch, stream.cuda_stream)  # the caller's stream: this one
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    self._run(tensors, ptrs, self.graph_device, forked, arena)
+                    self._run(tensors, ptrs, self.graph_device, forked, arena, grow=False)
                 finally:
                     graph.capture_end()
         except (RuntimeError, AssertionError, KeyError) as exc:
