@@ -7,13 +7,15 @@ benchmark calls it (``scripts/bench_attention.py``'s ``run_dilated``: ``hf_dilat
 autograd, LongNet branches, causal, bf16, B 1), so the numbers include the op's own Python and autograd.
 
     PYTHONPATH=$PWD python benchmarks/host_ab.py --switch plans --shapes 9/3/64 16/16/128 --seqlens 16384
+    python benchmarks/host_ab.py --plot-from A.json [B.json ...] --plot ab.png    # redraw records (no GPU needed)
 
 ``--switch plans``: recorded launch plans (``ops/triton/plans.py``) against the launchers' code at every call;
 ``relaunch``: kernels relaunched directly against Triton's launch; ``concurrent``: the backward's dQ launches on a
 second stream beside the dK/dV ones (``launch.CONCURRENT_BACKWARD``) against all on the current stream; ``graphs``:
 replays of a pointer set seen before as one CUDA graph (``plans.GRAPHS``) against launch by launch. Both sides
 must give the same bits (checked first; dQ summed by reduce-adds at head dim 128 within 1e-2). Writes
-``host_ab_<switch>-<GPU>-<date>.json`` under ``--out``.
+``host_ab_<switch>-<GPU>-<date>.json`` under ``--out`` and a PNG beside it: both sides' host and queued
+milliseconds per case.
 """
 
 from __future__ import annotations
@@ -100,6 +102,34 @@ def run_case(switch: str, mode: str, N: int, H: int, Hk: int, D: int, rounds: in
     return row
 
 
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Bars of each case's median host ms and queued ms, switch off and on, labelled with on's speed-up."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['mode']} {r['N'] // 1024}K\n{r['H']}/{r['Hk']}/{r['D']}" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(max(7.0, 1.3 * len(rows) + 3), 4.4))
+    x = list(range(len(rows)))
+    for ax, what, name in zip(axes, ("host_ms", "queued_ms"),
+                              ("host ms to queue one call", "ms a call, calls queued back to back")):
+        off = [r[f"{what}_median"]["off"] for r in rows]
+        on = [r[f"{what}_median"]["on"] for r in rows]
+        ax.bar([i - 0.2 for i in x], off, 0.4, label="off", color="#999999")
+        ax.bar([i + 0.2 for i in x], on, 0.4, label="on", color="#1f77b4")
+        for i, r in enumerate(rows):
+            ax.annotate(f"{r[f'{what}_median']['speedup']:.2f}x", (i + 0.2, on[i]), ha="center", va="bottom",
+                        fontsize=8)
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_ylabel(name)
+    axes[0].legend(title=rows[0]["switch"] if rows else None)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--switch", choices=tuple(SWITCHES), default="plans")
@@ -109,7 +139,21 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8, help="blocks each way, alternated")
     ap.add_argument("--queue", type=int, default=20, help="calls queued back to back per block")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--plot-from", nargs="+", metavar="JSON", help="draw these records' rows (no GPU run)")
+    ap.add_argument("--plot", metavar="PNG", help="where --plot-from draws")
     args = ap.parse_args()
+    if args.plot_from or args.plot:
+        if not (args.plot_from and args.plot):
+            ap.error("--plot-from and --plot go together (records to draw, and the PNG to draw them in)")
+        rows, gpus = [], set()
+        for name in args.plot_from:
+            with open(name) as f:
+                record = json.load(f)
+            rows += record["rows"]
+            gpus.add(record["meta"].get("device", "?"))
+        plot(rows, args.plot, f"host A/B on {', '.join(sorted(gpus))} ({len(args.plot_from)} records)")
+        print("wrote", args.plot)
+        return 0
     try:
         shapes = [parse_shape(x) for x in args.shapes]
     except ValueError as err:
@@ -132,6 +176,7 @@ def main() -> int:
     path = os.path.join(args.out, f"host_ab_{args.switch}-{gpu.replace(' ', '_')}-{datetime.date.today()}.json")
     with open(path, "w") as f:
         json.dump(dict(meta=run_environment(dtype=torch.bfloat16), command=" ".join(sys.argv), rows=rows), f, indent=1)
+    plot(rows, path[:-len(".json")] + ".png", f"{args.switch} off / on, {gpu}: {' '.join(sys.argv[1:])}")
     print("wrote", path)
     # dQ at head dim 128 is summed by reduce-adds in no fixed order (the fused dK/dV launch): held to 1e-2, the rest
     # bit for bit

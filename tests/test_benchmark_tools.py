@@ -792,7 +792,7 @@ def test_host_profile_refuses_bad_input_by_name(tmp_path, capsys, argv, message)
 
 @pytest.mark.parametrize("argv, option", [(["--switch", "nope"], "--switch"), (["--shapes", "9/4/64"], "--shapes"),
                                           (["--rounds", "0"], "--rounds"), (["--seqlens", "0"], "--seqlens"),
-                                          ([], "CUDA")])
+                                          (["--plot", "x.png"], "--plot-from"), ([], "CUDA")])
 def test_host_ab_refuses_bad_options_by_name(argv, option):
     """``benchmarks/host_ab.py`` names the bad option (or that it needs a GPU: host time against GPU time)."""
     import torch
@@ -802,3 +802,15 @@ def test_host_ab_refuses_bad_options_by_name(argv, option):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_ab.py"), *argv], capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 2 and option in run.stderr, run.stderr
+
+
+def test_host_ab_draws_its_records(tmp_path):
+    """``host_ab.py --plot-from`` draws records' rows without a GPU: one PNG of host and queued ms, off and on."""
+    row = dict(switch="graphs", mode="fwdbwd", N=16384, H=9, Hk=3, D=64,
+               host_ms_median=dict(off=1.6, on=1.0, speedup=1.6), queued_ms_median=dict(off=1.5, on=1.0, speedup=1.5))
+    record = tmp_path / "ab.json"
+    record.write_text(json.dumps(dict(meta=dict(device="NVIDIA H200"), rows=[row, dict(row, D=128, H=16, Hk=16)])))
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_ab.py"), "--plot-from", str(record),
+                          "--plot", str(tmp_path / "ab.png")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
