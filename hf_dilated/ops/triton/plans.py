@@ -14,6 +14,12 @@ A recording becomes a plan only when every tensor a launch reads is a slot or a 
 a slot: anything else (a tensor made for this call alone) leaves the call unrecorded, so a replay cannot launch on
 a stale pointer. The first replay is checked by the tests against the recording call, bit for bit, on the CPU
 interpreter and on the GPU.
+
+An eager replay goes one step further where its pointers come back (:class:`GraphCache`): a loop hands a call the
+same memory every iteration, so the second time a pointer set is seen the replay is captured as a CUDA graph, and
+later calls on it launch that graph, one ``cudaGraphLaunch`` for the call's 2-13 kernels, the fills, copies and
+the dQ stream's fork and join (16K forward+backward of SmolLM2's heads on the lent H200: 1.4-1.6 ms of host time ->
+1.0 ms). Every pointer the graph launches on is in its key, so it runs only on memory this call owns.
 """
 
 from __future__ import annotations
