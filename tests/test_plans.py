@@ -175,6 +175,30 @@ def test_gpu_replay_launches_directly_and_gives_the_recordings_bits(rng, shape):
             assert torch.equal(a, b), name
 
 
+@cpu
+def test_only_eager_calls_may_capture_graphs(rng, monkeypatch):
+    """``eager_autograd.running_eagerly`` (what a replay asks before it captures a CUDA graph) holds inside the op's
+    implementation when eager code calls it directly, forward and backward, and not when the op is dispatched (as
+    compiled graphs call it: a CUDA-graph tree's warm-up would give a capture's allocations to its pool)."""
+    from hf_dilated.ops import eager_autograd
+
+    seen = []
+    forward, backward = launch.forward, launch.backward
+    monkeypatch.setattr(launch, "forward", lambda *a: seen.append(("fwd", eager_autograd.running_eagerly()))
+                        or forward(*a))
+    monkeypatch.setattr(launch, "backward", lambda *a: seen.append(("bwd", eager_autograd.running_eagerly()))
+                        or backward(*a))
+    q, k, v, do = _inputs(rng, 1, 2, 1, 32, 16, torch.float32, "cpu")
+    _fwd_bwd(q, k, v, do, [8, 16], [1, 2])
+    assert seen == [("fwd", True), ("bwd", True)] and not eager_autograd.running_eagerly()
+    seen.clear()
+    lay = hf_dilated.ops.layout.resolve_layout(1, 32, 32, torch.device("cpu"))
+    torch.ops.hf_dilated.dilated_attention_fwd(q, k, v, lay.q_pos, lay.q_seq, lay.q_valid, lay.k_pos, lay.k_seq,
+                                               lay.k_valid, [8, 16], [1, 2], True, True, 0.25, 0, 0, 0, 0.0, None,
+                                               True)
+    assert seen == [("fwd", False)], "the dispatched op ran as eager code"
+
+
 def test_graph_cache_captures_a_pointer_set_seen_twice():
     """A pointer set is captured the second time it is seen, the least recently used graph goes first, and after its
     budget of captures the cache asks for none."""
