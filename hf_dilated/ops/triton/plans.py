@@ -239,6 +239,8 @@ class GraphCache:
         return False
 
     def keep(self, key, graph) -> None:
+        """Keep ``graph`` for ``key``; the least recently used goes past ``capacity`` (a graph still running when
+        dropped is freed by the driver once it completes: ``cuGraphExecDestroy``)."""
         self.captures += 1
         self.graphs[key] = graph
         if len(self.graphs) > self.capacity:
