@@ -8,6 +8,11 @@ the GPU by ``benchmarks/timeline.py``).
     python benchmarks/host_overhead.py --root /tmp/base    # another checkout (git archive REV hf_dilated | tar -x -C)
     python benchmarks/host_overhead.py --profile tottime   # and a cProfile of forward+backward
     python benchmarks/host_overhead.py --op block_sparse --shape 16/16/128   # the block-sparse op (local + sink blocks)
+    python benchmarks/host_overhead.py --graph-replay      # what a CUDA-graph replay leaves (no steps replayed)
+
+``--graph-replay`` stands a replayed plan's steps (``plans.Plan._run``: fills, launches, copies, the dQ stream) in
+for what one CUDA-graph launch replaces on a GPU (``ops/triton/plans.py``): the host time left around them, a CPU
+estimate (the graph launch itself is not in it).
 """
 
 from __future__ import annotations
@@ -38,7 +43,11 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=64, help="tokens (small: the tensor work stays negligible)")
     ap.add_argument("--profile", choices=["tottime", "cumulative"], help="also print a cProfile of forward+backward")
     ap.add_argument("--op", choices=["dilated", "block_sparse"], default="dilated")
+    ap.add_argument("--graph-replay", action="store_true",
+                    help="replayed plans run no steps: the host time a CUDA-graph replay leaves (dilated op)")
     args = ap.parse_args()
+    if args.graph_replay and args.op != "dilated":
+        ap.error("--graph-replay applies to --op dilated (the block-sparse op records no plans)")
     sys.path.insert(0, args.root)
     import torch
 
@@ -56,6 +65,9 @@ def main() -> None:
         relaunch.ENABLED = False
     except ImportError:  # a checkout from before round 2's session 38
         pass
+    if args.graph_replay:
+        from hf_dilated.ops.triton import plans
+        plans.Plan._run = lambda self, *a, **k: None
     H, Hk, D = (int(x) for x in args.shape.split("/"))
     ws, rs = [w for w, _ in LONGNET], [r for _, r in LONGNET]
     q = torch.randn(1, H, args.n, D, dtype=torch.bfloat16)
@@ -98,7 +110,7 @@ def main() -> None:
                 fn()
             rounds.append((time.perf_counter() - t0) / 50 * 1e6)
         print(f"{name}: min {min(rounds):.0f} us, median {sorted(rounds)[3]:.0f} us host per call "
-              f"({args.op}, {args.shape}, N={args.n}, kernels no-op)")
+              f"({args.op}, {args.shape}, N={args.n}, kernels no-op{', replays stubbed' if args.graph_replay else ''})")
     if not (launches["forward"] and launches["backward"]):
         raise SystemExit("the Triton launchers did not run: the numbers above are of another path")
     if args.profile:

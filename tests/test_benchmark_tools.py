@@ -61,14 +61,18 @@ def test_launch_times_lists_each_launch_in_order(capsys):
         launch_times(lambda: None, device="tpu")
 
 
-def test_host_overhead_times_the_triton_launchers():
+@pytest.mark.parametrize("extra", [[], ["--graph-replay"]])
+def test_host_overhead_times_the_triton_launchers(extra):
+    """It times the launchers' path (with ``--graph-replay``: what a CUDA-graph replay leaves, the replays' steps
+    stubbed)."""
     pytest.importorskip("triton")
     env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_overhead.py"), "--n", "32"],
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_overhead.py"), "--n", "32", *extra],
                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == ["fwd", "fwdbwd"]
+    assert ("replays stubbed" in run.stdout) == bool(extra)
     for line in lines:
         low, median = (float(x) for x in re.findall(r"(\d+) us", line))
         assert 0 < low <= median
