@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from collections import Counter, OrderedDict
 from functools import reduce
@@ -224,7 +225,8 @@ class GraphCache:
         """The graph captured for ``key``, or None."""
         graph = self.graphs.get(key)
         if graph is not None:
-            self.graphs.move_to_end(key)
+            with contextlib.suppress(KeyError):  # (dropped meanwhile by another thread: it is still this call's)
+                self.graphs.move_to_end(key)
         return graph
 
     def wants(self, key) -> bool:
@@ -248,10 +250,13 @@ class GraphCache:
 
 
 def _capture_stream(device: torch.device):
-    """A stream to capture on (the legacy default stream cannot be), one per device."""
-    stream = _CAPTURE_STREAMS.get(device)
+    """A stream to capture on (the legacy default stream cannot be), one per device and thread: a stream being
+    captured takes into its graph whatever any thread launches on it. (The dQ stream that a backward's capture forks
+    is shared, but autograd runs every backward of a device in that device's one thread.)"""
+    key = (device, threading.get_ident())
+    stream = _CAPTURE_STREAMS.get(key)
     if stream is None:
-        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+        stream = _CAPTURE_STREAMS[key] = torch.cuda.Stream(device)
     return stream
 
 
@@ -394,8 +399,8 @@ class Plan:
         return True
 
     def _capture(self, tensors: list, ptrs: list, forked, scratch: torch.Tensor | None):
-        """The steps captured as a CUDA graph on a stream of their own (nothing runs), or None (and no more captures
-        for this plan) where the capture fails."""
+        """The steps captured as a CUDA graph on a stream of this thread's own (nothing runs), or None (and no more
+        captures for this plan) where the capture fails."""
         stream = _capture_stream(self.device)
         arena = {} if scratch is None else self._arena(scratch, stream.cuda_stream)  # the caller's stream: this one
         graph = torch.cuda.CUDAGraph()
