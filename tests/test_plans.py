@@ -138,6 +138,16 @@ def test_forced_configs_record_anew(rng):
         assert plans.REPLAYS == before + 2
 
 
+def _assert_launchers_bits(got, want, D: int, call=None) -> None:
+    """``(out, dq, dk, dv)`` bit for bit those of the launchers' own code; dQ at head dim 128, summed by the fused dK/dV
+    launch's reduce-adds in no fixed order, to 1e-5."""
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        if name == "dq" and D == 128:
+            assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-5, (call, name)
+        else:
+            assert torch.equal(a, b), (call, name)
+
+
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 128), (4, 2, 256), (2, 2, 80)])
@@ -168,11 +178,7 @@ def test_gpu_replay_launches_directly_and_gives_the_recordings_bits(rng, shape):
     assert plans.REPLAYS == replays + 2
     assert not kernels, f"replayed launches went through relaunch.run: {kernels}"
     assert relaunch.DIRECT >= direct + 4
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        if name == "dq" and D == 128:
-            assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-5, name
-        else:
-            assert torch.equal(a, b), name
+    _assert_launchers_bits(got, want, D)
 
 
 @cpu
@@ -218,8 +224,8 @@ def test_graph_cache_captures_a_pointer_set_seen_twice():
 
 
 def _graph_calls(q, k, v, do, ws, rs, D: int, calls: int = 4) -> list:
-    """``calls`` forward+backward calls on the same tensors, each against the launch-by-launch bits (dQ at D 128 to
-    1e-5: the fused dK/dV's reduce-adds land in no fixed order); for each, how many replays ran as CUDA graphs."""
+    """``calls`` forward+backward calls on the same tensors, each against the launch-by-launch bits
+    (:func:`_assert_launchers_bits`); for each, how many replays ran as CUDA graphs."""
     with mock.patch.object(plans, "GRAPHS", False):
         want = _fwd_bwd(q, k, v, do, ws, rs)
     replayed = []
@@ -227,11 +233,7 @@ def _graph_calls(q, k, v, do, ws, rs, D: int, calls: int = 4) -> list:
         before = plans.GRAPH_REPLAYS
         got = _fwd_bwd(q, k, v, do, ws, rs)
         replayed.append(plans.GRAPH_REPLAYS - before)
-        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-            if name == "dq" and D == 128:
-                assert ((a.float() - b.float()).norm() / b.float().norm()) < 1e-5, (call, name)
-            else:
-                assert torch.equal(a, b), (call, name)
+        _assert_launchers_bits(got, want, D, call)
         del got
     return replayed
 
