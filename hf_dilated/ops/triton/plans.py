@@ -249,6 +249,18 @@ class GraphCache:
             self.graphs.popitem(last=False)
 
 
+def _storage_bytes(shape, stride, dtype) -> int:
+    """Bytes of the storage ``torch.empty_strided(shape, stride, dtype=dtype)`` allocates."""
+    if 0 in shape:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * torch.empty((), dtype=dtype).element_size()
+
+
+def _aligned(n: int) -> int:
+    """``n`` rounded up to 256 bytes (what the caching allocator aligns each allocation to)."""
+    return -(-n // 256) * 256
+
+
 def _capture_stream(device: torch.device):
     """A stream to capture on (the legacy default stream cannot be), one per device and thread: a stream being
     captured takes into its graph whatever any thread launches on it. (The dQ stream that a backward's capture forks
@@ -270,9 +282,23 @@ class Plan:
         # A replay lays its slots out as the inputs, then the buffers, then the constants (recording interleaved them)
         order = list(range(rec.n_inputs)) + [i for i, _ in rec.buffers] + rec.constants
         remap = {old: new for new, old in enumerate(order)}
-        self.buffers = [spec[:3] for _, spec in rec.buffers]
+        # The call's buffers: the outputs each a tensor of its own (their lifetimes are the caller's), the others
+        # carved from one allocation with the descriptor scratch (they live for the call alone). A replay allocates
+        # the outputs, then that block, always in that order, whichever way it runs; so the allocator hands a loop
+        # the same pointers call after call (what a CUDA graph of the call needs), and a graph replay makes no view
+        # of the block at all (its key is the block's address).
+        self.outputs = tuple(remap[i] for i in outputs)
+        self.own, self.carved, self.block_bytes = [], [], 0
+        for j, (_, (shape, stride, dtype, _)) in enumerate(rec.buffers):
+            slot = rec.n_inputs + j
+            if slot in self.outputs:
+                self.own.append((slot, shape, stride, dtype))
+            else:
+                self.carved.append((slot, self.block_bytes, shape, stride, dtype))
+                self.block_bytes += _aligned(_storage_bytes(shape, stride, dtype))
         self.fills = [(rec.n_inputs + j, spec[3]) for j, (_, spec) in enumerate(rec.buffers) if spec[3] is not None]
         self.n_call = rec.n_inputs + len(rec.buffers)  # the slots that are this call's own tensors
+        self.n_inputs = rec.n_inputs
         self.constants = [rec.tensors[i] for i in rec.constants]
         self.constant_ptrs = [t.data_ptr() for t in self.constants]
         self.steps = []
@@ -282,16 +308,13 @@ class Plan:
             elif kind == "copy":
                 step = tuple(remap[i] for i in step)
             self.steps.append((kind, step))
-        self.outputs = tuple(remap[i] for i in outputs)
         self.counts, self.device = rec.counts, device
-        # The descriptor scratch of a replay: one buffer of the call, a part per stream as the recording's launches
-        # took it (``scratch``: (None for the calling stream, else the stream's handle; offset; bytes)). Every replay
-        # allocates the same tensors in the same order whichever way it runs, so the allocator hands a loop the
-        # same pointers call after call (what a CUDA graph of the call needs).
-        self.scratch, self.scratch_bytes = [], 0
+        # The descriptor scratch of a replay: the block's tail, a part per stream as the recording's launches took it
+        # (``scratch``: (None for the calling stream, else the stream's handle; offset in the block; bytes)).
+        self.scratch = []
         for stream, n in rec.scratch_sizes:
-            self.scratch.append((stream, self.scratch_bytes, n))
-            self.scratch_bytes += -(-n // 256) * 256
+            self.scratch.append((stream, self.block_bytes, n))
+            self.block_bytes += _aligned(n)
         # A CUDA graph needs every launch direct, on one device
         launches = [step for kind, step in self.steps if kind == "launch"]
         self.graph_device = None
@@ -306,29 +329,45 @@ class Plan:
         of a pointer set seen before launch as one CUDA graph (:meth:`_graph`)."""
         global REPLAYS
         device = self.device
-        tensors = list(inputs)
-        for shape, stride, dtype in self.buffers:
-            tensors.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
-        scratch = torch.empty(self.scratch_bytes, dtype=torch.int8, device=device) if self.scratch else None
+        tensors = list(inputs) + [None] * (self.n_call - self.n_inputs)
+        for slot, shape, stride, dtype in self.own:
+            tensors[slot] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        block = torch.empty(self.block_bytes, dtype=torch.uint8, device=device) if self.carved or self.scratch else None
         direct = relaunch.ENABLED and device.type == "cuda" and not relaunch.hooked()
-        ptrs = index = None
+        ptrs = index = key = None
         if direct:  # as recorded: this call's tensors 16-byte aligned (the constants are the recording's own)
-            ptrs = [t.data_ptr() for t in tensors]
-            direct = not reduce(or_, ptrs, 0) & 15
-            ptrs += self.constant_ptrs
+            ptrs = [0 if t is None else t.data_ptr() for t in tensors]
+            base = 0 if block is None else block.data_ptr()
+            for slot, offset, *_ in self.carved:
+                ptrs[slot] = base + offset
+            key = (*ptrs, base)
+            direct = not reduce(or_, key, 0) & 15
             index = torch.cuda.current_device()
-        tensors += self.constants
-        if not (direct and index == self.graph_device and GRAPHS and self._graph(tensors, ptrs, forked, scratch)):
-            arena = None if scratch is None else self._arena(scratch, torch.cuda.current_stream(device).cuda_stream)
-            self._run(tensors, ptrs if direct else None, index, forked, arena)
+            ptrs += self.constant_ptrs
+        if not (direct and index == self.graph_device and GRAPHS and self._graph(key, tensors, ptrs, forked, block)):
+            self._run(self._views(tensors, block), ptrs if direct else None, index, forked,
+                      self._arena(block, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda"
+                                  else None))
         launches.update(self.counts)
         REPLAYS += 1
         return tuple(tensors[i] for i in self.outputs)
 
-    def _arena(self, scratch: torch.Tensor, caller: int) -> dict:
-        """The descriptor-scratch arena of a call: each stream's part of ``scratch`` (``caller``: the handle of the
-        stream the call runs on)."""
-        return {caller if stream is None else stream: scratch[start:start + n] for stream, start, n in self.scratch}
+    def _views(self, tensors: list, block: torch.Tensor | None) -> list:
+        """``tensors`` (the inputs and the outputs' buffers) with the carved buffers as views of ``block``, and the
+        constants: every slot as a tensor, for the steps that take tensors (fills, copies, launches through
+        ``relaunch.run``)."""
+        tensors = list(tensors)
+        for slot, offset, shape, stride, dtype in self.carved:
+            size = _storage_bytes(shape, stride, dtype)
+            tensors[slot] = block[offset:offset + size].view(dtype).as_strided(shape, stride)
+        return tensors + self.constants
+
+    def _arena(self, block: torch.Tensor | None, caller) -> dict | None:
+        """The descriptor-scratch arena of a call: each stream's part of ``block`` (``caller``: the handle of the
+        stream the call runs on); None where the plan takes no scratch."""
+        if not self.scratch:
+            return None
+        return {caller if stream is None else stream: block[start:start + n] for stream, start, n in self.scratch}
 
     def _run(self, tensors: list, ptrs: list | None, index, forked, arena: dict | None = None,
              grow: bool = True) -> None:
@@ -376,21 +415,21 @@ class Plan:
                 descriptor_scratch(device)
                 scratch.clear()
 
-    def _graph(self, tensors: list, ptrs: list, forked, scratch: torch.Tensor | None) -> bool:
+    def _graph(self, key: tuple, tensors: list, ptrs: list, forked, block: torch.Tensor | None) -> bool:
         """Launch this call as the CUDA graph of its pointer set (captured now if seen before: :class:`GraphCache`);
         False where it runs launch by launch instead. Only in eager code (``eager_autograd.running_eagerly``: a
         compiled graph has its own CUDA graphs, and a CUDA-graph tree's warm-up routes allocations to its pool), and
-        not while the stream is being captured. The descriptor ``scratch`` is a buffer of this call, in the key: a
-        graph holds no memory of its own between calls, and launches only on memory this call owns."""
+        not while the stream is being captured. ``key``: the addresses of the inputs, the outputs' buffers and the
+        ``block`` of the others and the descriptor scratch, all this call's own: a graph holds no memory of its own
+        between calls, and launches only on memory this call owns."""
         global GRAPH_REPLAYS
         if not running_eagerly() or torch.cuda.is_current_stream_capturing():
             return False
-        key = tuple(ptrs[:self.n_call]) if scratch is None else (*ptrs[:self.n_call], scratch.data_ptr())
         graph = self.graphs.get(key)
         if graph is None:
             if not self.graphs.wants(key):
                 return False
-            graph = self._capture(tensors, ptrs, forked, scratch)
+            graph = self._capture(tensors, ptrs, forked, block)
             if graph is None:
                 return False
             self.graphs.keep(key, graph)
@@ -398,17 +437,17 @@ class Plan:
         GRAPH_REPLAYS += 1
         return True
 
-    def _capture(self, tensors: list, ptrs: list, forked, scratch: torch.Tensor | None):
+    def _capture(self, tensors: list, ptrs: list, forked, block: torch.Tensor | None):
         """The steps captured as a CUDA graph on a stream of this thread's own (nothing runs), or None (and no more
         captures for this plan) where the capture fails."""
         stream = _capture_stream(self.device)
-        arena = {} if scratch is None else self._arena(scratch, stream.cuda_stream)  # the caller's stream: this one
+        arena = self._arena(block, stream.cuda_stream)  # the caller's stream: this one
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    self._run(tensors, ptrs, self.graph_device, forked, arena, grow=False)
+                    self._run(self._views(tensors, block), ptrs, self.graph_device, forked, arena, grow=False)
                 finally:
                     graph.capture_end()
         except (RuntimeError, AssertionError, KeyError) as exc:
