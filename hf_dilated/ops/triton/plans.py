@@ -345,9 +345,8 @@ class Plan:
             index = torch.cuda.current_device()
             ptrs += self.constant_ptrs
         if not (direct and index == self.graph_device and GRAPHS and self._graph(key, tensors, ptrs, forked, block)):
-            self._run(self._views(tensors, block), ptrs if direct else None, index, forked,
-                      self._arena(block, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda"
-                                  else None))
+            caller = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+            self._run(tensors, block, ptrs if direct else None, index, forked, self._arena(block, caller))
         launches.update(self.counts)
         REPLAYS += 1
         return tuple(tensors[i] for i in self.outputs)
@@ -357,9 +356,12 @@ class Plan:
         constants: every slot as a tensor, for the steps that take tensors (fills, copies, launches through
         ``relaunch.run``)."""
         tensors = list(tensors)
+        typed = {}
         for slot, offset, shape, stride, dtype in self.carved:
-            size = _storage_bytes(shape, stride, dtype)
-            tensors[slot] = block[offset:offset + size].view(dtype).as_strided(shape, stride)
+            whole = typed.get(dtype)
+            if whole is None:
+                whole = typed[dtype] = block.view(dtype)
+            tensors[slot] = whole.as_strided(shape, stride, offset // whole.element_size())
         return tensors + self.constants
 
     def _arena(self, block: torch.Tensor | None, caller) -> dict | None:
@@ -369,12 +371,13 @@ class Plan:
             return None
         return {caller if stream is None else stream: block[start:start + n] for stream, start, n in self.scratch}
 
-    def _run(self, tensors: list, ptrs: list | None, index, forked, arena: dict | None = None,
-             grow: bool = True) -> None:
-        """The fills and steps on ``tensors``: launches direct on ``ptrs`` where given (and recorded so), else through
-        ``relaunch.run``. ``arena``: the call's descriptor scratch (None: made as the launches ask); ``grow`` False
+    def _run(self, tensors: list, block: torch.Tensor | None, ptrs: list | None, index, forked,
+             arena: dict | None = None, grow: bool = True) -> None:
+        """The fills and steps on ``tensors`` and the buffers carved from ``block`` (:meth:`_views`): launches direct
+        on ``ptrs`` where given (and recorded so), else through ``relaunch.run``. ``arena``: the call's descriptor scratch (None: made as the launches ask); ``grow`` False
         (a capture): the arena is all there is."""
         device = self.device
+        tensors = self._views(tensors, block)
         for slot, value in self.fills:
             tensors[slot].fill_(value)
         fork = side = beside = scratch = None
@@ -447,7 +450,7 @@ class Plan:
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    self._run(self._views(tensors, block), ptrs, self.graph_device, forked, arena, grow=False)
+                    self._run(tensors, block, ptrs, self.graph_device, forked, arena, grow=False)
                 finally:
                     graph.capture_end()
         except (RuntimeError, AssertionError, KeyError) as exc:
