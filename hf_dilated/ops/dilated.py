@@ -60,11 +60,12 @@ def check_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same heads and length")
     if key.shape[3] != D:
         raise ValueError(f"query and key head dims differ: {D} and {key.shape[3]}")
-    hint = transposed_layout_hint(query.shape, key.shape)
     if Hq % key.shape[1]:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({key.shape[1]}){hint}")
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({key.shape[1]})"
+                         f"{transposed_layout_hint(query.shape, key.shape)}")
     if Nq > key.shape[2]:
-        raise ValueError(f"query length ({Nq}) must not exceed key length ({key.shape[2]}){hint}")
+        raise ValueError(f"query length ({Nq}) must not exceed key length ({key.shape[2]})"
+                         f"{transposed_layout_hint(query.shape, key.shape)}")
 
 
 def check_scale(scale, head_dim: int) -> float:
@@ -137,6 +138,13 @@ def attend(
     branch; ``dropout_p`` with ``seed`` (int64 scalar tensor): SPEC's dropout.
     """
     check_tensors(query, key, value)
+    return _attend_checked(query, key, value, layout, branches, is_causal, scale, head_offset, window, global_tokens,
+                           dropout_p, seed, backend)
+
+
+def _attend_checked(query, key, value, layout, branches, is_causal, scale, head_offset, window, global_tokens,
+                    dropout_p, seed, backend):
+    """:func:`attend` on tensors :func:`check_tensors` has passed."""
     scale = check_scale(scale, query.shape[-1])
     if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
         raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
@@ -208,8 +216,6 @@ def dilated_attention(
     layout = resolve_layout(B, Nq, key.shape[2], query.device, attention_mask, position_ids, cu_seqlens_q, cu_seqlens_k)
     if seed is None and isinstance(dropout_p, (int, float)) and dropout_p > 0:
         seed = draw_seed(query.device)
-    out, lse = attend(
-        query, key, value, layout, branches, is_causal=is_causal, scale=scale, head_offset=head_offset,
-        window=window, global_tokens=global_tokens, dropout_p=dropout_p, seed=seed, backend=backend,
-    )
+    out, lse = _attend_checked(query, key, value, layout, branches, is_causal, scale, head_offset, window,
+                               global_tokens, dropout_p, seed, backend)
     return (out, lse) if return_lse else out

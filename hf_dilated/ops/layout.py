@@ -103,11 +103,14 @@ class _IdentityMemo:
         self.entries: OrderedDict = OrderedDict()
 
     def __call__(self, fn: Callable[..., Any], tensors: tuple, extra: tuple) -> Any:
-        if torch.compiler.is_compiling() or any(t is not None and t.is_inference() for t in tensors):
-            return fn()  # inference tensors keep no version counter: no safe key
-        key = (tuple(None if t is None else (id(t), t._version) for t in tensors), extra)
+        if torch.compiler.is_compiling():
+            return fn()
+        try:
+            key = (tuple([None if t is None else (id(t), t._version) for t in tensors]), extra)
+        except RuntimeError:  # an inference tensor keeps no version counter: no safe key
+            return fn()
         hit = self.entries.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
+        if hit is not None:  # (the entry holds its tensors: no other tensor can have their ids meanwhile)
             self.entries.move_to_end(key)
             return hit[1]
         value = fn()

@@ -25,7 +25,6 @@ the dQ stream's fork and join (16K forward+backward of SmolLM2's heads on the le
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import warnings
 from collections import Counter, OrderedDict
@@ -37,7 +36,7 @@ import torch
 from ..eager_autograd import running_eagerly
 from . import relaunch
 from .configs import descriptor_scratch
-from .hopper import switch
+from .hopper import environment_values, switch
 
 # Replayed plans (``HF_DILATED_PLANS=0`` in the environment when this is imported: every call runs the launcher's
 # code; tests compare the two).
@@ -65,7 +64,7 @@ def signature(kind: str, tensors, *extra):
     first = tensors[0]
     aligned = not reduce(or_, [t.data_ptr() for t in tensors], 0) & 15
     shapes = tuple((t.shape, t.stride(), t.dtype) for t in tensors)
-    env = tuple(map(os.environ.get, ENV_SWITCHES))
+    env = environment_values(ENV_SWITCHES)
     return kind, shapes, first.device, aligned, extra, env, torch.are_deterministic_algorithms_enabled()
 
 
