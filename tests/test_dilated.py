@@ -46,6 +46,21 @@ def test_packing_comes_from_restarting_positions_only_without_a_mask():
     assert plain.contiguous and plain.k_pos.tolist() == [list(range(6))]
 
 
+def test_the_layout_is_resolved_once_per_mask_until_the_mask_changes():
+    """Every layer of a forward passes the same mask object: its layout is resolved once. A mask changed in place
+    (its version moves) is resolved again, and an inference tensor (no version counter) every time."""
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    first = resolve_layout(1, 6, 6, "cpu", attention_mask=mask)
+    assert resolve_layout(1, 6, 6, "cpu", attention_mask=mask) is first
+    mask[0, 2] = False
+    again = resolve_layout(1, 6, 6, "cpu", attention_mask=mask)
+    assert again is not first and not again.k_valid[0, 2] and not again.contiguous
+    with torch.inference_mode():
+        frozen = torch.ones(1, 6, dtype=torch.bool)
+    one, two = (resolve_layout(1, 6, 6, "cpu", attention_mask=frozen) for _ in range(2))
+    assert one is not two and one.contiguous and two.contiguous
+
+
 def test_decoding_positions_count_back_from_the_query():
     """Keys of a cache end at the last query: a cache holding only recent keys (sliding window) gets true positions."""
     layout = resolve_layout(1, 1, 4, "cpu", position_ids=torch.tensor([[9]]))

@@ -65,6 +65,25 @@ def test_replay_gives_the_recordings_bits(rng, case):
 
 
 @cpu
+def test_replayed_outputs_own_their_memory(rng):
+    """A replay carves the buffers that live for the call alone from one allocation, but every output is a tensor of
+    its own: an output kept (the forward's for the backward, the gradients by the optimizer) keeps no other buffer's
+    memory alive."""
+    q, k, v, do = _inputs(rng, 1, 4, 2, 50, 16, torch.bfloat16, "cpu")
+    ws, rs = [8, 16], [1, 2]
+    _fwd_bwd(q, k, v, do, ws, rs, global_tokens=3)  # recorded
+    replays = plans.REPLAYS
+    outputs = _fwd_bwd(q, k, v, do, ws, rs, global_tokens=3)
+    assert plans.REPLAYS == replays + 2
+    carved = [p for p in plans._PLANS.values() if p.carved]
+    assert carved, "no plan carved a buffer: the case no longer covers the block"
+    storages = {t.untyped_storage().data_ptr() for t in outputs}
+    assert len(storages) == len(outputs), "two outputs share a storage"
+    for name, t in zip(("out", "dq", "dk", "dv"), outputs):
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"{name} holds more memory than its own"
+
+
+@cpu
 def test_calls_of_their_own_are_not_replayed(rng):
     """Padded layouts (their work lists and masks are the call's own) and dropout (streams drawn per call) run the
     launchers' code every call."""
@@ -120,8 +139,14 @@ def test_the_signature_keys_what_changes_the_launches(monkeypatch):
     assert plans.signature("forward", (q,), "other") != base
     for name in plans.ENV_SWITCHES:
         monkeypatch.setenv(name, "0")
-        assert plans.signature("forward", (q,), "extra") != base, name
+        off = plans.signature("forward", (q,), "extra")
+        monkeypatch.setenv(name, "1")
+        assert len({off, plans.signature("forward", (q,), "extra"), base}) == 3, name
         monkeypatch.delenv(name)
+        assert plans.signature("forward", (q,), "extra") == base, name
+    # the switches read where os.environ is a plain mapping (replaced by a test, another Python) as well
+    with mock.patch.object(os, "environ", {plans.ENV_SWITCHES[0]: "0"}):
+        assert plans.signature("forward", (q,), "extra") != base
 
 
 @cpu
