@@ -5,6 +5,7 @@ never replay where the recording was the call's own (padded layouts, dropout, a 
 from __future__ import annotations
 
 import os
+import weakref
 from collections import Counter
 from unittest import mock
 
@@ -115,6 +116,12 @@ def test_a_recording_with_a_tensor_of_its_own_is_not_kept():
         stray = torch.ones(3)
         with mock.patch.object(configs, "interpreting", lambda: True):  # relaunch.run launches through kernel[grid]
             rec.run(NoLaunch(), (1,), x, buf, table, *((stray,) if stray_input else ()), 3)
+        if stray_input:  # the recording let go of the buffers it held: a buffer the launcher drops is freed then
+            dropped = weakref.ref(buf)
+            assert not rec.tensors and not rec.buffers
+            del buf
+            assert dropped() is None, "an abandoned recording still holds a buffer"
+            buf = torch.empty(4)
         out = rec.finish((buf,) if stray_input else (buf, stray), torch.device("cpu"))
         assert out[0] is buf
         assert plans.lookup(("test", stray_input)) is None

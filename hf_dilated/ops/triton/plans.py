@@ -119,7 +119,8 @@ class Recorder:
         """``t``, a tensor this call allocated (``fill``: None, or the value it was filled with), as a slot."""
         if self.ok:
             if t.storage_offset():  # a view: a replay's ``empty_strided`` would not lay it out the same
-                self.ok = False
+                self._abandon()
+                return t
             self.slots[id(t)] = len(self.tensors)
             self.tensors.append(t)
             self.buffers.append((len(self.tensors) - 1, (tuple(t.shape), t.stride(), t.dtype, fill)))
@@ -132,6 +133,17 @@ class Recorder:
             self.tensors.append(t)
             self.constants.append(len(self.tensors) - 1)
         return t
+
+    def _abandon(self) -> None:
+        """No plan for this call: let go of what the recording held, so that a buffer the launcher drops (a head
+        chunk's float32 scratch, before the next chunk's) is freed then, not at the call's end (at 1M tokens the
+        backward's chunks are 1.5 GiB each)."""
+        self.ok = False
+        self.tensors.clear()
+        self.slots.clear()
+        self.buffers.clear()
+        self.constants.clear()
+        self.steps.clear()
 
     def count(self, name: str, n: int = 1) -> None:
         self.launches[name] += n
@@ -151,7 +163,7 @@ class Recorder:
             return
         slots = tuple(self.slots.get(id(a), -1) for a in args[:relaunch.leading(kernel, args)])
         if -1 in slots:  # a tensor made for this call alone: no plan
-            self.ok = False
+            self._abandon()
             return
         step = _Launch(kernel, tuple(grid), slots, args[len(slots):], constexprs)
         step.direct = relaunch.compiled(kernel, args, constexprs)
@@ -162,7 +174,7 @@ class Recorder:
         if self.ok:
             ends = self.slots.get(id(dst)), self.slots.get(id(src))
             if None in ends:
-                self.ok = False
+                self._abandon()
             else:
                 self.steps.append(("copy", ends))
 
