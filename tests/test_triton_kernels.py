@@ -775,6 +775,32 @@ def test_gpu_dense_sliding_window_layer(rng, causal):
 
 
 @pytest.mark.gpu
+def test_gpu_chunked_backward_holds_one_chunk_of_scratch(rng, monkeypatch):
+    """A half-precision backward sums in float32 scratch a chunk of kv heads at a time (at 1M tokens, 16 chunks of 1.5
+    GiB): its peak holds the gradients, the row deltas and one chunk's scratch, not two. The launcher's recording,
+    abandoned at the first chunk (a head slice is a tensor of the call alone), held the first chunk's scratch to the
+    call's end (sessions 43-44: 1M forward+backward at 1.10x its bytes instead of 1.05x)."""
+    _gpu_skip()
+    monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head a chunk
+    monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
+    B, H, Hk, N, D = 1, 8, 4, 16384, 128
+    q, k, v = (t.requires_grad_() for t in make_qkv(rng, B, H, Hk, N, N, D, torch.bfloat16, "cuda"))
+    lay = resolve_layout(B, N, N, q.device)
+    out, _ = dilated_attention_triton(q, k, v, ((2048, 1), (4096, 2)), lay, True, D ** -0.5, strict=True)
+    do = torch.randn_like(out)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with kernels_run("backward"):
+        torch.autograd.grad(out, (q, k, v), do)
+    torch.cuda.synchronize()
+    grads, deltas = q.nbytes + k.nbytes + v.nbytes, 4 * B * H * N
+    chunk = 4 * B * N * D * (H // Hk + 2)  # float32 sums of one kv head's queries, keys and values
+    extra = torch.cuda.max_memory_allocated() - base - grads - deltas
+    assert chunk <= extra < 1.5 * chunk, f"backward peak beyond its gradients: {extra / chunk:.2f} chunks of scratch"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_mask_holes(rng, dtype):
     """Left padding and holes inside the rows (positions step with columns), with global tokens and dropout."""
