@@ -677,6 +677,7 @@ def test_opcheck(rng):
 # GPU, real sizes (python -m pytest -m gpu tests/test_triton_kernels.py)
 
 LONGNET_SMALL = [(256, 1), (512, 2), (1024, 4), (2048, 8)]
+LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]  # LongNet's branches (the benchmarks')
 
 
 def _gpu_skip():
@@ -900,7 +901,11 @@ def test_gluon_kernels_coverage(monkeypatch, which):
             torch.use_deterministic_algorithms(deterministic)
     if which == "forward_hopper":  # at head dim 128 the warp-specialized kernel, unless HF_DILATED_WS is off
         assert kernel.ws_applies(q, plain, True) and kernel.ws_applies(q.half(), plain, True)
-        assert not kernel.ws_applies(q[..., :64], plain, True)
+        assert not kernel.ws_applies(q[..., :64], plain, True)  # at 64 only by the call's launches' balance:
+        q64 = torch.empty(1, 16, 256, 64, dtype=torch.bfloat16)
+        assert kernel.ws_applies(q64, plain, True, _longnet_launches(16, 65536), 132)
+        assert not kernel.ws_applies(q64[:, :9], plain, True, _longnet_launches(9, 65536), 132)
+        assert kernel.ws_applies(q64[:, :9], plain, True, _longnet_launches(9, 262144), 132)
         assert not kernel.ws_applies(torch.empty(1, 2, 256, 256, dtype=torch.bfloat16), plain, True)
         assert not kernel.ws_applies(q, dict(plain, WINDOW=True), True)
         assert kernel.ws_launch_config()["BLOCK_M"] == 128 and kernel.ws_launch_config()["maxnreg"] == 168
@@ -1018,11 +1023,56 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws, part
         d = q.shape[-1]
         fused = on and fused_dq == "1" and d in backward_hopper.FUSED_DQ_STEPS
         specialized = on and ws == "1" and d in forward_hopper.WS_HEAD_DIMS
+        if on and ws == "1" and d in forward_hopper.WS_BALANCED_HEAD_DIMS:  # by the launches' balance: either, once
+            specialized = ran["forward_ws"]
         dq_kernel = on and d in backward_hopper.DQ_STEPS and not fused
         assert ran == {"dkdv_hopper": on, "dq_hopper": dq_kernel, "dq_fused": fused,
                        "forward_hopper": on and not specialized, "forward_ws": specialized}, ran
 
     GLUON_PARTS[part](rng, run, monkeypatch)
+
+
+def _longnet_launches(H: int, N: int):
+    """The forward's branch launches of LongNet's branches on one contiguous row of ``N`` tokens, as
+    ``forward_hopper.ws_balance`` takes them."""
+    lay = resolve_layout(1, N, N, torch.device("cpu"))
+    pb = launch.Problem(tuple(LONGNET), True, 0.125, 0)
+    order, _, _ = launch._launch_order(pb, layout_runs(lay), ("contiguous", 1, N, N), torch.device("cpu"), True)
+    return [(it.n_items, it.items_per_group, it.max_q_rows) for _, _, it in order]
+
+
+def test_ws_balance_takes_head_dim_64_where_programs_divide_evenly():
+    """At head dim 64 the warp-specialized forward runs where its persistent programs keep ``WS_BALANCE`` of the SMs'
+    time busy (132 SMs): 16 heads (8 programs a head, every launch's units divide evenly) and 9 heads at 256K, not 9
+    heads at 64K (14 programs a head for 16-32 units: the A/B that set the rule measured 1.06x, 1.04x and 0.96x)."""
+    from hf_dilated.ops.triton import forward_hopper as fh
+
+    balance = {(H, N): fh.ws_balance(_longnet_launches(H, N), H, 132) for H, N in
+               ((9, 65536), (9, 262144), (16, 65536), (16, 16384))}
+    assert balance[9, 65536] < fh.WS_BALANCE <= balance[9, 262144], balance
+    assert balance[16, 65536] >= fh.WS_BALANCE and balance[16, 16384] >= fh.WS_BALANCE, balance
+    assert fh.ws_balance(_longnet_launches(24, 65536), 24, 132) == 0.0  # one item a program: not taken at 64
+    assert fh.ws_balance([], 9, 132) == 0.0
+
+
+@pytest.mark.gpu
+def test_gpu_forward_at_head_dim_64_by_balance(rng):
+    """On sm_90 the head-dim-64 forward runs warp-specialized where ``ws_balance`` says (16 / 16 heads at 64K) and
+    the one-warpgroup kernel with parts where not (9 / 3 at 64K)."""
+    _gpu_skip()
+    from hf_dilated.ops.triton import configs
+
+    if not configs.wgmma():
+        pytest.skip("the Gluon kernels are for sm_90")
+    N = 65536
+    for H, Hk, kind in ((16, 16, "forward_ws"), (9, 3, "forward_hopper")):
+        q, k, v = (t.detach() for t in make_qkv(rng, 1, H, Hk, N, N, 64, torch.bfloat16, "cuda"))
+        before = dict(launch.LAUNCHES)
+        with torch.no_grad():
+            dilated_attention_triton(q, k, v, tuple(LONGNET), resolve_layout(1, N, N, q.device), True, 0.125,
+                                     strict=True)
+        ran = {key: launch.LAUNCHES[key] - before.get(key, 0) for key in ("forward_ws", "forward_hopper")}
+        assert ran[kind] and not ran[({"forward_ws", "forward_hopper"} - {kind}).pop()], (H, Hk, ran)
 
 
 @pytest.mark.gpu
@@ -1046,8 +1096,10 @@ def test_gpu_nan_query_row_is_nan_in_every_forward_kernel(rng, monkeypatch, gluo
         out, lse = dilated_attention_triton(q, k, v, tuple(LONGNET_SMALL), resolve_layout(1, 3000, 3000, q.device),
                                             True, D ** -0.5)
     if gluon == "1":
-        kind = "forward_ws" if D in forward_hopper.WS_HEAD_DIMS else "forward_hopper"
-        assert launch.LAUNCHES[kind] > before.get(kind, 0), f"the Gluon {kind} kernel did not run"
+        kinds = ("forward_ws",) if D in forward_hopper.WS_HEAD_DIMS else ("forward_hopper",)
+        if D in forward_hopper.WS_BALANCED_HEAD_DIMS:  # by the launches' balance
+            kinds = ("forward_ws", "forward_hopper")
+        assert any(launch.LAUNCHES[kind] > before.get(kind, 0) for kind in kinds), f"no Gluon {kinds} kernel ran"
     want = torch.zeros(1, 4, 3000, dtype=torch.bool, device="cuda")
     want[0, h, row] = True
     assert torch.equal(out.isnan().any(-1), want) and bool(out[0, h, row].isnan().all())

@@ -28,7 +28,8 @@ bit-identical (measured on the H100); 128-key steps move the running maximum les
 bit. Used for bf16 / fp16, head dim 64 / 128 / 256, the tensor-descriptor path, no sliding window, dropout or holes
 (``applies``).
 
-At head dim 128 the forward runs warp-specialized instead (``dilated_fwd_ws_kernel``, ``ws_applies``; section below):
+At head dim 128 the forward runs warp-specialized instead (``dilated_fwd_ws_kernel``, ``ws_applies``; section below),
+and at 64 where its persistent programs divide the call's launches evenly (``ws_balance``):
 a producer warp and two consumer warpgroups share each K / V copy, and a program walks several of a head's 128-row
 query tiles so that one tile's loads overlap the last one's epilogue: persistent programs, one per SM, over pairs of
 tiles of equal causal work where the layout allows (``ws_schedule``), else one segment item a program. Same products
@@ -93,18 +94,44 @@ def launch_config(head_dim: int) -> dict:
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=n, K_STAGES=k_stages, V_STAGES=v_stages, num_warps=4)
 
 
-# Head dims the warp-specialized forward takes. Not 64 (H200, session 36, results/session36-not-kept-*): persistent, it
-# ran the forward 1.03-1.05x at 256K (9 / 3 heads) and 1.04x at 64K with 16 heads, but 0.93-0.95x at 64K with 9 heads,
-# where 14 programs a head share the r >= 8 launches' 16-32 units unevenly (by count; not profiled). One item a
-# program: 0.87x / 0.93x. Not 256: three stages of 128-key K / V tiles would take 384 KB.
+# Head dims the warp-specialized forward takes. Not 256: three stages of 128-key K / V tiles would take 384 KB.
 WS_HEAD_DIMS = (128,)
+# Head dims it takes where its persistent launches keep at least WS_BALANCE of the SMs' time busy (``ws_balance``).
+# At 64 the one-warpgroup kernel runs the branches but the last as one launch (parts) and loses less to uneven
+# programs; the warp-specialized one ran (H200, sessions 36 and 45, whole-op forward A/Bs against the other): 1.04x at
+# 256K with 9 / 3 heads (balance 0.93) and 1.06x at 64K with 16 / 16 (0.97), but 0.96x at 64K with 9 / 3 (0.87: 14
+# programs a head share the r >= 8 launches' 16-32 units unevenly); one item a program 0.87-0.93x.
+WS_BALANCED_HEAD_DIMS = (64,)
+WS_BALANCE = 0.9
 
 
-def ws_applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
+def ws_balance(launches, heads: int, sms: int) -> float:
+    """The share of the SMs' time the warp-specialized forward's persistent launches keep busy, summed over a call's
+    ``launches`` (``(n_items, items_per_group, max_q_rows)`` each) and weighted by their work: a launch of ``U`` units
+    (pairs of an item's tiles, each ``n_tiles + 1`` key tiles of work) a head and group on ``G`` programs a head and
+    group takes ``ceil(U / G)`` units' time on all the SMs. 0 where a launch would run one item a program."""
+    useful = busy = 0
+    for n_items, items_per_group, max_q_rows in launches:
+        grid, sched = ws_schedule(n_items, items_per_group, max_q_rows, heads, sms)
+        if not sched["PERSISTENT"]:
+            return 0.0
+        G, _, groups = grid
+        units, cost = sched["n_items"] * sched["n_units"], sched["n_tiles"] + 1
+        useful += heads * groups * units * cost
+        busy += sms * -(-units // G) * cost
+    return useful / busy if busy else 0.0
+
+
+def ws_applies(q: torch.Tensor, flags: dict, tma: bool, launches=(), sms: int = 0) -> bool:
     """Whether the forward runs the warp-specialized kernel (``dilated_fwd_ws_kernel``): as :func:`applies`, at the
-    head dims of ``WS_HEAD_DIMS`` (128), with ``HF_DILATED_WS`` on (the default; ``0`` / ``false`` / ``off`` / ``no``
-    keep ``dilated_fwd_hopper_kernel``)."""
-    return applies(q, flags, tma) and q.shape[-1] in WS_HEAD_DIMS and switch("HF_DILATED_WS")
+    head dims of ``WS_HEAD_DIMS`` (128), and at those of ``WS_BALANCED_HEAD_DIMS`` (64) where the call's ``launches``
+    on ``sms`` SMs keep ``WS_BALANCE`` of them busy (:func:`ws_balance`), with ``HF_DILATED_WS`` on (the default;
+    ``0`` / ``false`` / ``off`` / ``no`` keep ``dilated_fwd_hopper_kernel``)."""
+    if not (applies(q, flags, tma) and switch("HF_DILATED_WS")):
+        return False
+    D = q.shape[-1]
+    return D in WS_HEAD_DIMS or (D in WS_BALANCED_HEAD_DIMS and bool(launches)
+                                 and ws_balance(launches, q.shape[1], sms) >= WS_BALANCE)
 
 
 WS_WAVES = 4  # programs the one-item-a-program launch aims at, per SM (fewer, longer programs hide more loads)

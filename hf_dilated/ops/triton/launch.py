@@ -336,7 +336,8 @@ def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_va
         rec.scratch(q.device)
         rec.count("forward_tma")
     gluon = forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
-    ws = gluon and forward_hopper.ws_applies(q, flags, tma)  # warp-specialized, head dim 128
+    ws = gluon and forward_hopper.ws_applies(  # warp-specialized: head dim 128, and 64 where balanced
+        q, flags, tma, [(it.n_items, it.items_per_group, it.max_q_rows) for _, _, it in order], sm_count(q.device))
     if gluon:
         gcfg = forward_hopper.ws_launch_config() if ws else forward_hopper.launch_config(D)
         gkernel = forward_hopper.dilated_fwd_ws_kernel if ws else forward_hopper.dilated_fwd_hopper_kernel
