@@ -902,10 +902,12 @@ def test_gluon_kernels_coverage(monkeypatch, which):
     if which == "forward_hopper":  # at head dim 128 the warp-specialized kernel, unless HF_DILATED_WS is off
         assert kernel.ws_applies(q, plain, True) and kernel.ws_applies(q.half(), plain, True)
         assert not kernel.ws_applies(q[..., :64], plain, True)  # at 64 only by the call's launches' balance:
-        q64 = torch.empty(1, 16, 256, 64, dtype=torch.bfloat16)
+        q64 = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16).expand(1, 16, 65536, 64)  # (the shape is all it reads)
         assert kernel.ws_applies(q64, plain, True, _longnet_launches(16, 65536), 132)
         assert not kernel.ws_applies(q64[:, :9], plain, True, _longnet_launches(9, 65536), 132)
-        assert kernel.ws_applies(q64[:, :9], plain, True, _longnet_launches(9, 262144), 132)
+        assert not kernel.ws_applies(q64[:, :, :16384], plain, True, _longnet_launches(16, 16384), 132)  # (rows)
+        q64 = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16).expand(1, 9, 262144, 64)
+        assert kernel.ws_applies(q64, plain, True, _longnet_launches(9, 262144), 132)
         assert not kernel.ws_applies(torch.empty(1, 2, 256, 256, dtype=torch.bfloat16), plain, True)
         assert not kernel.ws_applies(q, dict(plain, WINDOW=True), True)
         assert kernel.ws_launch_config()["BLOCK_M"] == 128 and kernel.ws_launch_config()["maxnreg"] == 168

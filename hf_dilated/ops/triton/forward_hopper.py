@@ -101,8 +101,11 @@ WS_HEAD_DIMS = (128,)
 # programs; the warp-specialized one ran (H200, sessions 36 and 45, whole-op forward A/Bs against the other): 1.04x at
 # 256K with 9 / 3 heads (balance 0.93) and 1.06x at 64K with 16 / 16 (0.97), but 0.96x at 64K with 9 / 3 (0.87: 14
 # programs a head share the r >= 8 launches' 16-32 units unevenly); one item a program 0.87-0.93x.
+# Measured from 64K query rows on; below, the one-warpgroup kernel's parts launch saves most (1.32x at 16K, session 41)
+# and the warp-specialized kernel was not timed.
 WS_BALANCED_HEAD_DIMS = (64,)
 WS_BALANCE = 0.9
+WS_BALANCED_MIN_ROWS = 65536
 
 
 def ws_balance(launches, heads: int, sms: int) -> float:
@@ -124,13 +127,13 @@ def ws_balance(launches, heads: int, sms: int) -> float:
 
 def ws_applies(q: torch.Tensor, flags: dict, tma: bool, launches=(), sms: int = 0) -> bool:
     """Whether the forward runs the warp-specialized kernel (``dilated_fwd_ws_kernel``): as :func:`applies`, at the
-    head dims of ``WS_HEAD_DIMS`` (128), and at those of ``WS_BALANCED_HEAD_DIMS`` (64) where the call's ``launches``
-    on ``sms`` SMs keep ``WS_BALANCE`` of them busy (:func:`ws_balance`), with ``HF_DILATED_WS`` on (the default;
-    ``0`` / ``false`` / ``off`` / ``no`` keep ``dilated_fwd_hopper_kernel``)."""
+    head dims of ``WS_HEAD_DIMS`` (128), and at those of ``WS_BALANCED_HEAD_DIMS`` (64) from ``WS_BALANCED_MIN_ROWS``
+    queries on where the call's ``launches`` on ``sms`` SMs keep ``WS_BALANCE`` of them busy (:func:`ws_balance`),
+    with ``HF_DILATED_WS`` on (the default; ``0`` / ``false`` / ``off`` / ``no`` keep ``dilated_fwd_hopper_kernel``)."""
     if not (applies(q, flags, tma) and switch("HF_DILATED_WS")):
         return False
     D = q.shape[-1]
-    return D in WS_HEAD_DIMS or (D in WS_BALANCED_HEAD_DIMS and bool(launches)
+    return D in WS_HEAD_DIMS or (D in WS_BALANCED_HEAD_DIMS and q.shape[2] >= WS_BALANCED_MIN_ROWS and bool(launches)
                                  and ws_balance(launches, q.shape[1], sms) >= WS_BALANCE)
 
 
