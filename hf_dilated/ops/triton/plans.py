@@ -264,7 +264,7 @@ def _storage_bytes(shape, stride, dtype) -> int:
     """Bytes of the storage ``torch.empty_strided(shape, stride, dtype=dtype)`` allocates."""
     if 0 in shape:
         return 0
-    return (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * torch.empty((), dtype=dtype).element_size()
+    return (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * dtype.itemsize
 
 
 def _aligned(n: int) -> int:
@@ -385,8 +385,8 @@ class Plan:
     def _run(self, tensors: list, block: torch.Tensor | None, ptrs: list | None, index, forked,
              arena: dict | None = None, grow: bool = True) -> None:
         """The fills and steps on ``tensors`` and the buffers carved from ``block`` (:meth:`_views`): launches direct
-        on ``ptrs`` where given (and recorded so), else through ``relaunch.run``. ``arena``: the call's descriptor scratch (None: made as the launches ask); ``grow`` False
-        (a capture): the arena is all there is."""
+        on ``ptrs`` where given (and recorded so), else through ``relaunch.run``. ``arena``: the call's descriptor
+        scratch (None: made as the launches ask); ``grow`` False (a capture): the arena is all there is."""
         device = self.device
         tensors = self._views(tensors, block)
         for slot, value in self.fills:
