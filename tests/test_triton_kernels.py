@@ -27,6 +27,7 @@ from hf_dilated.ops.triton import dilated_attention_triton, fallback_reason, is_
 from hf_dilated.ops.triton import launch, op  # noqa: E402
 from hf_dilated.ops.triton.schedule import branch_items, layout_runs  # noqa: E402
 from hf_dilated.ops.triton.tiles import item_tile, rounded  # noqa: E402
+from hf_dilated.ops.triton.tuning import LONGNET  # noqa: E402
 from cuda_graphs import assert_graph_replays_eager  # noqa: E402
 from naive import naive_dilated_attention, rel_err  # noqa: E402
 
@@ -677,7 +678,6 @@ def test_opcheck(rng):
 # GPU, real sizes (python -m pytest -m gpu tests/test_triton_kernels.py)
 
 LONGNET_SMALL = [(256, 1), (512, 2), (1024, 4), (2048, 8)]
-LONGNET = [(2048, 1), (4096, 2), (8192, 4), (16384, 8), (32768, 16)]  # LongNet's branches (the benchmarks')
 
 
 def _gpu_skip():
