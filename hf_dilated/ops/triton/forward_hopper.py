@@ -100,7 +100,8 @@ WS_HEAD_DIMS = (128,)
 # At 64 the one-warpgroup kernel runs the branches but the last as one launch (parts) and loses less to uneven
 # programs; the warp-specialized one ran (H200, sessions 36 and 45, whole-op forward A/Bs against the other): 1.04x at
 # 256K with 9 / 3 heads (balance 0.93) and 1.06x at 64K with 16 / 16 (0.97), but 0.96x at 64K with 9 / 3 (0.87: 14
-# programs a head share the r >= 8 launches' 16-32 units unevenly); one item a program 0.87-0.93x.
+# programs a head share the r >= 8 launches' 16-32 units unevenly); one item a program 0.87-0.93x. Session 46, by
+# head count: 1.01-1.06x at every balance from 0.907 (14 / 2 at 64K, the closest) to 0.97, 0.95x at 0.867 (9 / 3).
 # Measured from 64K query rows on; below, the one-warpgroup kernel's parts launch saves most (1.32x at 16K, session 41)
 # and the warp-specialized kernel was not timed.
 WS_BALANCED_HEAD_DIMS = (64,)
