@@ -30,9 +30,10 @@ bit. Used for bf16 / fp16, head dim 64 / 128 / 256, the tensor-descriptor path, 
 
 At head dim 128 the forward runs warp-specialized instead (``dilated_fwd_ws_kernel``, ``ws_applies``; section below),
 and at 64 where its persistent programs divide the call's launches evenly (``ws_balance``):
-a producer warp and two consumer warpgroups share each K / V copy, and a program walks several of a head's 128-row
-query tiles so that one tile's loads overlap the last one's epilogue: persistent programs, one per SM, over pairs of
-tiles of equal causal work where the layout allows (``ws_schedule``), else one segment item a program. Same products
+a producer warp and two consumer warpgroups share each K / V copy, and a program walks several 128-row query tiles
+so that one tile's loads overlap the last one's epilogue: persistent programs, one per SM, dealt to the launch's offset
+classes and walking pairs of tiles of equal causal work of their heads where the layout allows (``ws_schedule``),
+else one segment item a program. Same products
 in the same order as ``dilated_fwd_hopper_kernel``: bit-identical (H100, session 25: forward 0.98 / 1.05 / 1.09x at
 16K / 64K / 256K, 1.11x with GQA 32 / 8 at 64K; session 27, persistent against one item a program: 1.15 / 1.07 /
 1.05x, GQA 1.08 / 1.07 / 1.03x).
@@ -43,10 +44,10 @@ from __future__ import annotations
 import torch
 
 from .hopper import (
-    WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, item_query_tile,
-    kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, part_query_tile, query_tile_buffers,
-    query_tile_keys, release_barriers, row_desc, runnable, softmax_finish, softmax_start, softmax_step, switch,
-    tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
+    WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, heads_desc,
+    item_query_tile, kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, part_query_tile,
+    query_tile_buffers, query_tile_keys, release_barriers, row_desc, runnable, softmax_finish, softmax_start,
+    softmax_step, switch, tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
 )
 from .tiles import LOG2E, PART_COLUMNS
 
@@ -98,31 +99,31 @@ def launch_config(head_dim: int) -> dict:
 WS_HEAD_DIMS = (128,)
 # Head dims it takes where its persistent launches keep at least WS_BALANCE of the SMs' time busy (``ws_balance``).
 # At 64 the one-warpgroup kernel runs the branches but the last as one launch (parts) and loses less to uneven
-# programs; the warp-specialized one ran (H200, sessions 36 and 45, whole-op forward A/Bs against the other): 1.04x at
-# 256K with 9 / 3 heads (balance 0.93) and 1.06x at 64K with 16 / 16 (0.97), but 0.96x at 64K with 9 / 3 (0.87: 14
-# programs a head share the r >= 8 launches' 16-32 units unevenly); one item a program 0.87-0.93x. Session 46, by
-# head count: 1.01-1.06x at every balance from 0.907 (14 / 2 at 64K, the closest) to 0.97, 0.95x at 0.867 (9 / 3).
-# Measured from 64K query rows on; below, the one-warpgroup kernel's parts launch saves most (1.32x at 16K, session 41)
-# and the warp-specialized kernel was not timed.
+# programs. Whole-op forward A/Bs against it (H200, sessions 45-46), programs of one head each: 1.01-1.06x at every
+# balance from 0.907 (14 / 2 heads at 64K) to 0.97, 0.95x at 0.867 (9 / 3 at 64K); one item a program 0.87-0.93x.
+# Programs dealt to offset classes (session 46): 14 / 2 at 64K 1.04x (balance 0.956), 9 / 3 at 64K 0.99x (0.914), so
+# the line sits above 0.914; every case measured above it won. Measured from 64K query rows on; below, the
+# one-warpgroup kernel's parts launch saves most (1.32x at 16K, session 41) and the warp-specialized kernel was not
+# timed.
 WS_BALANCED_HEAD_DIMS = (64,)
-WS_BALANCE = 0.9
+WS_BALANCE = 0.92
 WS_BALANCED_MIN_ROWS = 65536
 
 
 def ws_balance(launches, heads: int, sms: int) -> float:
     """The share of the SMs' time the warp-specialized forward's persistent launches keep busy, summed over a call's
-    ``launches`` (``(n_items, items_per_group, max_q_rows)`` each) and weighted by their work: a launch of ``U`` units
-    (pairs of an item's tiles, each ``n_tiles + 1`` key tiles of work) a head and group on ``G`` programs a head and
-    group takes ``ceil(U / G)`` units' time on all the SMs. 0 where a launch would run one item a program."""
+    ``launches`` (``(n_items, items_per_group, max_q_rows, r)`` each) and weighted by their work: a launch's offset
+    class of ``n_c`` heads has ``n_c U`` units (pairs of an item's tiles, each ``n_tiles + 1`` key tiles of work) a
+    group on its ``G_c`` programs (``ws_schedule``), and the launch takes its slowest class's ``ceil(n_c U / G_c)``
+    units' time on all the SMs. 0 where a launch would run one item a program."""
     useful = busy = 0
-    for n_items, items_per_group, max_q_rows in launches:
-        grid, sched = ws_schedule(n_items, items_per_group, max_q_rows, heads, sms)
+    for n_items, items_per_group, max_q_rows, r in launches:
+        grid, sched = ws_schedule(n_items, items_per_group, max_q_rows, heads, r, sms)
         if not sched["PERSISTENT"]:
             return 0.0
-        G, _, groups = grid
-        units, cost = sched["n_items"] * sched["n_units"], sched["n_tiles"] + 1
+        groups, units, cost = grid[2], sched["n_items"] * sched["n_units"], sched["n_tiles"] + 1
         useful += heads * groups * units * cost
-        busy += sms * -(-units // G) * cost
+        busy += sms * max(-(-n_c * units // g) for n_c, g in zip(sched["sizes"], sched["per_class"])) * cost
     return useful / busy if busy else 0.0
 
 
@@ -145,29 +146,49 @@ WS_TILES = 2  # query tiles per program there at most: programs that run at once
 WS_FILL = 0.95
 
 
-def ws_schedule(n_items: int, items_per_group: int, max_q_rows: int, heads: int, sms: int) -> tuple[tuple, dict]:
+def ws_class_sizes(heads: int, r: int) -> list[int]:
+    """The heads of each offset class of a rate-``r`` launch: class ``c`` (``c < min(r, heads)``) holds heads ``c, c +
+    r, ...``, which select the same dilated rows (one descriptor origin), so a persistent program can walk all of
+    them (``dilated_fwd_ws_kernel``)."""
+    return [(heads - c + r - 1) // r for c in range(min(r, heads))]
+
+
+def ws_class_programs(sizes, heads: int, programs: int, units_per_head: int) -> list[int]:
+    """Programs of each offset class (``ws_class_sizes``) out of ``programs`` per group, in proportion to its heads
+    (class ``c`` takes ``programs x`` the heads of classes ``<= c`` ``// heads`` less the same for ``< c``, so all of
+    them are dealt) and no more than its units; the kernel computes the same."""
+    before = [sum(sizes[:c]) for c in range(len(sizes) + 1)]
+    return [min(programs * before[c + 1] // heads - programs * before[c] // heads, n_c * units_per_head)
+            for c, n_c in enumerate(sizes)]
+
+
+def ws_schedule(n_items: int, items_per_group: int, max_q_rows: int, heads: int, r: int,
+                sms: int) -> tuple[tuple, dict]:
     """The warp-specialized forward's grid and its schedule arguments (``dilated_fwd_ws_kernel``).
 
     Persistent where the items come in groups that share a batch row and column bases (``items_per_group``, e.g.
-    every contiguous layout): ``G`` programs per head and group, as many as the SMs hold one each, each walking every
-    ``G``-th unit (a pair of an item's tiles of equal causal work, or single tiles where pairs would leave SMs idle),
-    in item order. A program's descriptors, barriers and first loads are paid once for all its units, and a tile's
-    loads overlap the last one's epilogue (session 26's profile: two fifths of the consumers' time was per-tile cost
-    at 2048-row segments). Else, or where ``G`` programs per head and group fill under ``WS_FILL`` of the SMs, one
-    item a program: a unit of ``WS_TILES`` tiles where there is work for ``WS_WAVES`` programs per SM, else one tile
-    (more tiles per program overflowed L2 with the K / V of the items in flight, session 25). ``HF_DILATED_PERSISTENT``
-    off (``0`` / ``false`` / ``off`` / ``no``) keeps one item a program (``benchmarks/ab_gluon.py --switch
-    persistent``)."""
+    every contiguous layout): the SMs' programs are dealt to the launch's offset classes (heads ``c, c + r, ...``,
+    :func:`ws_class_sizes`) in proportion to their heads, and each walks every ``G_c``-th unit of its class (a pair of
+    an item's tiles of equal causal work, or single tiles where pairs would leave SMs idle), head by head and in item
+    order. So 9 heads at ``r = 1`` keep all 132 SMs busy, where programs of one head each kept 126. A program's
+    descriptors, barriers and first loads are paid once for all its units, and a tile's loads overlap the last one's
+    epilogue (session 26's profile: two fifths of the consumers' time was per-tile cost at 2048-row segments). Else,
+    or where the programs fill under ``WS_FILL`` of the SMs, one item a program: a unit of ``WS_TILES`` tiles where
+    there is work for ``WS_WAVES`` programs per SM, else one tile (more tiles per program overflowed L2 with the K / V
+    of the items in flight, session 25). ``HF_DILATED_PERSISTENT`` off (``0`` / ``false`` / ``off`` / ``no``) keeps
+    one item a program (``benchmarks/ab_gluon.py --switch persistent``)."""
     n_tiles = -(-max_q_rows // 128)
     pairs = -(-n_tiles // 2)
     groups = n_items // items_per_group if items_per_group else 0
-    if groups and heads * groups <= sms and switch("HF_DILATED_PERSISTENT"):
-        per_head = sms // (heads * groups)
+    sizes = ws_class_sizes(heads, r)
+    if groups and len(sizes) * groups <= sms and switch("HF_DILATED_PERSISTENT"):
+        programs = sms // groups
         for per_unit, n_units in ((2, pairs), (1, n_tiles)):
-            G = min(per_head, items_per_group * n_units)
-            if G * heads * groups >= WS_FILL * sms:
-                return (G, heads, groups), dict(G=G, n_tiles=n_tiles, n_units=n_units, n_items=items_per_group,
-                                                PER_UNIT=per_unit, PERSISTENT=True)
+            per_class = ws_class_programs(sizes, heads, programs, items_per_group * n_units)
+            if min(per_class) >= 1 and sum(per_class) * groups >= WS_FILL * sms:
+                return (max(per_class), len(sizes), groups), dict(
+                    G=programs, n_tiles=n_tiles, n_units=n_units, n_items=items_per_group, PER_UNIT=per_unit,
+                    PERSISTENT=True, per_class=per_class, sizes=sizes)
     per_program = max(1, min(n_tiles, WS_TILES, n_items * n_tiles * heads // (WS_WAVES * sms)))
     per_unit, n_units = (2, pairs) if per_program >= 2 else (1, n_tiles)
     if n_items * n_units >= 2**31 or heads > 65535:
@@ -367,14 +388,16 @@ if gluon is not None:
                        stride_lh, o_layout, HEAD_DIM, BLOCK_M, LAST, PL, base, PARTS)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
-    # ---- the warp-specialized forward (head dim 128) --------------------------------------------------------------
-    # A program walks *units* of one head: a unit is a segment item's 128-row query tiles ``T - 1 - j`` and ``j``
-    # (``PER_UNIT`` 2: equal causal work in every unit) or tile ``T - 1 - j`` alone (``PER_UNIT`` 1), ``T`` the
-    # launch's most tiles per item. Its units are ``k, k + G, ...`` of the ``n_items`` items from ``it0``, in item
-    # order, so the programs of a head that run at once read the K / V of one item (L2). ``PERSISTENT``: the grid is
-    # ``(G, heads, groups)`` with ``G`` programs per head and group of items that share a batch row and column bases
-    # (``BranchItems.items_per_group``), at most one program per SM, so a program's first loads and descriptors are
-    # paid once for many units; else ``(items x G, heads)``, one item a program (packed or padded layouts).
+    # ---- the warp-specialized forward (head dim 128, and 64 by balance) -------------------------------------------
+    # A program walks *units*: a unit is a segment item's 128-row query tiles ``T - 1 - j`` and ``j`` (``PER_UNIT`` 2:
+    # equal causal work in every unit) or tile ``T - 1 - j`` alone (``PER_UNIT`` 1), ``T`` the launch's most tiles per
+    # item, of one head. ``PERSISTENT``: the grid is ``(G_c, classes, groups)``, a launch's offset classes (heads ``c,
+    # c + r, ...``: the same dilated rows) sharing ``G`` programs per group of items that share a batch row and column
+    # bases (``BranchItems.items_per_group``) in proportion to their heads, at most one program per SM, so a
+    # program's first loads and descriptors are paid once for many units. A class's units are numbered head by head,
+    # each head's in item order, and a program takes ``k, k + G_c, ...``: the programs that run at once read the K / V
+    # of one item (L2), and the SMs stay busy whatever the head count (programs of one head each left 6 of 132 SMs
+    # idle at 9 heads, 12 at 24). Else ``(items x G, heads)``, one item a program (packed or padded layouts).
     # A producer warp reads each tile's Q and streams its K / V tiles (128 keys) through ``STAGES`` buffers
     # (``hopper.ws_copy_kv``), running on into the next tile (its Q once both consumers issued their last scores,
     # ``q_empty``), so that tile's loads overlap this one's last ``P V`` and epilogue. Each of two consumer warpgroups
@@ -384,17 +407,23 @@ if gluon is not None:
     # read each K / V tile from one copy and drift apart by up to ``STAGES`` tiles. Causal, the first consumer's rows
     # may see one key tile fewer: it releases the tiles it skips once they arrived (an early release would count for
     # the buffer's previous tile).
-    # The descriptors are made once per program: over the item's dilated rows (zeros past them), or, persistent, over
-    # every column of the head in the items' offset class (row stride ``r``), a tile at the row of its first column.
+    # The descriptors are made once per program, over every head (``hopper.heads_desc``: a tile's head is a
+    # coordinate, so a program crosses heads without new descriptors): over the item's dilated rows (zeros past
+    # them), or, persistent, over every column in the class's offset class (row stride ``r``), a tile at the row of its
+    # first column. Only the producer reads through them.
 
     @gluon.jit
-    def _ws_tile(i, T, h, head_offset, r, k, G, it0, n_tiles, n_units, q_org, k_org, PER_UNIT: gl.constexpr,
-                 BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """The program's ``i``-th tile slot: ``(live, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row)``
-        -- whether it holds query rows (a short item's missing tiles and a unit's repeated middle tile do not), the
-        item's batch row, query column base and bounds, the head's offset class, the tile's first query position, how
-        many key tiles some row of it sees, and the descriptor rows of its first query and of the item's first key."""
+    def _ws_tile(i, T, h0, head_offset, r, k, G, it0, n_items, n_tiles, n_units, q_org, k_org,
+                 PER_UNIT: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """The program's ``i``-th tile slot: ``(live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row,
+        k_row)`` -- whether it holds query rows (a short item's missing tiles and a unit's repeated middle tile do
+        not), its head (of the class from ``h0``: ``h0 + r``, ... after every ``n_items x n_units`` units), the item's
+        batch row, query column base and bounds, the head's offset class, the tile's first query position, how many
+        key tiles some row of it sees, and the descriptor rows of its first query and of the item's first key."""
         unit = k + (i // PER_UNIT) * G
+        per_head = n_items * n_units
+        h = h0 + (unit // per_head) * r
+        unit = unit % per_head
         s = i % PER_UNIT
         j = unit % n_units
         tile = gl.where(s == 0, n_tiles - 1 - j, j)
@@ -407,15 +436,15 @@ if gluon is not None:
         n_kt = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, 128, BLOCK_N, IS_CAUSAL)[3]
         q_row = (qbase + q_first - q_org) // r + tile * 128
         k_row = (kbase + k_first - k_org) // r
-        return live, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row
+        return live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row
 
     @gluon.jit
     def _ws_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_UNIT: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr):
         """Output and lse of rows ``64 WG ..`` of each of the program's query tiles."""
-        (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h, head_offset, r,
-         qk_scale, k, G, it0, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-         v_ready, empty) = a
+        (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,
+         group, qk_scale, k, G, it0, n_items, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar,
+         q_empty, k_ready, v_ready, empty) = a
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
         o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
@@ -428,8 +457,9 @@ if gluon is not None:
         c = 0  # key tiles streamed for the program's earlier query tiles
         n_q = 0  # query tiles read before
         for i in range(n_slots):
-            live, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row = _ws_tile(
-                i, T, h, head_offset, r, k, G, it0, n_tiles, n_units, q_org, k_org, PER_UNIT, BLOCK_N, IS_CAUSAL)
+            live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row = _ws_tile(
+                i, T, h0, head_offset, r, k, G, it0, n_items, n_tiles, n_units, q_org, k_org, PER_UNIT, BLOCK_N,
+                IS_CAUSAL)
             if live:
                 p_w = p_min + WG * 64 * r
                 k_first, n_k, n_plain, n_own, shift = query_tile_keys(p_w, q_hi, k_lo, k_hi, off, r, 64, BLOCK_N,
@@ -495,25 +525,26 @@ if gluon is not None:
     def _ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_UNIT: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, q_desc, k_desc, v_desc):
         """Each query tile's Q (two 64-row tiles, once both consumers are done with the last), then its key tiles."""
-        (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h, head_offset, r,
-         qk_scale, k, G, it0, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-         v_ready, empty) = a
+        (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,
+         group, qk_scale, k, G, it0, n_items, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar,
+         q_empty, k_ready, v_ready, empty) = a
         dtype: gl.constexpr = q_smem.dtype
         Q_BYTES: gl.constexpr = 64 * HEAD_DIM * dtype.primitive_bitwidth // 8
         KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
         c = 0
         n_q = 0
         for i in range(n_slots):
-            live, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row = _ws_tile(
-                i, T, h, head_offset, r, k, G, it0, n_tiles, n_units, q_org, k_org, PER_UNIT, BLOCK_N, IS_CAUSAL)
+            live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row = _ws_tile(
+                i, T, h0, head_offset, r, k, G, it0, n_items, n_tiles, n_units, q_org, k_org, PER_UNIT, BLOCK_N,
+                IS_CAUSAL)
             if live:
                 mbarrier.wait(q_empty, (n_q & 1) ^ 1)
                 mbarrier.expect(q_bar, 2 * Q_BYTES)
-                tma_load(q_desc, [q_row, 0], q_bar, q_smem.index(0))
-                tma_load(q_desc, [q_row + 64, 0], q_bar, q_smem.index(1))
+                tma_load(q_desc, [h, q_row, 0], q_bar, q_smem.index(0).reshape([1, 64, HEAD_DIM]))
+                tma_load(q_desc, [h, q_row + 64, 0], q_bar, q_smem.index(1).reshape([1, 64, HEAD_DIM]))
                 for t in range(0, n_kt):
                     ws_copy_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, c + t, k_row + t * BLOCK_N,
-                               STAGES, KV_BYTES)
+                               STAGES, KV_BYTES, h // group)
                 c += n_kt
                 n_q += 1
 
@@ -525,29 +556,35 @@ if gluon is not None:
         stride_vb, stride_vh, stride_vn,
         stride_ob, stride_oh, stride_on,
         stride_lb, stride_lh,
-        head_offset, group, r, qk_scale, n_tiles, n_prev, G, n_units, n_items,
+        head_offset, group, r, qk_scale, n_tiles, n_prev, G, n_units, n_items, heads,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         PER_UNIT: gl.constexpr, PERSISTENT: gl.constexpr, IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr,
         LAST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """``dilated_fwd_hopper_kernel``'s contract for the ``BLOCK_M`` = 128-row query tiles of the program's units
         (``_ws_producer`` and two ``_ws_consumer`` s): ``n_tiles`` tiles an item at most, ``n_units`` units an item,
-        ``G`` programs per item (``PERSISTENT``: per head and group of ``n_items`` items; grid ``(G, heads,
-        groups)``), else ``(items x G, heads)``."""
+        ``G`` programs per item (``PERSISTENT``: ``G`` per group of ``n_items`` items, dealt to the launch's offset
+        classes in proportion to their heads, ``forward_hopper.ws_schedule``; grid ``(most programs of a class,
+        classes, groups)``), else ``(items x G, heads)``."""
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        h = gl.program_id(1)
+        h0 = gl.program_id(1)  # the class's first head (one head a program when not persistent)
         if PERSISTENT:
             k = gl.program_id(0)
             it0 = gl.program_id(2) * n_items
+            n_c = (heads - h0 + r - 1) // r  # the class's heads: h0, h0 + r, ...
+            before = (heads // r) * h0 + gl.minimum(heads % r, h0)  # heads of the classes before
+            G = gl.minimum(G * (before + n_c) // heads - G * before // heads, n_c * n_items * n_units)
+            G = gl.maximum(G, 1)  # (``ws_class_programs``)
+            n_slots = gl.where(k < G, gl.maximum(n_c * n_items * n_units - k + G - 1, 0) // G * PER_UNIT, 0)
         else:
             k = gl.program_id(0) % G
             it0 = gl.program_id(0) // G
             n_items = 1
-        n_slots = gl.maximum(n_items * n_units - k + G - 1, 0) // G * PER_UNIT
+            n_slots = gl.maximum(n_units - k + G - 1, 0) // G * PER_UNIT
         b, qbase, kbase, q_lo, q_hi, k_lo, k_hi = load_item(T, it0)
-        off = (h + head_offset) % r
+        off = (h0 + head_offset) % r
         q_first = first_selected(q_lo, off, r)
         k_first = first_selected(k_lo, off, r)
         if PERSISTENT:  # the head's columns in the offset class, up to the group's last item's last query / key:
@@ -562,12 +599,14 @@ if gluon is not None:
             k_org = kbase + k_first
             n_q = n_rows(q_first, q_hi, r)
             n_k = n_rows(k_first, k_hi, r)
-        kvh = (h // group).to(gl.int64)
-        q_desc = row_desc(Q + b * stride_qb + h.to(gl.int64) * stride_qh + q_org.to(gl.int64) * stride_qn,
-                          gl.maximum(n_q, 1), r * stride_qn, 64, HEAD_DIM, q_layout)
+        # over every head (a tile's head is a coordinate): the class's heads share the rows' origin
+        q_desc = heads_desc(Q + b * stride_qb + q_org.to(gl.int64) * stride_qn, heads, gl.maximum(n_q, 1), stride_qh,
+                            r * stride_qn, 64, HEAD_DIM, dtype)
         # each consumer masks what its rows may not see
-        k_desc, v_desc = kv_descs(K, V, b, kvh, k_org, 0, n_k, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                                  stride_vn, r, BLOCK_N, HEAD_DIM, kv_layout)
+        k_desc = heads_desc(K + b * stride_kb + k_org.to(gl.int64) * stride_kn, heads // group, gl.maximum(n_k, 1),
+                            stride_kh, r * stride_kn, BLOCK_N, HEAD_DIM, dtype)
+        v_desc = heads_desc(V + b * stride_vb + k_org.to(gl.int64) * stride_vn, heads // group, gl.maximum(n_k, 1),
+                            stride_vh, r * stride_vn, BLOCK_N, HEAD_DIM, dtype)
         q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -575,9 +614,9 @@ if gluon is not None:
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_empty, count=2)
         fence_async_shared()
-        a = (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h, head_offset, r,
-             qk_scale, k, G, it0, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar, q_empty,
-             k_ready, v_ready, empty)
+        a = (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,
+             group, qk_scale, k, G, it0, n_items, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem,
+             q_bar, q_empty, k_ready, v_ready, empty)
         gl.warp_specialize([(_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, MERGE, LAST, 0)),
                             (_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, MERGE, LAST, 1)),
                             (_ws_producer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, q_desc, k_desc,

@@ -137,6 +137,16 @@ if gluon is not None:
                                           block_shape=[BLOCK_ROWS, HEAD_DIM], layout=layout)
 
     @gluon.jit
+    def heads_desc(base, heads, n, head_stride, row_stride, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   dtype: gl.constexpr):
+        """:func:`row_desc` over ``heads`` heads at once (``head_stride`` apart, ``n`` rows each): a tile's head is the
+        first coordinate, a copy lands in a ``[1, BLOCK_ROWS, HEAD_DIM]`` view of a 2-D buffer laid out for
+        ``[BLOCK_ROWS, HEAD_DIM]``. Rows past ``n`` read as zeros in every head."""
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_ROWS, HEAD_DIM], dtype)
+        return tma.make_tensor_descriptor(base, shape=[heads, n, HEAD_DIM], strides=[head_stride, row_stride, 1],
+                                          block_shape=[1, BLOCK_ROWS, HEAD_DIM], layout=layout)
+
+    @gluon.jit
     def load_item(T, item):
         """``tiles.load_item`` in Gluon: ``(b, q_base, k_base, q_lo, q_hi, k_lo, k_hi)`` of work item ``item``
         (``schedule.py``), ``b`` as int64."""
@@ -423,16 +433,24 @@ if gluon is not None:
 
     @gluon.jit
     def ws_copy_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, t, row, STAGES: gl.constexpr,
-                   NBYTES: gl.constexpr):
-        """The producer's step: key tile ``t``'s K and V (``NBYTES`` each, from row ``row`` of the descriptors) into
-        buffer ``t % STAGES`` once both consumers released its last use, each copy under its own ready barrier (so
-        the scores need not wait for V)."""
+                   NBYTES: gl.constexpr, head=None):
+        """The producer's step: key tile ``t``'s K and V (``NBYTES`` each, from row ``row`` of the descriptors, and of
+        kv head ``head`` for :func:`heads_desc` ones) into buffer ``t % STAGES`` once both consumers released its
+        last use, each copy under its own ready barrier (so the scores need not wait for V)."""
         st = t % STAGES
         mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(st), NBYTES)
-        tma_load(k_desc, [row, 0], k_ready.index(st), k_smem.index(st))
+        if head is None:
+            tma_load(k_desc, [row, 0], k_ready.index(st), k_smem.index(st))
+        else:
+            k_buf = k_smem.index(st)
+            tma_load(k_desc, [head, row, 0], k_ready.index(st), k_buf.reshape([1, k_buf.shape[0], k_buf.shape[1]]))
         mbarrier.expect(v_ready.index(st), NBYTES)
-        tma_load(v_desc, [row, 0], v_ready.index(st), v_smem.index(st))
+        if head is None:
+            tma_load(v_desc, [row, 0], v_ready.index(st), v_smem.index(st))
+        else:
+            v_buf = v_smem.index(st)
+            tma_load(v_desc, [head, row, 0], v_ready.index(st), v_buf.reshape([1, v_buf.shape[0], v_buf.shape[1]]))
 
     # The dQ pipeline (``backward_hopper.dilated_bwd_dq_hopper_kernel``): per key tile, ``S = Q K^T`` and
     # ``dP = dO V^T`` are issued, then the previous tile's ``dQ += dS K``; the exponentials of this tile run while
@@ -605,7 +623,7 @@ if gluon is not None:
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
     query_tile_keys = row_desc = dkdv_buffers = dkdv_scores = dkdv_products = lse_base2 = first_selected = n_rows = None
     dkdv_dq_products = register_product = score_buffers = None
-    written_before = load_item = item_query_tile = kv_descs = kv_prefetch = None
+    written_before = load_item = item_query_tile = kv_descs = kv_prefetch = heads_desc = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
     softmax_first = softmax_step = softmax_start = softmax_finish = None
     dq_first = dq_step = dq_last = ws_barriers = ws_copy_kv = mma_layout = None

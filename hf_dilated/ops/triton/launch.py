@@ -337,7 +337,7 @@ def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_va
         rec.count("forward_tma")
     gluon = forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
     ws = gluon and forward_hopper.ws_applies(  # warp-specialized: head dim 128, and 64 where balanced
-        q, flags, tma, [(it.n_items, it.items_per_group, it.max_q_rows) for _, _, it in order], sm_count(q.device))
+        q, flags, tma, [(it.n_items, it.items_per_group, it.max_q_rows, r) for _, r, it in order], sm_count(q.device))
     if gluon:
         gcfg = forward_hopper.ws_launch_config() if ws else forward_hopper.launch_config(D)
         gkernel = forward_hopper.dilated_fwd_ws_kernel if ws else forward_hopper.dilated_fwd_hopper_kernel
@@ -370,10 +370,10 @@ def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_va
                 common.update(merge_cfg if merge["PARTS"] and merge["LAST"] else dict(MAX_PARTS=0))
             if ws:  # programs over units of an item's query tiles, persistent where the items allow
                 it = order[j][2]
-                grid, sched = forward_hopper.ws_schedule(it.n_items, it.items_per_group, it.max_q_rows, H,
+                grid, sched = forward_hopper.ws_schedule(it.n_items, it.items_per_group, it.max_q_rows, H, r,
                                                          sm_count(q.device))
                 rec.run(gkernel, grid, *args, sched["n_tiles"], n_prev, sched["G"], sched["n_units"],
-                        sched["n_items"], PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
+                        sched["n_items"], H, PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
                 rec.count("forward_persistent", sched["PERSISTENT"])
             else:
                 rec.run(gkernel, grid, *args, n_tiles, n_prev, **common)
