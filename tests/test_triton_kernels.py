@@ -1048,6 +1048,35 @@ def _longnet_launches(H: int, N: int):
     return [(it.n_items, it.items_per_group, it.max_q_rows, r) for _, r, it in order]
 
 
+def test_ws_class_schedule_walks_every_unit_of_every_head_once():
+    """The persistent warp-specialized forward's programs (``dilated_fwd_ws_kernel``, which the CPU cannot run):
+    program ``k`` of class ``h0`` takes ``G_c`` from the kernel's closed form, then units ``k, k + G_c, ...`` of its
+    class, head ``h0 + r (unit // per_head)``. Transcribed here, for many head counts, rates and SM counts: every
+    (head, unit) is walked exactly once, ``G_c`` is ``ws_class_programs``' and, where ``ws_schedule`` would take the
+    schedule (every class has programs), no more programs run than it was given."""
+    from hf_dilated.ops.triton import forward_hopper as fh
+
+    for heads in (1, 2, 3, 5, 8, 9, 14, 16, 24, 28, 40):
+        for r in (1, 2, 3, 4, 8, 16, 32):
+            for programs, per_head in ((132, 16), (132, 1), (66, 8), (7, 3)):
+                sizes = fh.ws_class_sizes(heads, r)
+                per_class = fh.ws_class_programs(sizes, heads, programs, per_head)
+                assert sum(sizes) == heads and sum(per_class) <= programs
+                seen, running = Counter(), 0
+                for h0, n_c in enumerate(sizes):
+                    before = (heads // r) * h0 + min(heads % r, h0)  # as the kernel computes them
+                    G = max(min(programs * (before + n_c) // heads - programs * before // heads, n_c * per_head), 1)
+                    assert G == max(per_class[h0], 1)
+                    for k in range(max(per_class)):
+                        n_slots = max(n_c * per_head - k + G - 1, 0) // G if k < G else 0
+                        running += k < G
+                        for i in range(n_slots):
+                            unit = k + i * G
+                            seen[h0 + (unit // per_head) * r, unit % per_head] += 1
+                assert seen == Counter({(h, u): 1 for h in range(heads) for u in range(per_head)}), (heads, r)
+                assert running <= programs or min(per_class) == 0  # (a class without programs: not persistent)
+
+
 def test_ws_balance_takes_head_dim_64_where_programs_divide_evenly():
     """At head dim 64 the warp-specialized forward runs where its persistent programs keep ``WS_BALANCE`` of the SMs'
     time busy (132 SMs): 16 heads (every launch's units divide evenly) and 9 heads at 256K, not 9 heads at 64K.
