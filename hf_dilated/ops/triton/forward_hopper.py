@@ -46,8 +46,9 @@ import torch
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, heads_desc,
     item_query_tile, kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, part_query_tile,
-    query_tile_buffers, query_tile_keys, release_barriers, row_desc, runnable, softmax_finish, softmax_start,
-    softmax_step, switch, tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
+    query_tile_buffers, query_tile_keys, release_barriers, row_desc, rows_copy, runnable, softmax_finish,
+    softmax_start, softmax_step, switch, tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers,
+    ws_copy_kv,
 )
 from .tiles import LOG2E, PART_COLUMNS
 
@@ -540,8 +541,8 @@ if gluon is not None:
             if live:
                 mbarrier.wait(q_empty, (n_q & 1) ^ 1)
                 mbarrier.expect(q_bar, 2 * Q_BYTES)
-                tma_load(q_desc, [h, q_row, 0], q_bar, q_smem.index(0).reshape([1, 64, HEAD_DIM]))
-                tma_load(q_desc, [h, q_row + 64, 0], q_bar, q_smem.index(1).reshape([1, 64, HEAD_DIM]))
+                rows_copy(q_desc, q_row, h, q_bar, q_smem.index(0))
+                rows_copy(q_desc, q_row + 64, h, q_bar, q_smem.index(1))
                 for t in range(0, n_kt):
                     ws_copy_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, c + t, k_row + t * BLOCK_N,
                                STAGES, KV_BYTES, h // group)

@@ -147,6 +147,16 @@ if gluon is not None:
                                           block_shape=[1, BLOCK_ROWS, HEAD_DIM], layout=layout)
 
     @gluon.jit
+    def rows_copy(desc, row, head, bar, buf):
+        """The TMA copy of the tile at ``row`` of ``desc`` into ``buf`` under ``bar``: of a :func:`row_desc`
+        (``head`` None), or of head ``head`` of a :func:`heads_desc`, landing in a ``[1, rows, HEAD_DIM]`` view of the
+        2-D buffer."""
+        if head is None:
+            tma_load(desc, [row, 0], bar, buf)
+        else:
+            tma_load(desc, [head, row, 0], bar, buf.reshape([1, buf.shape[0], buf.shape[1]]))
+
+    @gluon.jit
     def load_item(T, item):
         """``tiles.load_item`` in Gluon: ``(b, q_base, k_base, q_lo, q_hi, k_lo, k_hi)`` of work item ``item``
         (``schedule.py``), ``b`` as int64."""
@@ -440,17 +450,9 @@ if gluon is not None:
         st = t % STAGES
         mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(st), NBYTES)
-        if head is None:
-            tma_load(k_desc, [row, 0], k_ready.index(st), k_smem.index(st))
-        else:
-            k_buf = k_smem.index(st)
-            tma_load(k_desc, [head, row, 0], k_ready.index(st), k_buf.reshape([1, k_buf.shape[0], k_buf.shape[1]]))
+        rows_copy(k_desc, row, head, k_ready.index(st), k_smem.index(st))
         mbarrier.expect(v_ready.index(st), NBYTES)
-        if head is None:
-            tma_load(v_desc, [row, 0], v_ready.index(st), v_smem.index(st))
-        else:
-            v_buf = v_smem.index(st)
-            tma_load(v_desc, [head, row, 0], v_ready.index(st), v_buf.reshape([1, v_buf.shape[0], v_buf.shape[1]]))
+        rows_copy(v_desc, row, head, v_ready.index(st), v_smem.index(st))
 
     # The dQ pipeline (``backward_hopper.dilated_bwd_dq_hopper_kernel``): per key tile, ``S = Q K^T`` and
     # ``dP = dO V^T`` are issued, then the previous tile's ``dQ += dS K``; the exponentials of this tile run while
@@ -623,7 +625,7 @@ if gluon is not None:
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
     query_tile_keys = row_desc = dkdv_buffers = dkdv_scores = dkdv_products = lse_base2 = first_selected = n_rows = None
     dkdv_dq_products = register_product = score_buffers = None
-    written_before = load_item = item_query_tile = kv_descs = kv_prefetch = heads_desc = None
+    written_before = load_item = item_query_tile = kv_descs = kv_prefetch = heads_desc = rows_copy = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
     softmax_first = softmax_step = softmax_start = softmax_finish = None
     dq_first = dq_step = dq_last = ws_barriers = ws_copy_kv = mma_layout = None
