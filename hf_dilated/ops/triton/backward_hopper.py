@@ -73,9 +73,12 @@ bit for bit those of the 8-warp program. To fit 240 registers (the 8-warp progra
 shared memory where they are used, ``dP^T`` is issued after the exponentials, and ``dS^T``'s double buffer keeps the
 dQ product's operand descriptors from being hoisted out of the step loop and spilled (360 -> 80-108 bytes of spills,
 4-7 reloads a step). Backward 1.02-1.04x at H 16 and 0.99-1.02x with GQA 32 / 8 (16K-256K, H100,
-``results/ab_ws_dkdv_backward-dilated-session29-*``). Several heads a class (GQA's r = 1, 2 launches) keep the 8-warp
-program: a head loop here compiled (9-13 reloads a step, ``results/ws_dkdv_head_loop-session29-compile_only.json``)
-but has not run on a GPU.
+``results/ab_ws_dkdv_backward-dilated-session29-*``). Since session 48 ``P^T`` is the register A operand of the dV
+product (where the 8-warp program keeps it in shared memory): one shared-memory tile, its stores and a proxy fence a
+step fewer, spills 32-40 bytes, 2 reloads a step; forward+backward 1.03 / 1.04 / 1.05x at 64K / 256K / 16K (H 16) and
+1.006x with GQA 32 / 8 on the H200, dK and dV unchanged bit for bit. Several heads a class (GQA's r = 1, 2
+launches) keep the 8-warp program: a head loop here compiled (9-13 reloads a step,
+``results/ws_dkdv_head_loop-session29-compile_only.json``) but has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -437,9 +440,9 @@ if gluon is not None:
     # ---- the warp-specialized fused dK/dV (head dim 128, one query head per class) --------------------------------
     # ``dilated_bwd_dkdv_hopper_kernel``'s FUSED_DQ program (128 keys, 64-query steps, dQ by TMA reduce-add) with its
     # roles split: a producer warp copies K / V once and each step's Q / dO (two buffers, released by both consumers),
-    # and each consumer warpgroup owns 64 of the keys. A consumer's dV / dK products, its P^T / dS^T and its dK / dV
-    # sums are its own; the step's dQ needs dS^T of all 128 keys, so the two meet once a step (``ds_ready``: both
-    # halves written, in buffer s % 2) and each adds its half of dQ's columns.
+    # and each consumer warpgroup owns 64 of the keys. A consumer's dV / dK products, its P^T (in registers) / dS^T and
+    # its dK / dV sums are its own; the step's dQ needs dS^T of all 128 keys, so the two meet once a step
+    # (``ds_ready``: both halves written, in buffer s % 2) and each adds its half of dQ's columns.
 
     @gluon.jit
     def _dkdv_ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, q_desc, do_desc, k_desc, v_desc):
@@ -448,7 +451,7 @@ if gluon is not None:
         (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, head_offset, r, n_prev, kbase, k_first, n_k,
          j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb,
          stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb,
-         stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready,
+         stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready,
          empty, ds_ready) = a
         dtype: gl.constexpr = k_smem.dtype
         BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -471,11 +474,14 @@ if gluon is not None:
                           MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc):
         """dK and dV of keys ``64 WG ..`` of the program's tile, and columns ``HEAD_DIM / 2 * WG ..`` of each step's
         dQ share (``dq_desc``): ``hopper.dkdv_dq_products``'s products, each summed in the same order (``dP^T`` is
-        issued after the exponentials rather than beside ``S^T``: 32 registers fewer while they run)."""
+        issued after the exponentials rather than beside ``S^T``: 32 registers fewer while they run). ``P^T`` is the
+        register A operand of ``dV += P^T dO``, held until the step's dQ wait retires it: no shared-memory tile, store
+        or proxy fence for it (session 48: spills 80-108 -> 32-40 bytes, forward+backward 1.03-1.05x at H 16, dK / dV
+        bit for bit as before). ``dS^T`` stays in shared memory: the dQ product reads it transposed."""
         (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, head_offset, r, n_prev, kbase, k_first, n_k,
          j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb,
          stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb,
-         stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready,
+         stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready,
          empty, ds_ready) = a
         dtype: gl.constexpr = k_smem.dtype
         KW: gl.constexpr = 64  # keys per warpgroup
@@ -485,9 +491,9 @@ if gluon is not None:
         dq_layout: gl.constexpr = mma_layout(4, DH)
         key_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_axis: gl.constexpr = gl.SliceLayout(0, s_layout)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)  # P^T
         k_w = k_smem.slice(WG * KW, KW)
         v_w = v_smem.slice(WG * KW, KW)
-        p_w = p_smem.slice(WG * KW, KW)
         k_cols = k_smem.slice(WG * DH, DH, dim=1)
         dq_w = dq_smem.index(WG)
         kidx = WG * KW + gl.arange(0, KW, layout=key_axis)
@@ -528,9 +534,8 @@ if gluon is not None:
                 qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
                 pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
             dpT = warpgroup_mma(v_w, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            p_w.store(pT.to(dtype))
-            fence_async_shared()
-            dv = warpgroup_mma(p_w, dos, dv, is_async=True)
+            pa = gl.convert_layout(pT.to(dtype), a_layout)
+            dv = warpgroup_mma(pa, dos, dv, is_async=True)
             dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
             ds = (pT * (dpT - delta_w.load(query_axis)[None, :])).to(dtype)
             # dS^T in buffer s % 2: its last readers, the step before last's dQ products, are done (each
@@ -545,7 +550,7 @@ if gluon is not None:
             dq_zero = gl.zeros([BLOCK_Q, DH], gl.float32, layout=dq_layout)
             dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
             dk = warpgroup_mma(ds_w, qs, dk, is_async=True)
-            dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))  # also retires dV, issued before it
+            dq, pa = warpgroup_mma_wait(num_outstanding=1, deps=(dq, pa))  # also retires dV (and frees P^T)
             tma.store_wait(0)  # the last step's reduce has read the tile
             dq_w.store(dq * scale)
             fence_async_shared()
@@ -585,7 +590,7 @@ if gluon is not None:
         gl.static_assert(HEADS == 1 and FUSED_DQ and PART == 0 and BLOCK_N == 128)
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
-        p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
+        ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
         dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM // 2], gl.float32)
 
         kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = _key_tile(
@@ -618,8 +623,7 @@ if gluon is not None:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
         q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
         do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], p_smem_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_Q], p_smem_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_Q], ds_smem_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_Q, HEAD_DIM // 2], dq_smem_layout)
         # each consumer's step rows of lse (base 2) and delta, read where they are used (in registers along the score
         # tile's columns they took 32 registers a thread through the step)
@@ -641,7 +645,7 @@ if gluon is not None:
         a = (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, kvh * group, group, h0, head_offset, r, n_prev, kbase,
              k_first, n_k, j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb,
              stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh,
-             stride_xkn, stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem,
+             stride_xkn, stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
              rows_smem, kv_bar, ready, empty, ds_ready)
         gl.warp_specialize([(_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, IS_CAUSAL, MERGE, LAST, 0, dq_desc0)),
                             (_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, IS_CAUSAL, MERGE, LAST, 1, dq_desc1)),
