@@ -873,16 +873,15 @@ def test_gluon_kernels_coverage(monkeypatch, which):
         # at head dim 128 one dK/dV launch adds dQ too (two warpgroups, 128 keys), unless switched off or
         # deterministic algorithms are asked for (its reduce-adds land in no fixed order)
         assert [d for d in (64, 128, 256) if kernel.fused_dq_launch_config(d)] == [128]
-        # warp-specialized (a producer warp, two consumer warpgroups) where a class holds one query head, unless
-        # HF_DILATED_WS_DKDV is off: then one program of 8 warps, as with several heads a class
+        # warp-specialized (a producer warp, two consumer warpgroups) at any number of query heads a class, unless
+        # HF_DILATED_WS_DKDV is off: then one program of 8 warps
         ws = kernel.fused_dq_launch_config(128)
         assert ws == dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True, **hopper.WS_LAUNCH)
         one = dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True, num_warps=8)
-        assert kernel.dkdv_kernel(ws, 1) == (kernel.dilated_bwd_dkdv_ws_kernel, ws)
-        assert kernel.dkdv_kernel(ws, 2) == (kernel.dilated_bwd_dkdv_hopper_kernel, one)
+        assert kernel.dkdv_kernel(ws) == (kernel.dilated_bwd_dkdv_ws_kernel, ws)
         monkeypatch.setenv("HF_DILATED_WS_DKDV", "off")
         assert kernel.fused_dq_launch_config(128) == one
-        assert kernel.dkdv_kernel(one, 1) == (kernel.dilated_bwd_dkdv_hopper_kernel, one)
+        assert kernel.dkdv_kernel(one) == (kernel.dilated_bwd_dkdv_hopper_kernel, one)
         monkeypatch.setenv("HF_DILATED_WS_DKDV", "sometimes")
         with pytest.raises(ValueError, match="HF_DILATED_WS_DKDV must be one of"):
             kernel.fused_dq_launch_config(128)
@@ -1192,13 +1191,31 @@ def test_gpu_nan_in_padding_reaches_no_output(rng, monkeypatch, gluon, side):
         assert torch.equal(poisoned[rows], clean[rows]), f"{name} of a real row changed with the padding's values"
 
 
+# test_gpu_warp_specialized_dkdv's cases: (B, H, Hk, N, dtype, keyword arguments); "branches" replaces
+# LONGNET_SMALL, "mask" pads the second batch row's first 777 keys, "chunked" runs one kv head at a time (heads from
+# h0 > 0 in the kernel)
+WS_DKDV_CASES = {
+    "causal": (2, 8, 8, 3000, torch.bfloat16, dict(head_offset=3)),
+    "bidirectional": (1, 8, 8, 2500, torch.float16, dict(is_causal=False, head_offset=1)),
+    "gqa-4-heads-a-class": (1, 16, 4, 2200, torch.bfloat16, dict(head_offset=1)),  # 4 a class at r 1, 1 at r 4
+    # 6 / 3 / 2 heads a class at r 1 / 2 / 4 (at r 4 two classes of 2 and two of 1)
+    "gqa-6-heads-a-class": (2, 24, 4, 1800, torch.bfloat16, dict(head_offset=2)),
+    "gqa-uneven": (1, 12, 4, 1700, torch.float16, dict(is_causal=False)),  # 3 / 2 (uneven) / 1 at r 1 / 2 / 4
+    "padding": (2, 8, 8, 2048, torch.bfloat16, dict(mask=True)),
+    "one-launch": (1, 4, 4, 1500, torch.bfloat16, dict(branches=[(DENSE_SEGMENT, 1)])),
+    "head-chunks": (1, 4, 4, 2100, torch.bfloat16, dict(head_offset=2, chunked=True)),
+    "head-chunks-gqa": (1, 8, 2, 2100, torch.bfloat16, dict(head_offset=2, chunked=True)),  # 4 / 2 a class at r 1 / 2
+}
+
+
 @pytest.mark.gpu
-def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
-    """By default (``HF_DILATED_WS_DKDV``) at head dim 128 the fused dK/dV runs warp-specialized (a producer warp, two consumer
-    warpgroups of 64 keys that meet once a step for dQ) where a class holds one query head, the one-program kernel
-    elsewhere; against the float64 oracle (causal and bidirectional, ragged segments, GQA with one and several heads a
-    class, padding, head chunks), dK and dV bit for bit those of the one-program kernel (the same products in the same
-    order), dQ to rounding (reduce-adds in no fixed order), and the warp-specialized kernel seen to run."""
+@pytest.mark.parametrize("case", list(WS_DKDV_CASES))
+def test_gpu_warp_specialized_dkdv(rng, monkeypatch, case):
+    """By default (``HF_DILATED_WS_DKDV``) at head dim 128 the fused dK/dV runs warp-specialized (a producer warp,
+    two consumer warpgroups of 64 keys that meet once a step for dQ) at any number of query heads a class; against
+    the float64 oracle (causal and bidirectional, ragged segments, GQA with one and several heads a class, padding,
+    head chunks: ``WS_DKDV_CASES``), dK and dV bit for bit those of the one-program kernel (the same products in the
+    same order), dQ to rounding (reduce-adds in no fixed order), and the warp-specialized kernel seen to run."""
     _gpu_skip()
     from hf_dilated.ops.triton import backward_hopper, configs
 
@@ -1206,38 +1223,29 @@ def test_gpu_warp_specialized_dkdv(rng, monkeypatch):
         pytest.skip("the Gluon kernel is for sm_90")
     monkeypatch.setenv("HF_DILATED_WS_DKDV", "1")
     assert "CONSUMER_REGS" in backward_hopper.fused_dq_launch_config(128)
-    bf16 = torch.bfloat16
-
-    def run(q, k, v, branches=LONGNET_SMALL, **kw):
-        before = launch.LAUNCHES["dkdv_ws"]
-        check(q, k, v, branches, TOL[q.dtype], use_naive=False, **kw)
-        assert launch.LAUNCHES["dkdv_ws"] > before, "the warp-specialized dK/dV did not run"
-        do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", q.dtype)
-        ws, rs = [w for w, _ in branches], [r for _, r in branches]
-        grads = {}
-        for flag in ("0", "1"):
-            monkeypatch.setenv("HF_DILATED_WS_DKDV", flag)
-            out = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton", **kw)
-            grads[flag] = torch.autograd.grad(out, (q, k, v), do)
-        monkeypatch.setenv("HF_DILATED_WS_DKDV", "1")
-        for name, a, b in zip("kv", grads["0"][1:], grads["1"][1:]):
-            assert torch.equal(a, b), f"d{name} differs from the one-program fused dK/dV"
-        assert rel_err(grads["1"][0], grads["0"][0]) < 1e-2
-
-    run(*make_qkv(rng, 2, 8, 8, 3000, 3000, 128, bf16, "cuda"), head_offset=3)
-    run(*make_qkv(rng, 1, 8, 8, 2500, 2500, 128, torch.float16, "cuda"), is_causal=False, head_offset=1)
-    run(*make_qkv(rng, 1, 16, 4, 2200, 2200, 128, bf16, "cuda"), head_offset=1)  # 4 heads a class at r 1, 1 at r 4
-    # 6 / 3 / 2 heads a class at r 1 / 2 / 4 (at r 4 two classes of 2 and two of 1), 3 / 2 (uneven) / 1 at r 1 / 2 / 4
-    run(*make_qkv(rng, 2, 24, 4, 1800, 1800, 128, bf16, "cuda"), head_offset=2)
-    run(*make_qkv(rng, 1, 12, 4, 1700, 1700, 128, torch.float16, "cuda"), is_causal=False)
-    mask = torch.ones(2, 2048, dtype=torch.bool, device="cuda")
-    mask[1, :777] = False
-    run(*make_qkv(rng, 2, 8, 8, 2048, 2048, 128, bf16, "cuda"), attention_mask=mask)
-    run(*make_qkv(rng, 1, 4, 4, 1500, 1500, 128, bf16, "cuda"), branches=[(DENSE_SEGMENT, 1)])  # one launch
-    monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)  # one kv head at a time: heads from h0 > 0 in the kernel
-    monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
-    run(*make_qkv(rng, 1, 4, 4, 2100, 2100, 128, bf16, "cuda"), head_offset=2)
-    run(*make_qkv(rng, 1, 8, 2, 2100, 2100, 128, bf16, "cuda"), head_offset=2)  # 4 / 2 heads a class at r 1 / 2
+    B, H, Hk, N, dtype, kw = WS_DKDV_CASES[case]
+    kw = dict(kw)
+    branches = kw.pop("branches", LONGNET_SMALL)
+    if kw.pop("mask", False):
+        kw["attention_mask"] = torch.ones(B, N, dtype=torch.bool, device="cuda")
+        kw["attention_mask"][1, :777] = False
+    if kw.pop("chunked", False):
+        monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)
+        monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
+    q, k, v = make_qkv(rng, B, H, Hk, N, N, 128, dtype, "cuda")
+    before = launch.LAUNCHES["dkdv_ws"]
+    check(q, k, v, branches, TOL[q.dtype], use_naive=False, **kw)
+    assert launch.LAUNCHES["dkdv_ws"] > before, "the warp-specialized dK/dV did not run"
+    do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", q.dtype)
+    ws, rs = [w for w, _ in branches], [r for _, r in branches]
+    grads = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("HF_DILATED_WS_DKDV", flag)
+        out = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton", **kw)
+        grads[flag] = torch.autograd.grad(out, (q, k, v), do)
+    for name, a, b in zip("kv", grads["0"][1:], grads["1"][1:]):
+        assert torch.equal(a, b), f"d{name} differs from the one-program fused dK/dV"
+    assert rel_err(grads["1"][0], grads["0"][0]) < 1e-2
 
 
 def _ws_schedules(rng, monkeypatch, run):

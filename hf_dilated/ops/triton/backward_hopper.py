@@ -62,7 +62,7 @@ Measured (H100, bf16, LongNet branches, ``results/*fused-dq*session20*``):
 - D = 64 (9 / 3 heads): no gain (64K: 3.79 / 4.21 ms with 64 / 128 keys against 3.73 ms), it is not power-capped
   there; D = 256: a float32 dQ tile of 64 rows would take 64 KB more shared memory. Both keep the dQ kernel.
 
-The fused dK/dV warp-specialized (``dilated_bwd_dkdv_ws_kernel``, the default where a class holds one query head;
+The fused dK/dV warp-specialized (``dilated_bwd_dkdv_ws_kernel``, the default at head dim 128;
 ``HF_DILATED_WS_DKDV=0`` keeps the program of 8 warps): a producer warp copies K / V once and each step's Q / dO into
 two buffers; each consumer warpgroup owns 64 of the 128 keys, its ``S^T``, ``dP^T``, ``P^T``, ``dS^T`` and dK / dV
 sums, and adds columns ``64 WG ..`` of each step's dQ share (``dS`` of all 128 keys times its half of K's columns, read
@@ -76,9 +76,10 @@ dQ product's operand descriptors from being hoisted out of the step loop and spi
 ``results/ab_ws_dkdv_backward-dilated-session29-*``). Since session 48 ``P^T`` is the register A operand of the dV
 product (where the 8-warp program keeps it in shared memory): one shared-memory tile, its stores and a proxy fence a
 step fewer, spills 32-40 bytes, 2 reloads a step; forward+backward 1.03 / 1.04 / 1.05x at 64K / 256K / 16K (H 16) and
-1.006x with GQA 32 / 8 on the H200, dK and dV unchanged bit for bit. Several heads a class (GQA's r = 1, 2
-launches) keep the 8-warp program: a head loop here compiled (9-13 reloads a step,
-``results/ws_dkdv_head_loop-session29-compile_only.json``) but has not run on a GPU.
+1.006x with GQA 32 / 8 on the H200, dK and dV unchanged bit for bit. Since session 49 launches with several query
+heads a class (GQA's r = 1, 2) run here too: the program loops over the class's heads, Q / dO / dQ as 3-D descriptors
+with the head a coordinate (``hopper.heads_desc``), one step count over all heads driving the buffers and barrier
+phases; forward+backward 1.005x (32 / 8) and 1.02x (28 / 4) at 64K on the H200, dK and dV bit for bit.
 """
 
 from __future__ import annotations
@@ -87,10 +88,10 @@ import torch
 
 from .hopper import (
     WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
-    fence_async_shared, first_selected, gl, gluon, item_query_tile, kv_descs, kv_prefetch, load_item, lse_base2,
-    mbarrier, n_rows, mma_layout, query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc,
-    runnable, score_buffers, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init,
-    warpgroup_mma_wait, written_before,
+    fence_async_shared, first_selected, gl, gluon, heads_desc, item_query_tile, kv_descs, kv_prefetch, load_item,
+    lse_base2, mbarrier, mma_layout, n_rows, query_tile_buffers, query_tile_keys, register_product, release_barriers,
+    row_desc, rows_copy, runnable, score_buffers, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma,
+    warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
 
 BLOCK_N = 64  # dilated key rows per program (one warpgroup)
@@ -437,17 +438,20 @@ if gluon is not None:
                     qc64, d, in_range, seen, stride_dqn, stride_xqn, MERGE, LAST)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
-    # ---- the warp-specialized fused dK/dV (head dim 128, one query head per class) --------------------------------
+    # ---- the warp-specialized fused dK/dV (head dim 128, any number of query heads a class) ------------------------
     # ``dilated_bwd_dkdv_hopper_kernel``'s FUSED_DQ program (128 keys, 64-query steps, dQ by TMA reduce-add) with its
     # roles split: a producer warp copies K / V once and each step's Q / dO (two buffers, released by both consumers),
     # and each consumer warpgroup owns 64 of the keys. A consumer's dV / dK products, its P^T (in registers) / dS^T and
     # its dK / dV sums are its own; the step's dQ needs dS^T of all 128 keys, so the two meet once a step
-    # (``ds_ready``: both halves written, in buffer s % 2) and each adds its half of dQ's columns.
+    # (``ds_ready``: both halves written, in buffer it % 2) and each adds its half of dQ's columns. With several query
+    # heads a class the steps of head g follow those of head g - 1 (step ``it = g * n_steps + s``).
 
     @gluon.jit
-    def _dkdv_ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, q_desc, do_desc, k_desc, v_desc):
-        """K and V of the program's keys, then each step's Q and dO into buffer ``s % 2`` once both consumers
-        released its last use."""
+    def _dkdv_ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr, q_desc, do_desc,
+                          k_desc, v_desc):
+        """K and V of the program's keys, then each step's Q and dO into buffer ``it % 2`` once both consumers
+        released its last use (``it``: the step over all of the class's heads; with several heads a class, ``HEADS``,
+        Q / dO are ``heads_desc`` s over the class's heads, the head a coordinate)."""
         (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, head_offset, r, n_prev, kbase, k_first, n_k,
          j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb,
          stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb,
@@ -460,18 +464,28 @@ if gluon is not None:
             mbarrier.expect(kv_bar, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
             tma_load(k_desc, [j_first, 0], kv_bar, k_smem)
             tma_load(v_desc, [j_first, 0], kv_bar, v_smem)
-        q_cur = start_q
-        for s in range(n_steps):
-            buf = s % 2
-            mbarrier.wait(empty.index(buf), ((s // 2) & 1) ^ 1)
-            mbarrier.expect(ready.index(buf), 2 * TILE_BYTES)
-            tma_load(q_desc, [q_cur, 0], ready.index(buf), q_smem.index(buf))
-            tma_load(do_desc, [q_cur, 0], ready.index(buf), do_smem.index(buf))
-            q_cur += BLOCK_Q
+        # a constexpr bound: with one head a class Triton folds the loop away (its values stay in registers)
+        for g in range(0, HEADS):
+            n_steps_h = n_steps  # with one head, the kernel body's count
+            head = None
+            if HEADS > 1:  # the class's heads h0, h0 + r, ... in the kv head's group
+                n_steps_h = gl.where(h0 + g * r < g0 + group, n_steps, 0)
+                head = g
+            q_cur = start_q
+            for s in range(n_steps_h):
+                it = s
+                if HEADS > 1:
+                    it = g * n_steps + s
+                buf = it % 2
+                mbarrier.wait(empty.index(buf), ((it // 2) & 1) ^ 1)
+                mbarrier.expect(ready.index(buf), 2 * TILE_BYTES)
+                rows_copy(q_desc, q_cur, head, ready.index(buf), q_smem.index(buf))
+                rows_copy(do_desc, q_cur, head, ready.index(buf), do_smem.index(buf))
+                q_cur += BLOCK_Q
 
     @gluon.jit
-    def _dkdv_ws_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                          MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc):
+    def _dkdv_ws_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
+                          IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc):
         """dK and dV of keys ``64 WG ..`` of the program's tile, and columns ``HEAD_DIM / 2 * WG ..`` of each step's
         dQ share (``dq_desc``): ``hopper.dkdv_dq_products``'s products, each summed in the same order (``dP^T`` is
         issued after the exponentials rather than beside ``S^T``: 32 registers fewer while they run). ``P^T`` is the
@@ -501,61 +515,72 @@ if gluon is not None:
         s_zero = gl.zeros([KW, BLOCK_Q], gl.float32, layout=s_layout)
         dk = warpgroup_mma_init(gl.zeros([KW, HEAD_DIM], gl.float32, layout=g_layout))
         dv = warpgroup_mma_init(gl.zeros([KW, HEAD_DIM], gl.float32, layout=g_layout))
-        h64 = h0.to(gl.int64)
-        l_row = L + b * stride_lb + h64 * stride_lh + q0_row
-        dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
-        q_cur = start_q
-        vmask = (q_cur + vrows < n_q) & (n_steps > 0)
-        lse_next = gl.load(l_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
-        delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
-        if n_steps > 0:
-            mbarrier.wait(kv_bar, 0)
         lse_w = rows_smem[2 * WG]
         delta_w = rows_smem[2 * WG + 1]
-        for s in range(n_steps):
-            buf = s % 2
-            lse_w.store(lse_base2(lse_next))
-            delta_w.store(delta_next)
-            needs_mask = q_cur < full_from
-            diag = q_cur + shift
-            mbarrier.wait(ready.index(buf), (s // 2) & 1)
-            qs = q_smem.index(buf)
-            dos = do_smem.index(buf)
-            sT = warpgroup_mma(k_w, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sT, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(sT, dk, dv))  # also retires the last dK
-            if s > 0:  # the last step's Q / dO are read by every product that reads them
-                mbarrier.arrive(empty.index(1 - buf), count=1)
-            if s + 1 < n_steps:
-                vmask = q_cur + BLOCK_Q + vrows < n_q
-                lse_next = gl.load(l_row + (q_cur + BLOCK_Q + vrows) * r, mask=vmask, other=0.0)
-                delta_next = gl.load(dl_row + (q_cur + BLOCK_Q + vrows) * r, mask=vmask, other=0.0)
-            pT = gl.exp2(sT * qk_scale - lse_w.load(query_axis)[None, :])
-            if needs_mask:
-                qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
-                pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
-            dpT = warpgroup_mma(v_w, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            pa = gl.convert_layout(pT.to(dtype), a_layout)
-            dv = warpgroup_mma(pa, dos, dv, is_async=True)
-            dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
-            ds = (pT * (dpT - delta_w.load(query_axis)[None, :])).to(dtype)
-            # dS^T in buffer s % 2: its last readers, the step before last's dQ products, are done (each
-            # warpgroup's retired before it arrived at the last step's ds_ready, which this one has passed)
-            ds_all = ds_smem.index(buf)
-            ds_w = ds_all.slice(WG * KW, KW)
-            ds_w.store(ds)
-            fence_async_shared()
-            thread_barrier()
-            mbarrier.arrive(ds_ready, count=1)
-            mbarrier.wait(ds_ready, s & 1)  # both halves of dS^T written
-            dq_zero = gl.zeros([BLOCK_Q, DH], gl.float32, layout=dq_layout)
-            dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-            dk = warpgroup_mma(ds_w, qs, dk, is_async=True)
-            dq, pa = warpgroup_mma_wait(num_outstanding=1, deps=(dq, pa))  # also retires dV (and frees P^T)
-            tma.store_wait(0)  # the last step's reduce has read the tile
-            dq_w.store(dq * scale)
-            fence_async_shared()
-            tma_reduce_add(dq_desc, [q_cur, 0], dq_w)
-            q_cur += BLOCK_Q
+        for g in range(0, HEADS):  # as the producer's: the class's heads h0, h0 + r, ... in the group
+            n_steps_h = n_steps
+            h64 = h0.to(gl.int64)
+            if HEADS > 1:
+                n_steps_h = gl.where(h0 + g * r < g0 + group, n_steps, 0)
+                h64 = (h0 + g * r).to(gl.int64)
+            l_row = L + b * stride_lb + h64 * stride_lh + q0_row
+            dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
+            q_cur = start_q
+            vmask = (q_cur + vrows < n_q) & (n_steps_h > 0)
+            lse_next = gl.load(l_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+            delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+            if g == 0 and n_steps > 0:  # K / V landed (after the first rows' loads are on their way)
+                mbarrier.wait(kv_bar, 0)
+            for s in range(n_steps_h):
+                it = s  # the step over all heads: buffer it % 2, the barriers' phases
+                if HEADS > 1:
+                    it = g * n_steps + s
+                buf = it % 2
+                lse_w.store(lse_base2(lse_next))
+                delta_w.store(delta_next)
+                needs_mask = q_cur < full_from
+                diag = q_cur + shift
+                mbarrier.wait(ready.index(buf), (it // 2) & 1)
+                qs = q_smem.index(buf)
+                dos = do_smem.index(buf)
+                sT = warpgroup_mma(k_w, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                sT, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(sT, dk, dv))  # also retires the last dK
+                if it > 0:  # the last step's Q / dO are read by every product that reads them
+                    mbarrier.arrive(empty.index(1 - buf), count=1)
+                if s + 1 < n_steps_h:
+                    vmask = q_cur + BLOCK_Q + vrows < n_q
+                    lse_next = gl.load(l_row + (q_cur + BLOCK_Q + vrows) * r, mask=vmask, other=0.0)
+                    delta_next = gl.load(dl_row + (q_cur + BLOCK_Q + vrows) * r, mask=vmask, other=0.0)
+                pT = gl.exp2(sT * qk_scale - lse_w.load(query_axis)[None, :])
+                if needs_mask:
+                    qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
+                    pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
+                dpT = warpgroup_mma(v_w, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                pa = gl.convert_layout(pT.to(dtype), a_layout)
+                dv = warpgroup_mma(pa, dos, dv, is_async=True)
+                dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+                ds = (pT * (dpT - delta_w.load(query_axis)[None, :])).to(dtype)
+                # dS^T in buffer it % 2: its last readers, the step before last's dQ products, are done (each
+                # warpgroup's retired before it arrived at the last step's ds_ready, which this one has passed)
+                ds_all = ds_smem.index(buf)
+                ds_w = ds_all.slice(WG * KW, KW)
+                ds_w.store(ds)
+                fence_async_shared()
+                thread_barrier()
+                mbarrier.arrive(ds_ready, count=1)
+                mbarrier.wait(ds_ready, it & 1)  # both halves of dS^T written
+                dq_zero = gl.zeros([BLOCK_Q, DH], gl.float32, layout=dq_layout)
+                dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+                dk = warpgroup_mma(ds_w, qs, dk, is_async=True)
+                dq, pa = warpgroup_mma_wait(num_outstanding=1, deps=(dq, pa))  # also retires dV (and frees P^T)
+                tma.store_wait(0)  # the last step's reduce has read the tile
+                dq_w.store(dq * scale)
+                fence_async_shared()
+                if HEADS > 1:  # dq_desc: a heads_desc over the class's heads
+                    tma_reduce_add(dq_desc, [g, q_cur, 0], dq_w.reshape([1, BLOCK_Q, DH]))
+                else:
+                    tma_reduce_add(dq_desc, [q_cur, 0], dq_w)
+                q_cur += BLOCK_Q
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         tma.store_wait(0)
 
@@ -584,10 +609,10 @@ if gluon is not None:
         IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, PART: gl.constexpr, FUSED_DQ: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """``dilated_bwd_dkdv_hopper_kernel``'s contract with ``FUSED_DQ`` and one query head per class (``HEADS``
-        1): ``_dkdv_ws_producer`` and two ``_dkdv_ws_consumer`` s (the section's comment)."""
+        """``dilated_bwd_dkdv_hopper_kernel``'s contract with ``FUSED_DQ``: ``_dkdv_ws_producer`` and two
+        ``_dkdv_ws_consumer`` s (the section's comment), over the class's ``HEADS`` query heads at most."""
         dtype: gl.constexpr = Q.dtype.element_ty
-        gl.static_assert(HEADS == 1 and FUSED_DQ and PART == 0 and BLOCK_N == 128)
+        gl.static_assert(FUSED_DQ and PART == 0 and BLOCK_N == 128)
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
         ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
@@ -611,13 +636,23 @@ if gluon is not None:
                           HEAD_DIM, kv_smem_layout)
         v_desc = row_desc(V + b * stride_vb + kvh64 * stride_vh + k0 * stride_vn, n_desc, r * stride_vn, BLOCK_N,
                           HEAD_DIM, kv_smem_layout)
-        q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh + q0_row * stride_qn, n_qdesc, r * stride_qn, BLOCK_Q,
-                          HEAD_DIM, q_smem_layout)
-        do_desc = row_desc(DO + b * stride_db + h64 * stride_dh + q0_row * stride_dn, n_qdesc, r * stride_dn,
-                           BLOCK_Q, HEAD_DIM, q_smem_layout)
+        q_base = Q + b * stride_qb + h64 * stride_qh + q0_row * stride_qn
+        do_base = DO + b * stride_db + h64 * stride_dh + q0_row * stride_dn
         dq_base = DQ + b * stride_dqb + h64 * stride_dqh + q0_row * stride_dqn
-        dq_desc0 = row_desc(dq_base, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2, dq_smem_layout)
-        dq_desc1 = row_desc(dq_base + HEAD_DIM // 2, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2, dq_smem_layout)
+        if HEADS == 1:
+            q_desc = row_desc(q_base, n_qdesc, r * stride_qn, BLOCK_Q, HEAD_DIM, q_smem_layout)
+            do_desc = row_desc(do_base, n_qdesc, r * stride_dn, BLOCK_Q, HEAD_DIM, q_smem_layout)
+            dq_desc0 = row_desc(dq_base, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2, dq_smem_layout)
+            dq_desc1 = row_desc(dq_base + HEAD_DIM // 2, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2,
+                                dq_smem_layout)
+        else:  # the class's query heads h0, h0 + r, ... of the kv head's group, the head a coordinate
+            n_heads = gl.maximum(gl.minimum((kvh * group + group - h0 + r - 1) // r, HEADS), 1)
+            q_desc = heads_desc(q_base, n_heads, n_qdesc, r * stride_qh, r * stride_qn, BLOCK_Q, HEAD_DIM, dtype)
+            do_desc = heads_desc(do_base, n_heads, n_qdesc, r * stride_dh, r * stride_dn, BLOCK_Q, HEAD_DIM, dtype)
+            dq_desc0 = heads_desc(dq_base, n_heads, n_qdesc, r * stride_dqh, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2,
+                                  gl.float32)
+            dq_desc1 = heads_desc(dq_base + HEAD_DIM // 2, n_heads, n_qdesc, r * stride_dqh, r * stride_dqn, BLOCK_Q,
+                                  HEAD_DIM // 2, gl.float32)
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
@@ -647,9 +682,9 @@ if gluon is not None:
              stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh,
              stride_xkn, stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
              rows_smem, kv_bar, ready, empty, ds_ready)
-        gl.warp_specialize([(_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, IS_CAUSAL, MERGE, LAST, 0, dq_desc0)),
-                            (_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, IS_CAUSAL, MERGE, LAST, 1, dq_desc1)),
-                            (_dkdv_ws_producer, (a, HEAD_DIM, BLOCK_Q, q_desc, do_desc, k_desc, v_desc))],
+        gl.warp_specialize([(_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 0, dq_desc0)),
+                            (_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 1, dq_desc1)),
+                            (_dkdv_ws_producer, (a, HEAD_DIM, BLOCK_Q, HEADS, q_desc, do_desc, k_desc, v_desc))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     @gluon.jit
@@ -705,18 +740,11 @@ def fused_dq_launch_config(head_dim: int) -> dict | None:
     return dict(BLOCK_N=n, BLOCK_Q=q_rows, PART=0, FUSED_DQ=True, num_warps=warps)
 
 
-def dkdv_kernel(cfg: dict, heads: int):
-    """The dK/dV kernel and its launch options for config ``cfg`` (``dkdv_launch_configs`` / ``fused_dq_launch_config``)
-    at ``heads`` query heads per class: the warp-specialized one where the fused config asks for it
-    (``HF_DILATED_WS_DKDV``, on by default) and a class holds one head, else ``dilated_bwd_dkdv_hopper_kernel`` (with
-    several heads a class, a head loop in the warp-specialized kernel is compiled but not yet run on a GPU:
-    ``benchmarks/NOTES_triton.md``, session 29)."""
-    if "CONSUMER_REGS" in cfg:
-        if heads == 1:
-            return dilated_bwd_dkdv_ws_kernel, cfg
-        # the same tile without the warp-specialized launch options: one program of FUSED_DQ_STEPS' warps
-        cfg = {k: v for k, v in cfg.items() if k not in WS_LAUNCH} | dict(num_warps=FUSED_DQ_STEPS[128][2])
-    return dilated_bwd_dkdv_hopper_kernel, cfg
+def dkdv_kernel(cfg: dict):
+    """The dK/dV kernel for config ``cfg`` (``dkdv_launch_configs`` / ``fused_dq_launch_config``): the
+    warp-specialized one where the fused config asks for it (``HF_DILATED_WS_DKDV``, on by default; any number of
+    query heads a class, the class's heads looped inside the program), else ``dilated_bwd_dkdv_hopper_kernel``."""
+    return (dilated_bwd_dkdv_ws_kernel if "CONSUMER_REGS" in cfg else dilated_bwd_dkdv_hopper_kernel), cfg
 
 
 def dq_launch_config(head_dim: int) -> dict | None:
