@@ -872,30 +872,32 @@ def test_gluon_kernels_coverage(monkeypatch, which):
         assert [d for d in (64, 128, 256) if kernel.dq_launch_config(d)] == [128, 256]
         # at head dim 128 one dK/dV launch adds dQ too (two warpgroups, 128 keys), unless switched off or
         # deterministic algorithms are asked for (its reduce-adds land in no fixed order)
-        assert [d for d in (64, 128, 256) if kernel.fused_dq_launch_config(d)] == [128]
+        # (head dim 64 only from 256K keys)
+        assert [d for d in (64, 128, 256) if kernel.fused_dq_launch_config(d, 1 << 16)] == [128]
+        assert [d for d in (64, 128, 256) if kernel.fused_dq_launch_config(d, 1 << 18)] == [64, 128]
         # warp-specialized (a producer warp, two consumer warpgroups) at any number of query heads a class, unless
         # HF_DILATED_WS_DKDV is off: then one program of 8 warps
-        ws = kernel.fused_dq_launch_config(128)
+        ws = kernel.fused_dq_launch_config(128, 4096)
         assert ws == dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True, **hopper.WS_LAUNCH)
         one = dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True, num_warps=8)
         assert kernel.dkdv_kernel(ws) == (kernel.dilated_bwd_dkdv_ws_kernel, ws)
         monkeypatch.setenv("HF_DILATED_WS_DKDV", "off")
-        assert kernel.fused_dq_launch_config(128) == one
+        assert kernel.fused_dq_launch_config(128, 4096) == one
         assert kernel.dkdv_kernel(one) == (kernel.dilated_bwd_dkdv_hopper_kernel, one)
         monkeypatch.setenv("HF_DILATED_WS_DKDV", "sometimes")
         with pytest.raises(ValueError, match="HF_DILATED_WS_DKDV must be one of"):
-            kernel.fused_dq_launch_config(128)
+            kernel.fused_dq_launch_config(128, 4096)
         monkeypatch.delenv("HF_DILATED_WS_DKDV")
         monkeypatch.setenv("HF_DILATED_FUSED_DQ", "off")
-        assert kernel.fused_dq_launch_config(128) is None
+        assert kernel.fused_dq_launch_config(128, 4096) is None
         monkeypatch.setenv("HF_DILATED_FUSED_DQ", "sometimes")
         with pytest.raises(ValueError, match="HF_DILATED_FUSED_DQ must be one of"):
-            kernel.fused_dq_launch_config(128)
+            kernel.fused_dq_launch_config(128, 4096)
         monkeypatch.delenv("HF_DILATED_FUSED_DQ")
         deterministic = torch.are_deterministic_algorithms_enabled()
         try:
             torch.use_deterministic_algorithms(True)
-            assert kernel.fused_dq_launch_config(128) is None
+            assert kernel.fused_dq_launch_config(128, 4096) is None
         finally:
             torch.use_deterministic_algorithms(deterministic)
     if which == "forward_hopper":  # at head dim 128 the warp-specialized kernel, unless HF_DILATED_WS is off
@@ -1191,9 +1193,9 @@ def test_gpu_nan_in_padding_reaches_no_output(rng, monkeypatch, gluon, side):
         assert torch.equal(poisoned[rows], clean[rows]), f"{name} of a real row changed with the padding's values"
 
 
-# test_gpu_warp_specialized_dkdv's cases: (B, H, Hk, N, dtype, keyword arguments); "branches" replaces
-# LONGNET_SMALL, "mask" pads the second batch row's first 777 keys, "chunked" runs one kv head at a time (heads from
-# h0 > 0 in the kernel)
+# test_gpu_warp_specialized_dkdv's cases: (B, H, Hk, N, dtype, keyword arguments); "head_dim" (128 unless given),
+# "branches" replaces LONGNET_SMALL, "mask" pads the second batch row's first 777 keys, "chunked" runs one kv head at a
+# time (heads from h0 > 0 in the kernel)
 WS_DKDV_CASES = {
     "causal": (2, 8, 8, 3000, torch.bfloat16, dict(head_offset=3)),
     "bidirectional": (1, 8, 8, 2500, torch.float16, dict(is_causal=False, head_offset=1)),
@@ -1205,26 +1207,31 @@ WS_DKDV_CASES = {
     "one-launch": (1, 4, 4, 1500, torch.bfloat16, dict(branches=[(DENSE_SEGMENT, 1)])),
     "head-chunks": (1, 4, 4, 2100, torch.bfloat16, dict(head_offset=2, chunked=True)),
     "head-chunks-gqa": (1, 8, 2, 2100, torch.bfloat16, dict(head_offset=2, chunked=True)),  # 4 / 2 a class at r 1 / 2
+    "d64-gqa": (2, 9, 3, 2300, torch.bfloat16, dict(head_dim=64, head_offset=1)),  # SmolLM2's heads
+    "d64-bidirectional": (1, 6, 6, 1900, torch.float16, dict(head_dim=64, is_causal=False)),
 }
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(WS_DKDV_CASES))
 def test_gpu_warp_specialized_dkdv(rng, monkeypatch, case):
-    """By default (``HF_DILATED_WS_DKDV``) at head dim 128 the fused dK/dV runs warp-specialized (a producer warp,
-    two consumer warpgroups of 64 keys that meet once a step for dQ) at any number of query heads a class; against
-    the float64 oracle (causal and bidirectional, ragged segments, GQA with one and several heads a class, padding,
-    head chunks: ``WS_DKDV_CASES``), dK and dV bit for bit those of the one-program kernel (the same products in the
-    same order), dQ to rounding (reduce-adds in no fixed order), and the warp-specialized kernel seen to run."""
+    """By default (``HF_DILATED_WS_DKDV``) at head dim 128, and 64 from 256K keys (here at any length), the fused dK/dV
+    runs warp-specialized (a producer warp, two consumer warpgroups of 64 keys that meet once a step for dQ) at any
+    number of query heads a class; against the float64 oracle (causal and bidirectional, ragged segments, GQA with
+    one and several heads a class, padding, head chunks: ``WS_DKDV_CASES``), dK and dV bit for bit those of the one-
+    program kernel (the same products in the same order), dQ to rounding (reduce-adds in no fixed order), and the
+    warp-specialized kernel seen to run."""
     _gpu_skip()
     from hf_dilated.ops.triton import backward_hopper, configs
 
     if not configs.wgmma():
         pytest.skip("the Gluon kernel is for sm_90")
     monkeypatch.setenv("HF_DILATED_WS_DKDV", "1")
-    assert "CONSUMER_REGS" in backward_hopper.fused_dq_launch_config(128)
     B, H, Hk, N, dtype, kw = WS_DKDV_CASES[case]
     kw = dict(kw)
+    D = kw.pop("head_dim", 128)
+    monkeypatch.setattr(backward_hopper, "FUSED_DQ_MIN_KEYS", {})  # head dim 64 at these lengths too
+    assert "CONSUMER_REGS" in backward_hopper.fused_dq_launch_config(D, N)
     branches = kw.pop("branches", LONGNET_SMALL)
     if kw.pop("mask", False):
         kw["attention_mask"] = torch.ones(B, N, dtype=torch.bool, device="cuda")
@@ -1232,7 +1239,7 @@ def test_gpu_warp_specialized_dkdv(rng, monkeypatch, case):
     if kw.pop("chunked", False):
         monkeypatch.setattr(launch, "SCRATCH_MIN_BYTES", 0)
         monkeypatch.setattr(launch, "SCRATCH_FRACTION", 1e-9)
-    q, k, v = make_qkv(rng, B, H, Hk, N, N, 128, dtype, "cuda")
+    q, k, v = make_qkv(rng, B, H, Hk, N, N, D, dtype, "cuda")
     before = launch.LAUNCHES["dkdv_ws"]
     check(q, k, v, branches, TOL[q.dtype], use_naive=False, **kw)
     assert launch.LAUNCHES["dkdv_ws"] > before, "the warp-specialized dK/dV did not run"

@@ -59,8 +59,10 @@ Measured (H100, bf16, LongNet branches, ``results/*fused-dq*session20*``):
   1.02-1.05x at 64K;
 - the alternatives, same run: dQ by register atomics (``atom.add.v2.f32``) 0.45-0.63x; the 128-key two-warpgroup
   tile without dQ 0.95-0.98x (the warpgroups step in lock-step, where two 64-key programs per SM interleave);
-- D = 64 (9 / 3 heads): no gain (64K: 3.79 / 4.21 ms with 64 / 128 keys against 3.73 ms), it is not power-capped
-  there; D = 256: a float32 dQ tile of 64 rows would take 64 KB more shared memory. Both keep the dQ kernel.
+- D = 64 (9 / 3 heads): no gain at 64K (3.79 / 4.21 ms with 64 / 128 keys against 3.73 ms), it is not power-capped
+  there; D = 256: a float32 dQ tile of 64 rows would take 64 KB more shared memory and keeps the dQ kernel. Since
+  session 49 D = 64 takes the warp-specialized fused launch from 256K keys (``FUSED_DQ_MIN_KEYS``), where the
+  backward is power-capped: forward+backward 1.04x at 256K, 1.00x at 64K, 0.83x at 16K (H200, 9 / 3 heads).
 
 The fused dK/dV warp-specialized (``dilated_bwd_dkdv_ws_kernel``, the default at head dim 128;
 ``HF_DILATED_WS_DKDV=0`` keeps the program of 8 warps): a producer warp copies K / V once and each step's Q / dO into
@@ -108,8 +110,12 @@ DKDV_STEPS = {64: ((0, BLOCK_Q),), 128: ((0, BLOCK_Q),), 256: ((1, 32), (2, 32))
 DKDV_HEAD_DIMS = tuple(DKDV_STEPS)
 # dK/dV with the step's dQ (``FUSED_DQ``): (key rows per program, query rows per step, warps) by head dim. 128 keys on
 # two warpgroups, FA3's tile: each dQ share added to the sums covers 128 keys, and K, V, Q, dO, P^T, dS^T and the dQ
-# tile take 192 KB, one program per SM. Not D = 64 / 256: the docstring.
-FUSED_DQ_STEPS = {128: (128, 64, 8)}
+# tile take 192 KB, one program per SM. Not D = 256: the docstring. D = 64 only from FUSED_DQ_MIN_KEYS keys.
+FUSED_DQ_STEPS = {64: (128, 64, 8), 128: (128, 64, 8)}
+# Head dim 64 (9 / 3 heads, forward+backward, H200, session 49): 0.83x at 16K (half the 64-key programs do not fill
+# the GPU), 1.00x at 64K, 1.04x at 256K (there the backward runs at the 700 W cap, and fewer products mean a higher
+# clock); nothing was measured between 64K and 256K.
+FUSED_DQ_MIN_KEYS = {64: 262144}
 
 
 def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
@@ -725,12 +731,15 @@ def dkdv_launch_configs(head_dim: int) -> list[dict] | None:
             for part, q_rows in DKDV_STEPS[head_dim]]
 
 
-def fused_dq_launch_config(head_dim: int) -> dict | None:
-    """The dK/dV launch that also adds dQ (``FUSED_DQ_STEPS``), replacing the dQ kernel; ``None`` where there is none,
-    where ``HF_DILATED_FUSED_DQ=0``, or under ``torch.use_deterministic_algorithms(True)`` (the reduce-adds of the
-    programs that share a query row land in no fixed order, so dQ may differ in its last bits between runs). Warp-
-    specialized (``WS_LAUNCH``: ``dilated_bwd_dkdv_ws_kernel``) unless ``HF_DILATED_WS_DKDV=0``."""
-    if head_dim not in FUSED_DQ_STEPS or not switch("HF_DILATED_FUSED_DQ"):
+def fused_dq_launch_config(head_dim: int, n_keys: int) -> dict | None:
+    """The dK/dV launch that also adds dQ (``FUSED_DQ_STEPS``) for a call of ``n_keys`` keys, replacing the dQ kernel;
+    ``None`` where there is none (or fewer keys than ``FUSED_DQ_MIN_KEYS`` asks), where ``HF_DILATED_FUSED_DQ=0``, or
+    under ``torch.use_deterministic_algorithms(True)`` (the reduce-adds of the programs that share a query row land in
+    no fixed order, so dQ may differ in its last bits between runs). Warp-specialized (``WS_LAUNCH``:
+    ``dilated_bwd_dkdv_ws_kernel``) unless ``HF_DILATED_WS_DKDV=0``."""
+    if head_dim not in FUSED_DQ_STEPS or n_keys < FUSED_DQ_MIN_KEYS.get(head_dim, 0):
+        return None
+    if not switch("HF_DILATED_FUSED_DQ"):
         return None
     if torch.are_deterministic_algorithms_enabled():
         return None

@@ -424,7 +424,7 @@ def _backward(rec: plans.Recorder, q, k, v, do, lse, delta, pb: Problem, plan: R
     # Descriptor loads and the Gluon kernels, decided once for the call: a head slice of these tensors keeps their
     # strides and 16-byte alignment, so every chunk below would decide the same. ``fused``: the Gluon dK/dV launch
     # that also adds dQ (``backward_hopper.fused_dq_launch_config``); None: dQ has kernels of its own.
-    fused = backward_hopper.fused_dq_launch_config(hd)
+    fused = backward_hopper.fused_dq_launch_config(hd, k.shape[2])
     tma = use_tma((q, k, v, do), hd != D, flags["HOLES"])
     gluon = backward_hopper.applies(q, flags, tma)
     fused = fused if gluon else None
