@@ -1029,7 +1029,8 @@ def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws, part
         ran = {kind: launch.LAUNCHES[kind] > before.get(kind, 0) for kind in kinds}
         on = gluon == "1"
         d = q.shape[-1]
-        fused = on and fused_dq == "1" and d in backward_hopper.FUSED_DQ_STEPS
+        fused = (on and fused_dq == "1" and d in backward_hopper.FUSED_DQ_STEPS
+                 and k.shape[2] >= backward_hopper.FUSED_DQ_MIN_KEYS.get(d, 0))
         specialized = on and ws == "1" and d in forward_hopper.WS_HEAD_DIMS
         if on and ws == "1" and d in forward_hopper.WS_BALANCED_HEAD_DIMS:  # by the launches' balance: either, once
             specialized = ran["forward_ws"]
