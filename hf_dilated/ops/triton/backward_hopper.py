@@ -61,8 +61,9 @@ Measured (H100, bf16, LongNet branches, ``results/*fused-dq*session20*``):
   tile without dQ 0.95-0.98x (the warpgroups step in lock-step, where two 64-key programs per SM interleave);
 - D = 64 (9 / 3 heads): no gain at 64K (3.79 / 4.21 ms with 64 / 128 keys against 3.73 ms), it is not power-capped
   there; D = 256: a float32 dQ tile of 64 rows would take 64 KB more shared memory and keeps the dQ kernel. Since
-  session 49 D = 64 takes the warp-specialized fused launch from 256K keys (``FUSED_DQ_MIN_KEYS``), where the
-  backward is power-capped: forward+backward 1.04x at 256K, 1.00x at 64K, 0.83x at 16K (H200, 9 / 3 heads).
+  session 49 D = 64 takes the warp-specialized fused launch from 128K keys (``FUSED_DQ_MIN_KEYS``), where the
+  backward is power-capped: forward+backward 1.04x at 256K / 192K, 1.03x at 128K, 1.00x at 64K, 0.83x at 16K (H200,
+  9 / 3 heads).
 
 The fused dK/dV warp-specialized (``dilated_bwd_dkdv_ws_kernel``, the default at head dim 128;
 ``HF_DILATED_WS_DKDV=0`` keeps the program of 8 warps): a producer warp copies K / V once and each step's Q / dO into
@@ -113,9 +114,9 @@ DKDV_HEAD_DIMS = tuple(DKDV_STEPS)
 # tile take 192 KB, one program per SM. Not D = 256: the docstring. D = 64 only from FUSED_DQ_MIN_KEYS keys.
 FUSED_DQ_STEPS = {64: (128, 64, 8), 128: (128, 64, 8)}
 # Head dim 64 (9 / 3 heads, forward+backward, H200, session 49): 0.83x at 16K (half the 64-key programs do not fill
-# the GPU), 1.00x at 64K, 1.04x at 256K (there the backward runs at the 700 W cap, and fewer products mean a higher
-# clock); nothing was measured between 64K and 256K.
-FUSED_DQ_MIN_KEYS = {64: 262144}
+# the GPU), 1.00x at 64K, 1.03x at 128K, 1.04x at 192K and 256K (there the backward runs at the 700 W cap, and fewer
+# products mean a higher clock).
+FUSED_DQ_MIN_KEYS = {64: 131072}
 
 
 def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
