@@ -117,6 +117,7 @@ class Resources:
     wgmma_serialized: bool | None = None
     wgmma_reason: str | None = None
     ptx_sha: str | None = None
+    sass_sha: str | None = None  # the machine code (sass_summary), where cuobjdump is there
     launch_key: str = ""
     cases: list = field(default_factory=list)
 
@@ -256,8 +257,8 @@ def serialization_reason(log: str) -> str | None:
 
 def ptx_fingerprint(ptx: str) -> str:
     """A hash of the PTX without its source locations and debug sections: two checkouts whose kernels hash the same
-    generate the same code (a refactor of the Python that moved lines, renamed or shared helpers changed nothing the
-    GPU runs), so such a change needs no GPU to show it costs no speed."""
+    generate the same code. A refactor can change the PTX (its virtual registers' numbering, say) and not the machine
+    code: ``sass_summary``'s ``sass_sha`` tells those apart, and ``compare`` goes by it where both reports have it."""
     body = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
     keep = [line for line in body.splitlines()
             if not line.lstrip().startswith((".loc", ".file", "//", "$L__tmp", "$L__func")) and line.strip()]
@@ -311,7 +312,10 @@ def sass_summary(cubin: bytes, sass_path: str | None = None) -> dict:
     local = [at for at, ins in code if re.search(r"\b(STL|LDL)\b", ins)]
     # No tensor-core instruction (float32 dots in "ieee" mode run on the FMA units): no tile loop to tell apart, so
     # where the spills sit is not known.
-    out = dict(spill_instructions=len(local), tile_loops=len(innermost),
+    # the machine code, instruction by instruction (addresses and encodings aside): two checkouts whose kernels hash
+    # the same run the same instructions, so a refactor that keeps it needs no GPU run to show it changed nothing
+    sass_sha = hashlib.sha256("\n".join(" ".join(ins.split()) for _, ins in code).encode()).hexdigest()[:16]
+    out = dict(spill_instructions=len(local), tile_loops=len(innermost), sass_sha=sass_sha,
                spill_instructions_in_loops=sum(1 for at in local if any(lo <= at <= hi for lo, hi in innermost))
                if innermost else None)
     if innermost:
@@ -394,33 +398,40 @@ def compile_launch(launch: Launch, arch: int, full_errors: bool = False, sass_pa
 
 def compare(before: dict, rows: list[Resources]) -> str:
     """Which kernels generate other code than in ``before``, matched by kernel, specialisation and config (the launch
-    key); a kernel whose launch key is new but whose PTX is that of a vanished key of the same kernel (a launch
-    argument added, say) counts as the same code."""
+    key), the code being the SASS where both reports have it (``sass_sha``), else the PTX; a kernel whose launch key
+    is new but whose code is that of a vanished key of the same kernel (a launch argument added, say) counts as the
+    same code. Those whose PTX differs and machine code does not are counted apart."""
+    by_sass = all(k.get("sass_sha") for k in before["kernels"]) and all(r.sass_sha for r in rows)
     old = {k["launch_key"]: k for k in before["kernels"]}
-    same, rekeyed, lines, unmatched = 0, 0, [], []
+    code = (lambda k: k.get("sass_sha")) if by_sass else (lambda k: k.get("ptx_sha"))
+    same, rekeyed, ptx_only, lines, unmatched = 0, 0, 0, [], []
     for r in rows:
         o = old.pop(r.launch_key, None)
         if o is None:
             unmatched.append(r)
-        elif o["ptx_sha"] == r.ptx_sha:
+        elif code(o) == code(vars(r)):
             same += 1
+            ptx_only += o.get("ptx_sha") != r.ptx_sha
         else:
             lines.append(f"  changed  {r.kernel} {r.config} {r.specialised}: registers {o['registers']} -> "
                          f"{r.registers}, spills {o['spill_stores']} -> {r.spill_stores} bytes, shared "
                          f"{o['shared']} -> {r.shared}")
     gone = {}
     for key, o in old.items():
-        gone.setdefault((o["kernel"], o["ptx_sha"]), []).append(key)
+        gone.setdefault((o["kernel"], code(o)), []).append(key)
     for r in unmatched:
-        keys = gone.get((r.kernel, r.ptx_sha)) if r.ptx_sha else None
+        keys = gone.get((r.kernel, code(vars(r)))) if code(vars(r)) else None
         if keys:
             old.pop(keys.pop())
             rekeyed += 1
         else:
             lines.append(f"  new      {r.kernel} {r.config} {r.specialised}")
     lines += [f"  gone     {o['kernel']} {o['config']} {o['specialised']}" for o in old.values()]
-    note = f" ({rekeyed} of them under new launch arguments)" if rekeyed else ""
-    return (f"against {before.get('command', 'the other report')}: {same + rekeyed} kernels generate the same code"
+    notes = [f"{rekeyed} of them under new launch arguments"] if rekeyed else []
+    notes += [f"{ptx_only} of them from other PTX"] if ptx_only else []
+    note = f" ({'; '.join(notes)})" if notes else ""
+    what = "machine code" if by_sass else "code"
+    return (f"against {before.get('command', 'the other report')}: {same + rekeyed} kernels generate the same {what}"
             + note + ("\n" + "\n".join(lines) if lines else ", none differs"))
 
 

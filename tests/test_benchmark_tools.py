@@ -211,29 +211,38 @@ def test_bench_block_sparse_refuses_a_negative_warm_up():
 
 def test_kernel_resources_compare_names_what_changed():
     """``--compare``: the same launch key and PTX is the same code; a new launch key with the PTX of a vanished key of
-    the same kernel is the same code under new launch arguments; other PTX is a change; the rest is new or gone. (In
-    a process of its own: the tool imports the Gluon kernels, which an interpreter-mode process cannot.)"""
+    the same kernel is the same code under new launch arguments; other PTX is a change; the rest is new or gone.
+    Where both reports have the SASS's fingerprint it decides: other PTX with the same machine code is no change
+    (counted apart), other machine code is. (In a process of its own: the tool imports the Gluon kernels, which an
+    interpreter-mode process cannot.)"""
     pytest.importorskip("triton")
     script = """
 import json, sys
 import kernel_resources as kr
-def row(kernel, key, sha):
+def row(kernel, key, sha, sass=None):
     return kr.Resources(kernel=kernel, case="c", config={}, launch_key=key, ptx_sha=sha, registers=100,
-                        spill_stores=0, shared=0)
+                        spill_stores=0, shared=0, sass_sha=sass)
 before = {"command": "base", "kernels": [vars(row("a", "k1", "s1")), vars(row("a", "k2", "s2")),
                                          vars(row("b", "k3", "s3")), vars(row("c", "k4", "s4"))]}
 rows = [row("a", "k1", "s1"), row("a", "k2x", "s2"), row("b", "k3", "s3-other"), row("d", "k5", "s5")]
+machine = {"command": "base", "kernels": [vars(row("a", "k1", "s1", "m1")), vars(row("a", "k2", "s2", "m2"))]}
 print(json.dumps([kr.compare(before, rows),
-                  kr.compare(before, [row(r["kernel"], r["launch_key"], r["ptx_sha"]) for r in before["kernels"]])]))
+                  kr.compare(before, [row(r["kernel"], r["launch_key"], r["ptx_sha"]) for r in before["kernels"]]),
+                  kr.compare(machine, [row("a", "k1", "s1-renumbered", "m1"), row("a", "k2", "s2", "m2-other")]),
+                  kr.compare(machine, [row("a", "k1", "s1-renumbered"), row("a", "k2", "s2")])]))
 """
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)]))
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
                          cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    text, unchanged = json.loads(run.stdout.strip().splitlines()[-1])
+    text, unchanged, by_sass, ptx_alone = json.loads(run.stdout.strip().splitlines()[-1])
     assert text.startswith("against base: 2 kernels generate the same code (1 of them under new launch arguments)")
     assert "changed  b" in text and "new      d" in text and "gone     c" in text and "gone     a" not in text
     assert unchanged.endswith("4 kernels generate the same code, none differs")
+    assert by_sass.startswith("against base: 1 kernels generate the same machine code (1 of them from other PTX)")
+    assert "changed  a" in by_sass and by_sass.count("changed") == 1, by_sass
+    # a report without the SASS's fingerprint (no cuobjdump): the PTX decides
+    assert ptx_alone.startswith("against base: 1 kernels generate the same code\n") and "changed  a" in ptx_alone
 
 
 @pytest.mark.parametrize("argv, option", [(["--shapes", "8/2"], "--shapes"), (["--rounds", "0"], "--rounds"),
