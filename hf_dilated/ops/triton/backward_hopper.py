@@ -65,7 +65,7 @@ Measured (H100, bf16, LongNet branches, ``results/*fused-dq*session20*``):
   backward is power-capped: forward+backward 1.04x at 256K / 192K, 1.03x at 128K, 1.00x at 64K, 0.83x at 16K (H200,
   9 / 3 heads).
 
-The fused dK/dV warp-specialized (``dilated_bwd_dkdv_ws_kernel``, the default at head dim 128;
+The fused dK/dV warp-specialized (``dilated_bwd_dkdv_ws_kernel``, the default at head dim 128 and 64 from 128K keys;
 ``HF_DILATED_WS_DKDV=0`` keeps the program of 8 warps): a producer warp copies K / V once and each step's Q / dO into
 two buffers; each consumer warpgroup owns 64 of the 128 keys, its ``S^T``, ``dP^T``, ``P^T``, ``dS^T`` and dK / dV
 sums, and adds columns ``64 WG ..`` of each step's dQ share (``dS`` of all 128 keys times its half of K's columns, read
@@ -445,7 +445,7 @@ if gluon is not None:
                     qc64, d, in_range, seen, stride_dqn, stride_xqn, MERGE, LAST)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
-    # ---- the warp-specialized fused dK/dV (head dim 128, any number of query heads a class) ------------------------
+    # ---- the warp-specialized fused dK/dV (head dim 128 / 64, any number of query heads a class) -------------------
     # ``dilated_bwd_dkdv_hopper_kernel``'s FUSED_DQ program (128 keys, 64-query steps, dQ by TMA reduce-add) with its
     # roles split: a producer warp copies K / V once and each step's Q / dO (two buffers, released by both consumers),
     # and each consumer warpgroup owns 64 of the keys. A consumer's dV / dK products, its P^T (in registers) / dS^T and
