@@ -880,10 +880,10 @@ def test_gluon_kernels_coverage(monkeypatch, which):
         ws = kernel.fused_dq_launch_config(128, 4096)
         assert ws == dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True, **hopper.WS_LAUNCH)
         one = dict(BLOCK_N=128, BLOCK_Q=64, PART=0, FUSED_DQ=True, num_warps=8)
-        assert kernel.dkdv_kernel(ws) == (kernel.dilated_bwd_dkdv_ws_kernel, ws)
+        assert kernel.dkdv_kernel(ws) is kernel.dilated_bwd_dkdv_ws_kernel
         monkeypatch.setenv("HF_DILATED_WS_DKDV", "off")
         assert kernel.fused_dq_launch_config(128, 4096) == one
-        assert kernel.dkdv_kernel(one) == (kernel.dilated_bwd_dkdv_hopper_kernel, one)
+        assert kernel.dkdv_kernel(one) is kernel.dilated_bwd_dkdv_hopper_kernel
         monkeypatch.setenv("HF_DILATED_WS_DKDV", "sometimes")
         with pytest.raises(ValueError, match="HF_DILATED_WS_DKDV must be one of"):
             kernel.fused_dq_launch_config(128, 4096)

@@ -751,10 +751,10 @@ def fused_dq_launch_config(head_dim: int, n_keys: int) -> dict | None:
 
 
 def dkdv_kernel(cfg: dict):
-    """The dK/dV kernel for config ``cfg`` (``dkdv_launch_configs`` / ``fused_dq_launch_config``): the
+    """The dK/dV kernel that config ``cfg`` (``dkdv_launch_configs`` / ``fused_dq_launch_config``) launches with: the
     warp-specialized one where the fused config asks for it (``HF_DILATED_WS_DKDV``, on by default; any number of
     query heads a class, the class's heads looped inside the program), else ``dilated_bwd_dkdv_hopper_kernel``."""
-    return (dilated_bwd_dkdv_ws_kernel if "CONSUMER_REGS" in cfg else dilated_bwd_dkdv_hopper_kernel), cfg
+    return dilated_bwd_dkdv_ws_kernel if "CONSUMER_REGS" in cfg else dilated_bwd_dkdv_hopper_kernel
 
 
 def dq_launch_config(head_dim: int) -> dict | None:

@@ -507,7 +507,7 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
             n_classes = min(group, r)
             if dkdv_cfgs:
                 for dkdv_cfg in dkdv_cfgs:  # one launch, or at D = 256 one for dV and one for dK
-                    kernel, dkdv_cfg = backward_hopper.dkdv_kernel(dkdv_cfg)
+                    kernel = backward_hopper.dkdv_kernel(dkdv_cfg)
                     grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
                     rec.run(kernel, grid,
                         *hopper_tensors, it.items, *hopper_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
