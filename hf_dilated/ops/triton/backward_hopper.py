@@ -93,8 +93,8 @@ from .hopper import (
     WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
     fence_async_shared, first_selected, gl, gluon, heads_desc, item_query_tile, kv_descs, kv_prefetch, load_item,
     lse_base2, mbarrier, mma_layout, n_rows, query_tile_buffers, query_tile_keys, register_product, release_barriers,
-    row_desc, rows_copy, runnable, score_buffers, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma,
-    warpgroup_mma_init, warpgroup_mma_wait, written_before,
+    row_desc, rows_copy, runnable, score_buffers, step_rows, switch, thread_barrier, tma, tma_load, tma_reduce_add,
+    warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
 
 BLOCK_N = 64  # dilated key rows per program (one warpgroup)
@@ -278,9 +278,7 @@ if gluon is not None:
             dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
             # Prologue: the first query tile's Q / dO by TMA, its lse / delta into registers (a step ahead).
             q_cur = start_q
-            vmask = (q_cur + vrows < n_q) & (n_steps_h > 0)
-            lse_next = gl.load(l_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
-            delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+            lse_next, delta_next = step_rows(l_row, dl_row, q_cur, vrows, n_q, r, n_steps_h > 0)
             if n_steps_h > 0:
                 buf = it % 2
                 mbarrier.expect(ready.index(buf), tile_bytes)
@@ -311,9 +309,7 @@ if gluon is not None:
                     mbarrier.expect(ready.index(nbuf), tile_bytes)
                     tma_load(q_desc, [q_cur, 0], ready.index(nbuf), q_smem.index(nbuf))
                     tma_load(do_desc, [q_cur, 0], ready.index(nbuf), do_smem.index(nbuf))
-                    vmask = q_cur + vrows < n_q
-                    lse_next = gl.load(l_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
-                    delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+                    lse_next, delta_next = step_rows(l_row, dl_row, q_cur, vrows, n_q, r, True)
                 pT = gl.exp2(sT * qk_scale - lse[None, :])
                 if needs_mask:
                     qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
@@ -533,9 +529,7 @@ if gluon is not None:
             l_row = L + b * stride_lb + h64 * stride_lh + q0_row
             dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
             q_cur = start_q
-            vmask = (q_cur + vrows < n_q) & (n_steps_h > 0)
-            lse_next = gl.load(l_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
-            delta_next = gl.load(dl_row + (q_cur + vrows) * r, mask=vmask, other=0.0)
+            lse_next, delta_next = step_rows(l_row, dl_row, q_cur, vrows, n_q, r, n_steps_h > 0)
             if g == 0 and n_steps > 0:  # K / V landed (after the first rows' loads are on their way)
                 mbarrier.wait(kv_bar, 0)
             for s in range(n_steps_h):
@@ -555,9 +549,7 @@ if gluon is not None:
                 if it > 0:  # the last step's Q / dO are read by every product that reads them
                     mbarrier.arrive(empty.index(1 - buf), count=1)
                 if s + 1 < n_steps_h:
-                    vmask = q_cur + BLOCK_Q + vrows < n_q
-                    lse_next = gl.load(l_row + (q_cur + BLOCK_Q + vrows) * r, mask=vmask, other=0.0)
-                    delta_next = gl.load(dl_row + (q_cur + BLOCK_Q + vrows) * r, mask=vmask, other=0.0)
+                    lse_next, delta_next = step_rows(l_row, dl_row, q_cur + BLOCK_Q, vrows, n_q, r, True)
                 pT = gl.exp2(sT * qk_scale - lse_w.load(query_axis)[None, :])
                 if needs_mask:
                     qidx = gl.arange(0, BLOCK_Q, layout=query_axis)

@@ -550,6 +550,15 @@ if gluon is not None:
         return gl.where(lse == float("-inf"), 0.0, lse) * LOG2E
 
     @gluon.jit
+    def step_rows(l_row, dl_row, first, rows, n, r, live):
+        """lse and delta of a dK/dV step's query rows ``first + rows`` (dilated, ``r`` rows apart from ``l_row`` /
+        ``dl_row``), 0 past row ``n`` or where ``live`` is false: read a step ahead of their use, one value a thread
+        (``rows`` in a one-row-a-thread layout), so no step waits on a global load."""
+        mask = (first + rows < n) & live
+        return (gl.load(l_row + (first + rows) * r, mask=mask, other=0.0),
+                gl.load(dl_row + (first + rows) * r, mask=mask, other=0.0))
+
+    @gluon.jit
     def dkdv_scores(k_smem, v_smem, qs, dos, s_zero, dk, dv):
         """A dK/dV step's transposed products, ``S^T = K Q^T`` and ``dP^T = V dO^T`` (K, V, Q, dO in shared memory),
         issued asynchronously: ``(S^T, dP^T in flight, dk, dv)``. Products of the last step still in flight (the
@@ -624,6 +633,7 @@ if gluon is not None:
 
 else:  # pragma: no cover - a Triton without Gluon: the kernel modules import these names and define no kernel
     query_tile_keys = row_desc = dkdv_buffers = dkdv_scores = dkdv_products = lse_base2 = first_selected = n_rows = None
+    step_rows = None
     dkdv_dq_products = register_product = score_buffers = None
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = heads_desc = rows_copy = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
