@@ -455,11 +455,11 @@ if gluon is not None:
         """K and V of the program's keys, then each step's Q and dO into buffer ``it % 2`` once both consumers
         released its last use (``it``: the step over all of the class's heads; with several heads a class, ``HEADS``,
         Q / dO are ``heads_desc`` s over the class's heads, the head a coordinate)."""
-        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, head_offset, r, n_prev, kbase, k_first, n_k,
-         j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb,
-         stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb,
-         stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready,
-         empty, ds_ready) = a
+        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, n_heads, head_offset, r, n_prev, kbase,
+         k_first, n_k, j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh,
+         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn,
+         stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar,
+         ready, empty, ds_ready) = a
         dtype: gl.constexpr = k_smem.dtype
         BLOCK_N: gl.constexpr = k_smem.shape[0]
         TILE_BYTES: gl.constexpr = BLOCK_Q * HEAD_DIM * dtype.primitive_bitwidth // 8
@@ -472,7 +472,7 @@ if gluon is not None:
             n_steps_h = n_steps  # with one head, the kernel body's count
             head = None
             if HEADS > 1:  # the class's heads h0, h0 + r, ... in the kv head's group
-                n_steps_h = gl.where(h0 + g * r < g0 + group, n_steps, 0)
+                n_steps_h = gl.where(g < n_heads, n_steps, 0)
                 head = g
             q_cur = start_q
             for s in range(n_steps_h):
@@ -495,11 +495,11 @@ if gluon is not None:
         register A operand of ``dV += P^T dO``, held until the step's dQ wait retires it: no shared-memory tile, store
         or proxy fence for it (session 48: spills 80-108 -> 32-40 bytes, forward+backward 1.03-1.05x at H 16, dK / dV
         bit for bit as before). ``dS^T`` stays in shared memory: the dQ product reads it transposed."""
-        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, head_offset, r, n_prev, kbase, k_first, n_k,
-         j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh, stride_dkb,
-         stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb,
-         stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready,
-         empty, ds_ready) = a
+        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, n_heads, head_offset, r, n_prev, kbase,
+         k_first, n_k, j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh,
+         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn,
+         stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar,
+         ready, empty, ds_ready) = a
         dtype: gl.constexpr = k_smem.dtype
         KW: gl.constexpr = 64  # keys per warpgroup
         DH: gl.constexpr = HEAD_DIM // 2  # dQ columns per warpgroup
@@ -524,7 +524,7 @@ if gluon is not None:
             n_steps_h = n_steps
             h64 = h0.to(gl.int64)
             if HEADS > 1:
-                n_steps_h = gl.where(h0 + g * r < g0 + group, n_steps, 0)
+                n_steps_h = gl.where(g < n_heads, n_steps, 0)
                 h64 = (h0 + g * r).to(gl.int64)
             l_row = L + b * stride_lb + h64 * stride_lh + q0_row
             dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
@@ -638,6 +638,8 @@ if gluon is not None:
         q_base = Q + b * stride_qb + h64 * stride_qh + q0_row * stride_qn
         do_base = DO + b * stride_db + h64 * stride_dh + q0_row * stride_dn
         dq_base = DQ + b * stride_dqb + h64 * stride_dqh + q0_row * stride_dqn
+        # the class's heads in the kv head's group (h0, h0 + r, ...; at least 1: a descriptor's extent), at most HEADS
+        n_heads = gl.maximum(gl.minimum((kvh * group + group - h0 + r - 1) // r, HEADS), 1)
         if HEADS == 1:
             q_desc = row_desc(q_base, n_qdesc, r * stride_qn, BLOCK_Q, HEAD_DIM, q_smem_layout)
             do_desc = row_desc(do_base, n_qdesc, r * stride_dn, BLOCK_Q, HEAD_DIM, q_smem_layout)
@@ -645,7 +647,6 @@ if gluon is not None:
             dq_desc1 = row_desc(dq_base + HEAD_DIM // 2, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2,
                                 dq_smem_layout)
         else:  # the class's query heads h0, h0 + r, ... of the kv head's group, the head a coordinate
-            n_heads = gl.maximum(gl.minimum((kvh * group + group - h0 + r - 1) // r, HEADS), 1)
             q_desc = heads_desc(q_base, n_heads, n_qdesc, r * stride_qh, r * stride_qn, BLOCK_Q, HEAD_DIM, dtype)
             do_desc = heads_desc(do_base, n_heads, n_qdesc, r * stride_dh, r * stride_dn, BLOCK_Q, HEAD_DIM, dtype)
             dq_desc0 = heads_desc(dq_base, n_heads, n_qdesc, r * stride_dqh, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2,
@@ -676,8 +677,8 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=2)
         mbarrier.init(ds_ready, count=2)
         fence_async_shared()
-        a = (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, kvh * group, group, h0, head_offset, r, n_prev, kbase,
-             k_first, n_k, j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb,
+        a = (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, kvh * group, group, h0, n_heads, head_offset, r, n_prev,
+             kbase, k_first, n_k, j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb,
              stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh,
              stride_xkn, stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
              rows_smem, kv_bar, ready, empty, ds_ready)
