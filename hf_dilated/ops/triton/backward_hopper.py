@@ -100,7 +100,9 @@ from .hopper import (
 BLOCK_N = 64  # dilated key rows per program (one warpgroup)
 BLOCK_Q = 64  # dilated query rows per step at D <= 128: n64 instructions for the transposed products
 # dQ: (query rows per program, key rows per step, K buffers, V buffers, warps) by head dim. Not D = 64: there the
-# Gluon dQ measured 0.98x of the portable one (H100, 64K, benchmarks/results/ab_gluon_dq-*), which runs there.
+# Gluon dQ measured 0.98x of the portable one (H100, 64K, benchmarks/results/ab_gluon_dq-*), which runs there; on the
+# H200 (session 50, forward+backward in one process) (64, 64, 3, 2, 4) ran 0.984x at 9 / 3 heads and 0.987x at 14 / 2
+# (64K), 0.997x at 16K; (64, 128, 2, 2, 4) and (64, 64, 4, 4, 4) 0.94-0.96x.
 DQ_STEPS = {128: (64, 64, 3, 2, 4), 256: (64, 32, 2, 1, 4)}
 
 
@@ -115,7 +117,8 @@ DKDV_HEAD_DIMS = tuple(DKDV_STEPS)
 FUSED_DQ_STEPS = {64: (128, 64, 8), 128: (128, 64, 8)}
 # Head dim 64 (9 / 3 heads, forward+backward, H200, session 49): 0.83x at 16K (half the 64-key programs do not fill
 # the GPU), 1.00x at 64K, 1.03x at 128K, 1.04x at 192K and 256K (there the backward runs at the 700 W cap, and fewer
-# products mean a higher clock).
+# products mean a higher clock). Session 50: 0.988x at 64K with 9 / 3 and with 14 / 2 heads; 128-query steps at D = 64
+# (192 KB, 168-340 bytes of spills) 0.96-0.97x at 64K, 0.80x at 16K.
 FUSED_DQ_MIN_KEYS = {64: 131072}
 
 
