@@ -25,7 +25,8 @@ assembled by the ptxas that ships with Triton (``-v``: registers, spills) and di
 
 The ``in loops`` column counts spill instructions inside tile loops / in the whole kernel; ``--loops`` lists each
 innermost tile loop (instructions, tensor-core instructions, spill stores / loads: a warp-specialized kernel has one
-per consumer partition, which the column adds up), and ``--sass`` keeps each kernel's listing to read them in.
+per consumer partition, which the column adds up; and the barriers its warps wait at, ``BAR.SYNC`` / ``BAR.RED`` /
+``BAR.ARV``, a CTA's or a partition's named one), and ``--sass`` keeps each kernel's listing to read them in.
 
 ``--key-as-wheel`` compiles under the cache keys of another build of the installed Triton (the lent GPU image's
 Python 3.12 wheel): the cache then holds kernels that machine finds instead of compiling (``triton_cache.py``).
@@ -111,8 +112,8 @@ class Resources:
     warps_per_sm: int | None = None
     leanest_loop_instructions: int | None = None
     leanest_loop_mma: int | None = None
-    # per innermost tile loop, in address order: [instructions, tensor-core instructions, spill stores, spill loads]
-    # (a warp-specialized kernel has one per consumer partition)
+    # per innermost tile loop, in address order: [instructions, tensor-core instructions, spill stores, spill loads,
+    # barriers] (a warp-specialized kernel has one per consumer partition)
     loop_spills: list | None = None
     wgmma_serialized: bool | None = None
     wgmma_reason: str | None = None
@@ -280,6 +281,11 @@ def resident_warps(arch: int, registers: int | None, shared: int, warps: int) ->
 # A branch and its target: ``BRA 0x1ab0``, ``@P0 BRA 0x1ab0`` and, from sm_100 / 120 ptxas on, ``BRA.U !UP0, 0x1ab0``
 # (a branch on a uniform predicate, given as an operand).
 BACK_BRANCH = re.compile(r"\bBRA(?:\.[A-Z0-9]+)*\s+(?:!?U?P[T0-9]+\s*,\s*)?0x([0-9a-f]+)")
+# A barrier the warps wait at or arrive on: the CTA's (``BAR.SYNC.DEFER_BLOCKING 0x0``) or a named one of a
+# warp-specialized partition (``BAR.SYNC R0, 0x80``, ``BAR.ARV``, ``BAR.RED``); not ``MEMBAR`` or ``DEPBAR`` (fences
+# and scoreboard waits). Each layout conversion through shared memory costs a step two (session 50: four of the D 64
+# dK/dV step's eight sat ahead of its products).
+BARRIER = re.compile(r"(?<![A-Z.])BAR\.(?:SYNC|RED|ARV)\b")
 
 
 def sass_summary(cubin: bytes, sass_path: str | None = None) -> dict:
@@ -322,7 +328,8 @@ def sass_summary(cubin: bytes, sass_path: str | None = None) -> dict:
         out["loop_spills"] = [
             [sum(1 for at, _ in code if lo <= at <= hi), sum(1 for at in mma if lo <= at <= hi),
              sum(1 for at, ins in code if lo <= at <= hi and re.search(r"\bSTL\b", ins)),
-             sum(1 for at, ins in code if lo <= at <= hi and re.search(r"\bLDL\b", ins))]
+             sum(1 for at, ins in code if lo <= at <= hi and re.search(r"\bLDL\b", ins)),
+             sum(1 for at, ins in code if lo <= at <= hi and BARRIER.search(ins))]
             for lo, hi in sorted(innermost)]
         lo, hi = min(innermost, key=lambda a: a[1] - a[0])
         out["leanest_loop_instructions"] = sum(1 for at, _ in code if lo <= at <= hi)
@@ -493,7 +500,7 @@ def main(argv=None) -> int:
                          "whole; compiling is the slow part): a change to one kernel checked in seconds")
     ap.add_argument("--loops", action="store_true",
                     help="under each kernel, its innermost tile loops: instructions, tensor-core instructions, spill "
-                         "stores and loads (one loop per consumer partition in a warp-specialized kernel)")
+                         "stores and loads, barriers (one loop per consumer partition in a warp-specialized kernel)")
     ap.add_argument("--sass", metavar="DIR", help="write each distinct kernel's SASS to DIR/<kernel>-<launch key>.sass")
     ap.add_argument("--key-as-wheel", metavar="WHEEL",
                     help="compile under the cache keys of this Triton wheel (the installed version, built for "
@@ -561,8 +568,8 @@ def main(argv=None) -> int:
               f"{smem:>7} {r.warps_per_sm or '':>8} {'serial' if r.wgmma_serialized else '':>6}  {r.cases[0]}"
               + (f"\n    ERROR {r.error}" if r.error else ""))
         if args.loops and r.loop_spills:
-            print("    tile loops: " + "; ".join(f"{ins} ins, {mma} mma, spills {st} st / {ld} ld"
-                                             for ins, mma, st, ld in r.loop_spills)
+            print("    tile loops: " + "; ".join(f"{ins} ins, {mma} mma, spills {st} st / {ld} ld, {bars} barriers"
+                                             for ins, mma, st, ld, bars in r.loop_spills)
                   + (f"  (SASS: {r.launch_key})" if args.sass else ""))
     if args.json:
         with open(args.json, "w") as f:
