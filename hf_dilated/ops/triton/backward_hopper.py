@@ -471,17 +471,14 @@ if gluon is not None:
             tma_load(k_desc, [j_first, 0], kv_bar, k_smem)
             tma_load(v_desc, [j_first, 0], kv_bar, v_smem)
         # a constexpr bound: with one head a class Triton folds the loop away (its values stay in registers)
-        for g in range(0, HEADS):
-            n_steps_h = n_steps  # with one head, the kernel body's count
+        for g in range(0, HEADS):  # the class's heads h0, h0 + r, ... in the kv head's group
+            n_steps_h = gl.where(g < n_heads, n_steps, 0)
             head = None
-            if HEADS > 1:  # the class's heads h0, h0 + r, ... in the kv head's group
-                n_steps_h = gl.where(g < n_heads, n_steps, 0)
+            if HEADS > 1:  # Q / dO are heads_desc s: the head a coordinate
                 head = g
             q_cur = start_q
             for s in range(n_steps_h):
-                it = s
-                if HEADS > 1:
-                    it = g * n_steps + s
+                it = g * n_steps + s
                 buf = it % 2
                 mbarrier.wait(empty.index(buf), ((it // 2) & 1) ^ 1)
                 mbarrier.expect(ready.index(buf), 2 * TILE_BYTES)
@@ -524,11 +521,8 @@ if gluon is not None:
         lse_w = rows_smem[2 * WG]
         delta_w = rows_smem[2 * WG + 1]
         for g in range(0, HEADS):  # as the producer's: the class's heads h0, h0 + r, ... in the group
-            n_steps_h = n_steps
-            h64 = h0.to(gl.int64)
-            if HEADS > 1:
-                n_steps_h = gl.where(g < n_heads, n_steps, 0)
-                h64 = (h0 + g * r).to(gl.int64)
+            n_steps_h = gl.where(g < n_heads, n_steps, 0)
+            h64 = (h0 + g * r).to(gl.int64)
             l_row = L + b * stride_lb + h64 * stride_lh + q0_row
             dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
             q_cur = start_q
@@ -536,9 +530,7 @@ if gluon is not None:
             if g == 0 and n_steps > 0:  # K / V landed (after the first rows' loads are on their way)
                 mbarrier.wait(kv_bar, 0)
             for s in range(n_steps_h):
-                it = s  # the step over all heads: buffer it % 2, the barriers' phases
-                if HEADS > 1:
-                    it = g * n_steps + s
+                it = g * n_steps + s  # the step over all heads: buffer it % 2, the barriers' phases
                 buf = it % 2
                 lse_w.store(lse_base2(lse_next))
                 delta_w.store(delta_next)
