@@ -218,8 +218,8 @@ if gluon is not None:
         qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
         in_range = qp < q_hi
         qc64 = (qbase + qp).to(gl.int64)
-        if PARTS and not LAST:
-            qc64 = base + qc64 // r
+        if PARTS and not LAST:  # (the division in 32 bits: in 64 a call to a division routine a row)
+            qc64 = (base + (qbase + qp) // r).to(gl.int64)
             L = PL
         h64 = h.to(gl.int64)
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -232,12 +232,18 @@ if gluon is not None:
         gl.store(L + b * stride_lb + h64 * stride_lh + qc64, lse_b, mask=in_range)
 
     @gluon.jit
-    def _part_rows(j, qp, in_range, qc64, h, head_offset, PARTS_TABLE, n_parts):
-        """Which of a tile's rows part ``j`` wrote (none when ``j >= n_parts``), and their compact rows there."""
-        rj = gl.load(PARTS_TABLE + j * PART_COLUMNS + 3, mask=j < n_parts, other=1)
-        seen = in_range & (j < n_parts) & ((((qp - h - head_offset) % rj) + rj) % rj == 0)
-        return seen, gl.where(seen, gl.load(PARTS_TABLE + j * PART_COLUMNS + 4, mask=j < n_parts, other=0)
-                              + qc64 // rj, 0)
+    def _part_rows(j, cols, in_range, key, PARTS_TABLE, n_parts):
+        """Which of a tile's rows part ``j`` wrote (none when ``j >= n_parts``), and their compact rows there (int64).
+        ``cols``: the rows' columns (``qbase`` + position, int32, >= 0); a part of rate ``rj`` wrote the columns
+        congruent to ``key`` (``qbase`` + head + head offset) mod ``rj``, column ``c`` at row ``base + c // rj``. One
+        32-bit division a row: in 64 bits (the column as an int64) each was a call to a division routine, 8 a tile,
+        most of the merge's instructions (session 51)."""
+        live = j < n_parts
+        rj = gl.load(PARTS_TABLE + j * PART_COLUMNS + 3, mask=live, other=1)
+        quot = cols // rj
+        seen = in_range & live & (cols - quot * rj == ((key % rj) + rj) % rj)
+        return seen, gl.where(seen, gl.load(PARTS_TABLE + j * PART_COLUMNS + 4, mask=live, other=0) + quot,
+                              0).to(gl.int64)
 
     @gluon.jit
     def merge_parts_weighted(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, PL, PARTS_TABLE, n_parts,
@@ -252,21 +258,22 @@ if gluon is not None:
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
         in_range = qp < q_hi
-        qc64 = (qbase + qp).to(gl.int64)
+        cols = qbase + qp
+        key = qbase + h + head_offset
         h64 = h.to(gl.int64)
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         lse_rows = PL + b * stride_lb + h64 * stride_lh
         o_rows_base = O + b * stride_ob + h64 * stride_oh
         m = lse_b
         for j in gl.static_range(MAX_PARTS):
-            seen, rows = _part_rows(j, qp, in_range, qc64, h, head_offset, PARTS_TABLE, n_parts)
+            seen, rows = _part_rows(j, cols, in_range, key, PARTS_TABLE, n_parts)
             m = gl.maximum(m, gl.load(lse_rows + rows, mask=seen, other=float("-inf")))
         m = gl.where(m == float("-inf"), 0.0, m)
         w = gl.exp(lse_b - m)
         total = w
         out = o_b * w[:, None]
         for j in gl.static_range(MAX_PARTS):
-            seen, rows = _part_rows(j, qp, in_range, qc64, h, head_offset, PARTS_TABLE, n_parts)
+            seen, rows = _part_rows(j, cols, in_range, key, PARTS_TABLE, n_parts)
             wj = gl.exp(gl.load(lse_rows + rows, mask=seen, other=float("-inf")) - m)
             total = total + wj
             out = out + gl.load((o_rows_base + rows * stride_on)[:, None] + d[None, :], mask=seen[:, None],
