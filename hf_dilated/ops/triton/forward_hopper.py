@@ -218,7 +218,7 @@ if gluon is not None:
         qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
         in_range = qp < q_hi
         qc64 = (qbase + qp).to(gl.int64)
-        if PARTS and not LAST:  # (the division in 32 bits: in 64 a call to a division routine a row)
+        if PARTS and not LAST:  # divided in 32 bits: a 64-bit division is a call to a division routine
             qc64 = (base + (qbase + qp) // r).to(gl.int64)
             L = PL
         h64 = h.to(gl.int64)
@@ -236,8 +236,8 @@ if gluon is not None:
         """Which of a tile's rows part ``j`` wrote (none when ``j >= n_parts``), and their compact rows there (int64).
         ``cols``: the rows' columns (``qbase`` + position, int32, >= 0); a part of rate ``rj`` wrote the columns
         congruent to ``key`` (``qbase`` + head + head offset) mod ``rj``, column ``c`` at row ``base + c // rj``. One
-        32-bit division a row: in 64 bits (the column as an int64) each was a call to a division routine, 8 a tile,
-        most of the merge's instructions (session 51)."""
+        32-bit division a row: a 64-bit one is a call to a division routine (it made the merge cost 1.3x as much,
+        benchmarks/NOTES_triton.md, session 51)."""
         live = j < n_parts
         rj = gl.load(PARTS_TABLE + j * PART_COLUMNS + 3, mask=live, other=1)
         quot = cols // rj
