@@ -217,9 +217,10 @@ if gluon is not None:
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
         in_range = qp < q_hi
-        qc64 = (qbase + qp).to(gl.int64)
+        qc = qbase + qp
+        qc64 = qc.to(gl.int64)
         if PARTS and not LAST:  # divided in 32 bits: a 64-bit division is a call to a division routine
-            qc64 = (base + (qbase + qp) // r).to(gl.int64)
+            qc64 = (base + qc // r).to(gl.int64)
             L = PL
         h64 = h.to(gl.int64)
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
