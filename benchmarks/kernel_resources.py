@@ -203,7 +203,7 @@ def drive(shape: str, dtype: torch.dtype, n: int, quick: bool, case: list) -> No
         fwd_bwd("longnet causal, separate dQ, one-warpgroup forward",
                 lambda: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton"))
     # The fused dK/dV of one 8-warp program where the warp-specialized one would run (HF_DILATED_WS_DKDV=0; several
-    # query heads a class run it).
+    # query heads a class run it), and at head dim 256 the launch per gradient instead of the two roles.
     with mock.patch.dict(os.environ, {"HF_DILATED_WS_DKDV": "0"}):
         fwd_bwd("longnet causal, one-program fused dK/dV",
                 lambda: hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton"))

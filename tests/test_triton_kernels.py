@@ -1005,7 +1005,7 @@ GLUON_CASES = [pytest.param(*switches, part, id=f"{part}-{''.join(switches)}")
 @pytest.mark.gpu
 @pytest.mark.parametrize("gluon, fused_dq, ws, part", GLUON_CASES)
 def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws, part):
-    """On sm_90 the dilated forward, dK/dV (head dim 64 / 128 in one launch, 256 in two) and dQ (128 / 256) run in
+    """On sm_90 the dilated forward, dK/dV (head dim 256 as two roles of one launch) and dQ (128 / 256) run in
     Gluon where they apply, at head dim 128 dQ from the dK/dV launch unless ``HF_DILATED_FUSED_DQ=0`` and the
     warp-specialized forward unless ``HF_DILATED_WS=0``, and the portable kernels with ``HF_DILATED_GLUON=0``; all
     against the float64 oracle (``GLUON_PARTS``): GQA with several offset classes, ragged segments, bidirectional,
@@ -1210,6 +1210,11 @@ WS_DKDV_CASES = {
     "head-chunks-gqa": (1, 8, 2, 2100, torch.bfloat16, dict(head_offset=2, chunked=True)),  # 4 / 2 a class at r 1 / 2
     "d64-gqa": (2, 9, 3, 2300, torch.bfloat16, dict(head_dim=64, head_offset=1)),  # SmolLM2's heads
     "d64-bidirectional": (1, 6, 6, 1900, torch.float16, dict(head_dim=64, is_causal=False)),
+    # head dim 256: the two roles (a dV and a dK warpgroup on the same keys), not fused with dQ
+    "d256-gqa": (1, 8, 2, 2300, torch.bfloat16, dict(head_dim=256, head_offset=1)),  # 4 / 2 / 1 a class at r 1 / 2 / 4
+    "d256-bidirectional": (1, 4, 4, 1100, torch.float16, dict(head_dim=256, is_causal=False)),
+    "d256-padding": (2, 4, 2, 2048, torch.bfloat16, dict(head_dim=256, mask=True)),
+    "d256-head-chunks": (1, 4, 4, 2100, torch.bfloat16, dict(head_dim=256, head_offset=2, chunked=True)),
 }
 
 
@@ -1218,10 +1223,11 @@ WS_DKDV_CASES = {
 def test_gpu_warp_specialized_dkdv(rng, monkeypatch, case):
     """By default (``HF_DILATED_WS_DKDV``) at head dim 128, and 64 from 128K keys (here at any length), the fused dK/dV
     runs warp-specialized (a producer warp, two consumer warpgroups of 64 keys that meet once a step for dQ) at any
-    number of query heads a class; against the float64 oracle (causal and bidirectional, ragged segments, GQA with
-    one and several heads a class, padding, head chunks: ``WS_DKDV_CASES``), dK and dV bit for bit those of the one-
-    program kernel (the same products in the same order), dQ to rounding (reduce-adds in no fixed order), and the
-    warp-specialized kernel seen to run."""
+    number of query heads a class, and at head dim 256 dK/dV runs as its two roles (a dV and a dK warpgroup on the
+    same 64 keys, ``P^T`` handed over in shared memory); against the float64 oracle (causal and bidirectional, ragged
+    segments, GQA with one and several heads a class, padding, head chunks: ``WS_DKDV_CASES``), dK and dV bit for bit
+    those of the one-program kernel (fused) or of its launch per gradient (256: the same products in the same order),
+    dQ to rounding (reduce-adds in no fixed order), and the warp-specialized kernel seen to run."""
     _gpu_skip()
     from hf_dilated.ops.triton import backward_hopper, configs
 
@@ -1232,7 +1238,8 @@ def test_gpu_warp_specialized_dkdv(rng, monkeypatch, case):
     kw = dict(kw)
     D = kw.pop("head_dim", 128)
     monkeypatch.setattr(backward_hopper, "FUSED_DQ_MIN_KEYS", {})  # head dim 64 at these lengths too
-    assert "CONSUMER_REGS" in backward_hopper.fused_dq_launch_config(D, N)
+    cfg = backward_hopper.fused_dq_launch_config(D, N) or backward_hopper.dkdv_launch_configs(D)[0]
+    assert "CONSUMER_REGS" in cfg and cfg["FUSED_DQ"] == (D not in backward_hopper.ROLES_STEPS), cfg
     branches = kw.pop("branches", LONGNET_SMALL)
     if kw.pop("mask", False):
         kw["attention_mask"] = torch.ones(B, N, dtype=torch.bool, device="cuda")

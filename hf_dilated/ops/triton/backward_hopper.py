@@ -111,6 +111,10 @@ DQ_STEPS = {128: (64, 64, 3, 2, 4), 256: (64, 32, 2, 1, 4)}
 # shared memory: 96 KB at 32-query steps) and one dK (3 products), 5 products where D <= 128 runs 4 in one launch.
 DKDV_STEPS = {64: ((0, BLOCK_Q),), 128: ((0, BLOCK_Q),), 256: ((1, 32), (2, 32))}  # measured (H100): the docstring
 DKDV_HEAD_DIMS = tuple(DKDV_STEPS)
+# Head dims whose dK/dV runs as one warp-specialized launch of two roles (``_dkdv_ws_role``: a dV warpgroup and a dK
+# warpgroup on the same 64 keys, 144 KB at 32-query steps) instead of ``DKDV_STEPS``' launch per gradient; query rows
+# per step. ``HF_DILATED_WS_DKDV=0`` keeps the launches per gradient.
+ROLES_STEPS = {256: 32}
 # dK/dV with the step's dQ (``FUSED_DQ``): (key rows per program, query rows per step, warps) by head dim. 128 keys on
 # two warpgroups, FA3's tile: each dQ share added to the sums covers 128 keys, and K, V, Q, dO, P^T, dS^T and the dQ
 # tile take 192 KB, one program per SM. Not D = 256: the docstring. D = 64 only from FUSED_DQ_MIN_KEYS keys.
@@ -586,6 +590,91 @@ if gluon is not None:
                 kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
 
     @gluon.jit
+    def _dkdv_ws_role(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                      MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, pt_smem, pt_ready, pt_empty):
+        """Without ``FUSED_DQ`` (head dim 256): the warpgroups share the program's 64 keys and split the gradients.
+        ``WG`` 0 computes ``S^T``, ``P^T`` and ``dV += P^T dO`` and hands ``P^T`` (float32, buffer ``it % 2``) to
+        ``WG`` 1, which computes ``dP^T``, ``dS^T`` and ``dK += dS^T Q``: four products a step where one warpgroup
+        each for dV and dK (``PART`` 1 / 2, two launches) computed ``S^T`` twice, and K / Q / dO are read once. Each
+        product as those launches compute it, so dK and dV are theirs bit for bit."""
+        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, n_heads, head_offset, r, n_prev, kbase,
+         k_first, n_k, j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh,
+         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn,
+         stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar,
+         ready, empty, ds_ready) = a
+        dtype: gl.constexpr = k_smem.dtype
+        BLOCK_N: gl.constexpr = k_smem.shape[0]
+        s_layout: gl.constexpr = mma_layout(4, BLOCK_Q)
+        g_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
+        key_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
+        query_axis: gl.constexpr = gl.SliceLayout(0, s_layout)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)  # P^T, dS^T
+        kidx = gl.arange(0, BLOCK_N, layout=key_axis)
+        vrows = gl.arange(0, BLOCK_Q, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        s_zero = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=s_layout)
+        acc = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
+        row_w = rows_smem[WG]  # lse (base 2) for WG 0, delta for WG 1
+        for g in range(0, HEADS):  # as the producer's: the class's heads h0, h0 + r, ... in the group
+            n_steps_h = gl.where(g < n_heads, n_steps, 0)
+            h64 = (h0 + g * r).to(gl.int64)
+            l_row = L + b * stride_lb + h64 * stride_lh + q0_row
+            dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
+            q_cur = start_q
+            lse_next, delta_next = step_rows(l_row, dl_row, q_cur, vrows, n_q, r, n_steps_h > 0)
+            if g == 0 and n_steps > 0:  # K / V landed
+                mbarrier.wait(kv_bar, 0)
+            for s in range(n_steps_h):
+                it = g * n_steps + s  # the step over all heads: buffer it % 2, the barriers' phases
+                buf = it % 2
+                if WG == 0:
+                    row_w.store(lse_base2(lse_next))
+                else:
+                    row_w.store(delta_next)
+                mbarrier.wait(ready.index(buf), (it // 2) & 1)
+                qs = q_smem.index(buf)
+                dos = do_smem.index(buf)
+                pt = pt_smem.index(buf)
+                if WG == 0:
+                    sT = warpgroup_mma(k_smem, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    sT, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sT, acc))  # also retires the last dV
+                else:
+                    dpT = warpgroup_mma(v_smem, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    dpT, acc = warpgroup_mma_wait(num_outstanding=0, deps=(dpT, acc))  # also retires the last dK
+                if it > 0:  # the last step's Q / dO are read by every product that reads them
+                    mbarrier.arrive(empty.index(1 - buf), count=1)
+                if s + 1 < n_steps_h:
+                    lse_next, delta_next = step_rows(l_row, dl_row, q_cur + BLOCK_Q, vrows, n_q, r, True)
+                if WG == 0:
+                    pT = gl.exp2(sT * qk_scale - row_w.load(query_axis)[None, :])
+                    if q_cur < full_from:  # some key of the tile after some query of the step
+                        qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
+                        pT = gl.where(kidx[:, None] <= (qidx + q_cur + shift)[None, :], pT, 0.0)
+                    mbarrier.wait(pt_empty.index(buf), ((it // 2) & 1) ^ 1)  # WG 1 read this buffer's last P^T
+                    pt.store(pT)
+                    thread_barrier()
+                    mbarrier.arrive(pt_ready.index(buf), count=1)
+                    acc = register_product(pT, dos, acc, dtype, a_layout)
+                else:
+                    mbarrier.wait(pt_ready.index(buf), (it // 2) & 1)
+                    pT = pt.load(s_layout)
+                    thread_barrier()
+                    mbarrier.arrive(pt_empty.index(buf), count=1)
+                    ds = pT * (dpT - row_w.load(query_axis)[None, :])
+                    acc = register_product(ds, qs, acc, dtype, a_layout)
+                q_cur += BLOCK_Q
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+        kc64, d, kin, seen = _key_rows(j_first, k_first, kbase, n_k, r, g0, group, head_offset, PREV, n_prev, BLOCK_N,
+                                       HEAD_DIM, g_layout, MERGE)
+        if WG == 0:
+            _finish(acc, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh,
+                    kc64, d, kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
+        else:
+            _finish(acc * scale, DK + b * stride_dkb + kvh64 * stride_dkh,
+                    DK_OUT + b * stride_xkb + kvh64 * stride_xkh, kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE,
+                    LAST)
+
+    @gluon.jit
     def dilated_bwd_dkdv_ws_kernel(
         Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, DQ, PREV, T,
         stride_qb, stride_qh, stride_qn,
@@ -606,7 +695,7 @@ if gluon is not None:
         """``dilated_bwd_dkdv_hopper_kernel``'s contract with ``FUSED_DQ``: ``_dkdv_ws_producer`` and two
         ``_dkdv_ws_consumer`` s (the section's comment), over the class's ``HEADS`` query heads at most."""
         dtype: gl.constexpr = Q.dtype.element_ty
-        gl.static_assert(FUSED_DQ and PART == 0 and BLOCK_N == 128)
+        gl.static_assert(PART == 0 and BLOCK_N == (128 if FUSED_DQ else 64))
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
         ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
@@ -638,23 +727,30 @@ if gluon is not None:
         if HEADS == 1:
             q_desc = row_desc(q_base, n_qdesc, r * stride_qn, BLOCK_Q, HEAD_DIM, q_smem_layout)
             do_desc = row_desc(do_base, n_qdesc, r * stride_dn, BLOCK_Q, HEAD_DIM, q_smem_layout)
-            dq_desc0 = row_desc(dq_base, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2, dq_smem_layout)
-            dq_desc1 = row_desc(dq_base + HEAD_DIM // 2, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2,
-                                dq_smem_layout)
+            if FUSED_DQ:
+                dq_desc0 = row_desc(dq_base, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2, dq_smem_layout)
+                dq_desc1 = row_desc(dq_base + HEAD_DIM // 2, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2,
+                                    dq_smem_layout)
         else:  # the class's query heads h0, h0 + r, ... of the kv head's group, the head a coordinate
             q_desc = heads_desc(q_base, n_heads, n_qdesc, r * stride_qh, r * stride_qn, BLOCK_Q, HEAD_DIM, dtype)
             do_desc = heads_desc(do_base, n_heads, n_qdesc, r * stride_dh, r * stride_dn, BLOCK_Q, HEAD_DIM, dtype)
-            dq_desc0 = heads_desc(dq_base, n_heads, n_qdesc, r * stride_dqh, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2,
-                                  gl.float32)
-            dq_desc1 = heads_desc(dq_base + HEAD_DIM // 2, n_heads, n_qdesc, r * stride_dqh, r * stride_dqn, BLOCK_Q,
-                                  HEAD_DIM // 2, gl.float32)
+            if FUSED_DQ:
+                dq_desc0 = heads_desc(dq_base, n_heads, n_qdesc, r * stride_dqh, r * stride_dqn, BLOCK_Q,
+                                      HEAD_DIM // 2, gl.float32)
+                dq_desc1 = heads_desc(dq_base + HEAD_DIM // 2, n_heads, n_qdesc, r * stride_dqh, r * stride_dqn,
+                                      BLOCK_Q, HEAD_DIM // 2, gl.float32)
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
         q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
         do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_Q], ds_smem_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_Q, HEAD_DIM // 2], dq_smem_layout)
+        if FUSED_DQ:
+            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_Q], ds_smem_layout)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_Q, HEAD_DIM // 2], dq_smem_layout)
+        else:  # the roles' P^T hand-over (``_dkdv_ws_role``), in float32 as the one-gradient launches use it
+            pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], gl.float32)
+            ds_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, BLOCK_Q], pt_layout)
+            dq_smem = ds_smem
         # each consumer's step rows of lse (base 2) and delta, read where they are used (in registers along the score
         # tile's columns they took 32 registers a thread through the step)
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -671,16 +767,30 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
         mbarrier.init(ds_ready, count=2)
+        if not FUSED_DQ:
+            pt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            pt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(pt_ready.index(i), count=1)
+                mbarrier.init(pt_empty.index(i), count=1)
         fence_async_shared()
         a = (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, kvh * group, group, h0, n_heads, head_offset, r, n_prev,
              kbase, k_first, n_k, j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb,
              stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh,
              stride_xkn, stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
              rows_smem, kv_bar, ready, empty, ds_ready)
-        gl.warp_specialize([(_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 0, dq_desc0)),
-                            (_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 1, dq_desc1)),
-                            (_dkdv_ws_producer, (a, HEAD_DIM, BLOCK_Q, HEADS, q_desc, do_desc, k_desc, v_desc))],
-                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if FUSED_DQ:
+            gl.warp_specialize(
+                [(_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 0, dq_desc0)),
+                 (_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 1, dq_desc1)),
+                 (_dkdv_ws_producer, (a, HEAD_DIM, BLOCK_Q, HEADS, q_desc, do_desc, k_desc, v_desc))],
+                [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize(
+                [(_dkdv_ws_role, (a, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 0, ds_smem, pt_ready, pt_empty)),
+                 (_dkdv_ws_role, (a, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 1, ds_smem, pt_ready, pt_empty)),
+                 (_dkdv_ws_producer, (a, HEAD_DIM, BLOCK_Q, HEADS, q_desc, do_desc, k_desc, v_desc))],
+                [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     @gluon.jit
     def _key_rows(first, k_first, kbase, n_k, r, head0, heads, head_offset, PREV, n_prev, ROWS: gl.constexpr,
@@ -716,6 +826,8 @@ def dkdv_launch_configs(head_dim: int) -> list[dict] | None:
     dK), each 64 dilated keys on one warpgroup; ``None`` where the portable dK/dV kernel runs."""
     if head_dim not in DKDV_STEPS:
         return None
+    if head_dim in ROLES_STEPS and switch("HF_DILATED_WS_DKDV"):
+        return [dict(BLOCK_N=BLOCK_N, BLOCK_Q=ROLES_STEPS[head_dim], PART=0, FUSED_DQ=False, **WS_LAUNCH)]
     return [dict(BLOCK_N=BLOCK_N, BLOCK_Q=q_rows, PART=part, FUSED_DQ=False, num_warps=4)
             for part, q_rows in DKDV_STEPS[head_dim]]
 
