@@ -140,8 +140,9 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
 
 def test_head_dim_256_runs_the_gluon_kernels_on_hopper(tmp_path):
     """Gemma-style heads (8 / 2, D 256) on sm_90: the Gluon forward and dQ compile, and the Gluon dK/dV as one
-    warp-specialized launch of two roles (a dV and a dK warpgroup on the same 64 keys, 144 KB: K, V, two Q / dO
-    buffers and two float32 ``P^T`` hand-over tiles), under this Triton (the GPU image's may differ)."""
+    warp-specialized launch of two roles (a dV and a dK warpgroup on the same 64 keys, 224 KB at 64-query steps: K, V,
+    two Q / dO buffers and two float32 ``P^T`` hand-over tiles, within the 227 KB a program may have), under this
+    Triton (the GPU image's may differ)."""
     pytest.importorskip("triton")
     from hf_dilated.ops.triton import hopper
 
@@ -153,7 +154,7 @@ def test_head_dim_256_runs_the_gluon_kernels_on_hopper(tmp_path):
     names = {k["kernel"] for k in kernels}
     assert {"dilated_fwd_hopper_kernel", "dilated_bwd_dq_hopper_kernel", "dilated_bwd_dkdv_ws_kernel"} <= names
     dkdv = {k["shared"] // 1024 for k in kernels if k["kernel"] == "dilated_bwd_dkdv_ws_kernel"}
-    assert dkdv == {144}, dkdv
+    assert dkdv == {224}, dkdv
     # with HF_DILATED_WS_DKDV=0, a launch per gradient: dV (no V in shared memory, 96 KB) and dK (128 KB)
     per_gradient = {k["shared"] // 1024 for k in kernels if k["kernel"] == "dilated_bwd_dkdv_hopper_kernel"}
     assert per_gradient == {96, 128}, per_gradient

@@ -42,6 +42,14 @@ kernels the D = 256 backward runs 1.39x / 1.46x faster than the portable one at 
 (``results/ab_gluon_backward-dilated-d256-split-dkdv-session19-*``; 16-query steps for dK, 98 KB and two programs per
 SM, 1.28x / 1.41x).
 
+Since round 2 session 52 the two run as one warp-specialized launch of two roles by default (``_dkdv_ws_role``,
+``ROLES_STEPS``; ``HF_DILATED_WS_DKDV=0`` keeps the launch per gradient): a producer warp copies K / V once and each
+step's Q / dO, a dV warpgroup computes ``S^T``, ``P^T`` and ``dV += P^T dO`` and hands ``P^T`` (float32) to a dK
+warpgroup through shared memory, which computes ``dP^T``, ``dS^T`` and ``dK += dS^T Q``: four products a tile pair, K
+/ Q / dO read once. dK and dV are the launch per gradient's bit for bit; forward+backward 1.30x / 1.24x / 1.24x at
+16K / 64K / 256K at 64-query steps (224 KB), 1.21x / 1.15x / 1.16x at 32 (144 KB) (8 / 2 heads, H200,
+``compare_checkouts.py --warm-s 1``, ``results/session52-*``).
+
 dQ from the dK/dV launch at D = 128 (``FUSED_DQ``, FA3's scheme, the default where it applies): the dQ kernel
 computes ``S`` and ``dP`` a second time, so a backward ran 7 tensor-core products per (query, key) pair where FA2
 runs 5. Here the dK/dV program also issues ``dS K`` for each step's queries and adds the float32 tile to the dQ sums
@@ -112,9 +120,10 @@ DQ_STEPS = {128: (64, 64, 3, 2, 4), 256: (64, 32, 2, 1, 4)}
 DKDV_STEPS = {64: ((0, BLOCK_Q),), 128: ((0, BLOCK_Q),), 256: ((1, 32), (2, 32))}  # measured (H100): the docstring
 DKDV_HEAD_DIMS = tuple(DKDV_STEPS)
 # Head dims whose dK/dV runs as one warp-specialized launch of two roles (``_dkdv_ws_role``: a dV warpgroup and a dK
-# warpgroup on the same 64 keys, 144 KB at 32-query steps) instead of ``DKDV_STEPS``' launch per gradient; query rows
-# per step. ``HF_DILATED_WS_DKDV=0`` keeps the launches per gradient.
-ROLES_STEPS = {256: 32}
+# warpgroup on the same 64 keys) instead of ``DKDV_STEPS``' launch per gradient: query rows per step. At 256, 64 rows
+# take 224 KB (K, V, two Q / dO buffers, two float32 P^T tiles) and ran forward+backward 1.07x as fast as 32 rows
+# (144 KB; session 52, the module docstring). ``HF_DILATED_WS_DKDV=0`` keeps the launches per gradient.
+ROLES_STEPS = {256: 64}
 # dK/dV with the step's dQ (``FUSED_DQ``): (key rows per program, query rows per step, warps) by head dim. 128 keys on
 # two warpgroups, FA3's tile: each dQ share added to the sums covers 128 keys, and K, V, Q, dO, P^T, dS^T and the dQ
 # tile take 192 KB, one program per SM. Not D = 256: the docstring. D = 64 only from FUSED_DQ_MIN_KEYS keys.
@@ -822,8 +831,9 @@ if gluon is not None:
 
 
 def dkdv_launch_configs(head_dim: int) -> list[dict] | None:
-    """dK/dV: the launches per branch (``DKDV_STEPS``: one for both gradients, or at D = 256 one for dV and one for
-    dK), each 64 dilated keys on one warpgroup; ``None`` where the portable dK/dV kernel runs."""
+    """dK/dV: the launches per branch: at D = 256 one of two roles (``ROLES_STEPS``, warp-specialized) unless
+    ``HF_DILATED_WS_DKDV=0``, else ``DKDV_STEPS``' (one for both gradients, or at D = 256 one for dV and one for dK),
+    each 64 dilated keys on one warpgroup; ``None`` where the portable dK/dV kernel runs."""
     if head_dim not in DKDV_STEPS:
         return None
     if head_dim in ROLES_STEPS and switch("HF_DILATED_WS_DKDV"):
