@@ -506,7 +506,7 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
         for j, i, r, it, s, merge in launches:  # dK / dV on the current stream
             n_classes = min(group, r)
             if dkdv_cfgs:
-                for dkdv_cfg in dkdv_cfgs:  # one launch, or at D = 256 one for dV and one for dK
+                for dkdv_cfg in dkdv_cfgs:  # one launch, or at D = 256 (HF_DILATED_WS_DKDV=0) one per gradient
                     kernel = backward_hopper.dkdv_kernel(dkdv_cfg)
                     grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
                     rec.run(kernel, grid,
