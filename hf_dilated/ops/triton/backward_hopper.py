@@ -457,13 +457,15 @@ if gluon is not None:
                     qc64, d, in_range, seen, stride_dqn, stride_xqn, MERGE, LAST)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
-    # ---- the warp-specialized fused dK/dV (head dim 128 / 64, any number of query heads a class) -------------------
+    # ---- the warp-specialized dK/dV (128 / 64: fused with dQ; 256: two roles; any number of query heads a class) ---
     # ``dilated_bwd_dkdv_hopper_kernel``'s FUSED_DQ program (128 keys, 64-query steps, dQ by TMA reduce-add) with its
     # roles split: a producer warp copies K / V once and each step's Q / dO (two buffers, released by both consumers),
     # and each consumer warpgroup owns 64 of the keys. A consumer's dV / dK products, its P^T (in registers) / dS^T and
     # its dK / dV sums are its own; the step's dQ needs dS^T of all 128 keys, so the two meet once a step
     # (``ds_ready``: both halves written, in buffer it % 2) and each adds its half of dQ's columns. With several query
-    # heads a class the steps of head g follow those of head g - 1 (step ``it = g * n_steps + s``).
+    # heads a class the steps of head g follow those of head g - 1 (step ``it = g * n_steps + s``). Without FUSED_DQ
+    # (head dim 256, whose dK and dV do not fit one warpgroup together) the warpgroups share 64 keys and take a gradient
+    # each (``_dkdv_ws_role``), the same producer feeding them.
 
     @gluon.jit
     def _dkdv_ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr, q_desc, do_desc,
@@ -702,7 +704,8 @@ if gluon is not None:
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """``dilated_bwd_dkdv_hopper_kernel``'s contract with ``FUSED_DQ``: ``_dkdv_ws_producer`` and two
-        ``_dkdv_ws_consumer`` s (the section's comment), over the class's ``HEADS`` query heads at most."""
+        ``_dkdv_ws_consumer`` s (the section's comment), over the class's ``HEADS`` query heads at most; without it
+        (``ROLES_STEPS``, 64 keys) the producer and the two roles of ``_dkdv_ws_role``, no dQ."""
         dtype: gl.constexpr = Q.dtype.element_ty
         gl.static_assert(PART == 0 and BLOCK_N == (128 if FUSED_DQ else 64))
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
