@@ -850,8 +850,8 @@ def test_gpu_counted_positions_across_holes(rng):
 def test_gluon_kernels_coverage(monkeypatch, which):
     """The dilated forward and backward kernels in Gluon (``forward_hopper.py``, ``backward_hopper.py``; compiled on the
     CPU by test_benchmark_tools, run by the GPU tests) cover bf16 / fp16 at head dim 64 / 128 / 256 on the descriptor
-    path without window, dropout or holes (the backward's dQ at 128 / 256, from the dK/dV launch at 128); never
-    under the interpreter, off sm_90, or with ``HF_DILATED_GLUON=0``."""
+    path without window, dropout or holes (the backward's dQ at 128 / 256, from the dK/dV launch at 128; dK/dV at 256
+    as two roles of one launch); never under the interpreter, off sm_90, or with ``HF_DILATED_GLUON=0``."""
     import importlib
 
     from hf_dilated.ops.triton import configs, hopper
@@ -867,7 +867,16 @@ def test_gluon_kernels_coverage(monkeypatch, which):
     assert kernel.applies(q, plain, True) and kernel.applies(q[..., :64].half(), plain, True)
     assert kernel.applies(torch.empty(1, 2, 256, 256, dtype=torch.bfloat16), plain, True)  # Gemma's head dim
     if which == "backward_hopper":  # which of its two kernels runs at each head dim
-        assert [[c["PART"] for c in kernel.dkdv_launch_configs(d)] for d in (64, 128, 256)] == [[0], [0], [1, 2]]
+        assert [[c["PART"] for c in kernel.dkdv_launch_configs(d)] for d in (64, 128, 256)] == [[0], [0], [0]]
+        # head dim 256: one warp-specialized launch of two roles (a dV and a dK warpgroup), unless HF_DILATED_WS_DKDV
+        # is off: then a launch per gradient (PART 1: dV, 2: dK)
+        roles = kernel.dkdv_launch_configs(256)
+        assert roles == [dict(BLOCK_N=64, BLOCK_Q=64, PART=0, FUSED_DQ=False, **hopper.WS_LAUNCH)], roles
+        assert kernel.dkdv_kernel(roles[0]) is kernel.dilated_bwd_dkdv_ws_kernel
+        monkeypatch.setenv("HF_DILATED_WS_DKDV", "0")
+        assert [c["PART"] for c in kernel.dkdv_launch_configs(256)] == [1, 2]
+        assert kernel.dkdv_kernel(kernel.dkdv_launch_configs(256)[0]) is kernel.dilated_bwd_dkdv_hopper_kernel
+        monkeypatch.delenv("HF_DILATED_WS_DKDV")
         assert kernel.dkdv_launch_configs(96) is None
         assert [d for d in (64, 128, 256) if kernel.dq_launch_config(d)] == [128, 256]
         # at head dim 128 one dK/dV launch adds dQ too (two warpgroups, 128 keys), unless switched off or
