@@ -1014,12 +1014,12 @@ GLUON_CASES = [pytest.param(*switches, part, id=f"{part}-{''.join(switches)}")
 @pytest.mark.gpu
 @pytest.mark.parametrize("gluon, fused_dq, ws, part", GLUON_CASES)
 def test_gpu_gluon_kernels_on_hopper(rng, monkeypatch, gluon, fused_dq, ws, part):
-    """On sm_90 the dilated forward, dK/dV (head dim 64 / 128 in one launch, 256 as two roles of one launch) and dQ
-    (128 / 256) run in Gluon where they apply, at head dim 128 dQ from the dK/dV launch unless
-    ``HF_DILATED_FUSED_DQ=0`` and the warp-specialized forward unless ``HF_DILATED_WS=0``, and the portable kernels
-    with ``HF_DILATED_GLUON=0``; all against the float64 oracle (``GLUON_PARTS``): GQA with several offset classes, ragged segments, bidirectional,
-    padding, packed sequences, fewer queries than keys (queries and keys of a segment at different rows), global
-    tokens, a dense layer (one launch, which writes the gradients with no float32 buffer), the backward's head chunks,
+    """On sm_90 the dilated forward, dK/dV (head dim 64 / 128 in one launch, 256 as two roles of one launch) and dQ (128
+    / 256) run in Gluon where they apply, at head dim 128 dQ from the dK/dV launch unless ``HF_DILATED_FUSED_DQ=0`` and
+    the warp-specialized forward unless ``HF_DILATED_WS=0``, and the portable kernels with ``HF_DILATED_GLUON=0``; all
+    against the float64 oracle (``GLUON_PARTS``): GQA with several offset classes, ragged segments, bidirectional,
+    padding, packed sequences, fewer queries than keys (queries and keys of a segment at different rows), global tokens,
+    a dense layer (one launch, which writes the gradients with no float32 buffer), the backward's head chunks,
     Gemma-style head dim 256, and the warp-specialized forward's schedules (with it on)."""
     _gpu_skip()
     from hf_dilated.ops.triton import backward_hopper, configs, forward_hopper, hopper
