@@ -502,6 +502,21 @@ if gluon is not None:
                 q_cur += BLOCK_Q
 
     @gluon.jit
+    def _ws_head_rows(g, n_heads, n_steps, h0, r, L, Delta, b, stride_lb, stride_lh, q0_row, start_q, vrows, n_q,
+                      kv_bar):
+        """A consumer's start of the class's ``g``-th query head (``h0 + g r``): its steps (none past the class's
+        ``n_heads``), its lse / delta rows and their first step's values (read a step ahead); before the first head's
+        first step, the wait for K / V (after those loads are on their way)."""
+        n_steps_h = gl.where(g < n_heads, n_steps, 0)
+        h64 = (h0 + g * r).to(gl.int64)
+        l_row = L + b * stride_lb + h64 * stride_lh + q0_row
+        dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
+        lse_next, delta_next = step_rows(l_row, dl_row, start_q, vrows, n_q, r, n_steps_h > 0)
+        if g == 0 and n_steps > 0:  # K / V landed
+            mbarrier.wait(kv_bar, 0)
+        return n_steps_h, l_row, dl_row, lse_next, delta_next
+
+    @gluon.jit
     def _dkdv_ws_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
                           IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc):
         """dK and dV of keys ``64 WG ..`` of the program's tile, and columns ``HEAD_DIM / 2 * WG ..`` of each step's
@@ -536,14 +551,9 @@ if gluon is not None:
         lse_w = rows_smem[2 * WG]
         delta_w = rows_smem[2 * WG + 1]
         for g in range(0, HEADS):  # as the producer's: the class's heads h0, h0 + r, ... in the group
-            n_steps_h = gl.where(g < n_heads, n_steps, 0)
-            h64 = (h0 + g * r).to(gl.int64)
-            l_row = L + b * stride_lb + h64 * stride_lh + q0_row
-            dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
+            n_steps_h, l_row, dl_row, lse_next, delta_next = _ws_head_rows(
+                g, n_heads, n_steps, h0, r, L, Delta, b, stride_lb, stride_lh, q0_row, start_q, vrows, n_q, kv_bar)
             q_cur = start_q
-            lse_next, delta_next = step_rows(l_row, dl_row, q_cur, vrows, n_q, r, n_steps_h > 0)
-            if g == 0 and n_steps > 0:  # K / V landed (after the first rows' loads are on their way)
-                mbarrier.wait(kv_bar, 0)
             for s in range(n_steps_h):
                 it = g * n_steps + s  # the step over all heads: buffer it % 2, the barriers' phases
                 buf = it % 2
@@ -626,14 +636,9 @@ if gluon is not None:
         acc = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout))
         row_w = rows_smem[WG]  # lse (base 2) for WG 0, delta for WG 1
         for g in range(0, HEADS):  # as the producer's: the class's heads h0, h0 + r, ... in the group
-            n_steps_h = gl.where(g < n_heads, n_steps, 0)
-            h64 = (h0 + g * r).to(gl.int64)
-            l_row = L + b * stride_lb + h64 * stride_lh + q0_row
-            dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
+            n_steps_h, l_row, dl_row, lse_next, delta_next = _ws_head_rows(
+                g, n_heads, n_steps, h0, r, L, Delta, b, stride_lb, stride_lh, q0_row, start_q, vrows, n_q, kv_bar)
             q_cur = start_q
-            lse_next, delta_next = step_rows(l_row, dl_row, q_cur, vrows, n_q, r, n_steps_h > 0)
-            if g == 0 and n_steps > 0:  # K / V landed
-                mbarrier.wait(kv_bar, 0)
             for s in range(n_steps_h):
                 it = g * n_steps + s  # the step over all heads: buffer it % 2, the barriers' phases
                 buf = it % 2
