@@ -110,7 +110,9 @@ BLOCK_Q = 64  # dilated query rows per step at D <= 128: n64 instructions for th
 # dQ: (query rows per program, key rows per step, K buffers, V buffers, warps) by head dim. Not D = 64: there the
 # Gluon dQ measured 0.98x of the portable one (H100, 64K, benchmarks/results/ab_gluon_dq-*), which runs there; on the
 # H200 (session 50, forward+backward in one process) (64, 64, 3, 2, 4) ran 0.984x at 9 / 3 heads and 0.987x at 14 / 2
-# (64K), 0.997x at 16K; (64, 128, 2, 2, 4) and (64, 64, 4, 4, 4) 0.94-0.96x.
+# (64K), 0.997x at 16K; (64, 128, 2, 2, 4) and (64, 64, 4, 4, 4) 0.94-0.96x. At D = 256 (8 / 2 heads, H200, session 53)
+# 128 query rows on two warpgroups, one program an SM, each K / V tile read once for them: (128, 32, 2, 1, 8), 176 KB,
+# 0.94x / 0.96x at 16K / 64K; (128, 32, 3, 2, 8), 208 KB, 1.00x / 1.01x (dQ bit-equal; not kept).
 DQ_STEPS = {128: (64, 64, 3, 2, 4), 256: (64, 32, 2, 1, 4)}
 
 
@@ -126,7 +128,10 @@ DKDV_HEAD_DIMS = tuple(DKDV_STEPS)
 ROLES_STEPS = {256: 64}
 # dK/dV with the step's dQ (``FUSED_DQ``): (key rows per program, query rows per step, warps) by head dim. 128 keys on
 # two warpgroups, FA3's tile: each dQ share added to the sums covers 128 keys, and K, V, Q, dO, P^T, dS^T and the dQ
-# tile take 192 KB, one program per SM. Not D = 256: the docstring. D = 64 only from FUSED_DQ_MIN_KEYS keys.
+# tile take 192 KB, one program per SM. D = 64 only from FUSED_DQ_MIN_KEYS keys. Not D = 256: there the roles
+# (``ROLES_STEPS``) with dQ^T = K^T dS^T added at 32-query steps (185 KB; branch ``s52-d256-fused-dq``) ran
+# forward+backward 0.89x / 0.98x at 16K / 64K with dQ in the dK warpgroup, and 0.94x / 1.01x / 1.01x / 1.02x at 16K /
+# 64K / 128K / 256K with dQ^T's halves split between the two warpgroups (8 / 2 heads, H200, session 53).
 FUSED_DQ_STEPS = {64: (128, 64, 8), 128: (128, 64, 8)}
 # Head dim 64 (9 / 3 heads, forward+backward, H200, session 49): 0.83x at 16K (half the 64-key programs do not fill
 # the GPU), 1.00x at 64K, 1.03x at 128K, 1.04x at 192K and 256K (there the backward runs at the 700 W cap, and fewer

@@ -4,8 +4,9 @@ rows), and at head dim 128 on 128-blocks the warp-specialized forward and dQ (``
 ``bs_bwd_dq_hopper_kernel``: a producer warp streams K / V to two consumer warpgroups, section below); then the dK/dV.
 
 The dK/dV. The portable kernel (``block_sparse.bs_bwd_dkdv_kernel``) runs 32-query x 64-key tiles with K and V in
-registers; its two transposed products (``K Q^T``, ``V dO^T``) are then m64 n32 tensor-core instructions, and it took 2.7 ms per
-product against dq's 1.8 ms (Nsight, 64K, benchmarks/NOTES_triton.md). Here, one warpgroup per 64-key tile:
+registers; its two transposed products (``K Q^T``, ``V dO^T``) are then m64 n32 tensor-core instructions, and it
+took 2.7 ms per product against dq's 1.8 ms (Nsight, 64K, benchmarks/NOTES_triton.md). Here, one warpgroup per 64-key
+tile:
 
 - K and V are read once by TMA and stay in **shared memory**: the A operand of ``K Q^T`` / ``V dO^T`` comes from
   there, not from registers;

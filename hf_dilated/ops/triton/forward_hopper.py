@@ -96,7 +96,9 @@ def launch_config(head_dim: int) -> dict:
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=n, K_STAGES=k_stages, V_STAGES=v_stages, num_warps=4)
 
 
-# Head dims the warp-specialized forward takes. Not 256: three stages of 128-key K / V tiles would take 384 KB.
+# Head dims the warp-specialized forward takes. Not 256: three stages of 128-key K / V tiles would take 384 KB; with
+# 64-key steps and two K / V buffers (192 KB, one program an SM) it ran the forward 0.94x / 0.98x / 0.96x as fast as
+# the one-warpgroup kernel's two programs an SM at 16K / 64K / 256K (8 / 2 heads, bit-identical; H200, session 53).
 WS_HEAD_DIMS = (128,)
 # Head dims it takes where its persistent launches keep at least WS_BALANCE of the SMs' time busy (``ws_balance``).
 # At 64 the one-warpgroup kernel runs the branches but the last as one launch (parts) and loses less to uneven
