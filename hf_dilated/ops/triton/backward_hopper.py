@@ -112,7 +112,8 @@ BLOCK_Q = 64  # dilated query rows per step at D <= 128: n64 instructions for th
 # H200 (session 50, forward+backward in one process) (64, 64, 3, 2, 4) ran 0.984x at 9 / 3 heads and 0.987x at 14 / 2
 # (64K), 0.997x at 16K; (64, 128, 2, 2, 4) and (64, 64, 4, 4, 4) 0.94-0.96x. At D = 256 (8 / 2 heads, H200, session 53)
 # 128 query rows on two warpgroups, one program an SM, each K / V tile read once for them: (128, 32, 2, 1, 8), 176 KB,
-# 0.94x / 0.96x at 16K / 64K; (128, 32, 3, 2, 8), 208 KB, 1.00x / 1.01x (dQ bit-equal; not kept).
+# 0.94x / 0.96x at 16K / 64K; (128, 32, 3, 2, 8), 208 KB, 1.00x / 1.01x; (128, 32, 4, 2, 8) 1.00x / 1.01x; (128, 64,
+# 2, 1, 8), 224 KB, 1.01x / 1.03x / 1.03x at 16K / 64K / 256K (dQ bit-equal in each; the last not yet GPU-tested).
 DQ_STEPS = {128: (64, 64, 3, 2, 4), 256: (64, 32, 2, 1, 4)}
 
 
