@@ -359,21 +359,15 @@ if gluon is not None:
         mbarrier.invalidate(ready.index(0))
         mbarrier.invalidate(ready.index(1))
 
-        kc64, d, kin, seen = _key_rows(j_first, k_first, kbase, n_k, r, kvh * group, group, head_offset, PREV, n_prev,
-                                       BLOCK_N, HEAD_DIM, g_layout, MERGE)
+        out = (DK, DV, DK_OUT, DV_OUT, PREV, kvh64, kvh * group, group, head_offset, n_prev, kbase, k_first, n_k,
+               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh,
+               stride_xkn, stride_xvb, stride_xvh, stride_xvn)
         if PART == 0:
-            _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh,
-                    DK_OUT + b * stride_xkb + kvh64 * stride_xkh, kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE,
-                    LAST)
-            _finish(dv, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh,
-                    kc64, d, kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
+            _finish_keys(dk, dv, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST)
         elif PART == 1:
-            _finish(acc, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh,
-                    kc64, d, kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
+            _finish_keys(None, acc, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST)
         else:
-            _finish(acc * scale, DK + b * stride_dkb + kvh64 * stride_dkh,
-                    DK_OUT + b * stride_xkb + kvh64 * stride_xkh, kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE,
-                    LAST)
+            _finish_keys(acc, None, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST)
 
     @gluon.jit
     def dilated_bwd_dq_hopper_kernel(
@@ -476,16 +470,14 @@ if gluon is not None:
     # each (``_dkdv_ws_role``), the same producer feeding them.
 
     @gluon.jit
-    def _dkdv_ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr, q_desc, do_desc,
-                          k_desc, v_desc):
+    def _dkdv_ws_producer(steps, bufs, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr, q_desc,
+                          do_desc, k_desc, v_desc):
         """K and V of the program's keys, then each step's Q and dO into buffer ``it % 2`` once both consumers
         released its last use (``it``: the step over all of the class's heads; with several heads a class, ``HEADS``,
-        Q / dO are ``heads_desc`` s over the class's heads, the head a coordinate)."""
-        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, n_heads, head_offset, r, n_prev, kbase,
-         k_first, n_k, j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh,
-         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn,
-         stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar,
-         ready, empty, ds_ready) = a
+        Q / dO are ``heads_desc`` s over the class's heads, the head a coordinate). ``steps`` and ``bufs``: the
+        kernel's comment."""
+        h0, n_heads, r, n_q, q0_row, start_q, n_steps, j_first, shift, full_from, b, scale, qk_scale = steps
+        k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_ready = bufs
         dtype: gl.constexpr = k_smem.dtype
         BLOCK_N: gl.constexpr = k_smem.shape[0]
         TILE_BYTES: gl.constexpr = BLOCK_Q * HEAD_DIM * dtype.primitive_bitwidth // 8
@@ -510,11 +502,12 @@ if gluon is not None:
                 q_cur += BLOCK_Q
 
     @gluon.jit
-    def _ws_head_rows(g, n_heads, n_steps, h0, r, L, Delta, b, stride_lb, stride_lh, q0_row, start_q, vrows, n_q,
-                      kv_bar):
+    def _ws_head_rows(g, n_heads, n_steps, h0, r, rows, b, q0_row, start_q, vrows, n_q, kv_bar):
         """A consumer's start of the class's ``g``-th query head (``h0 + g r``): its steps (none past the class's
-        ``n_heads``), its lse / delta rows and their first step's values (read a step ahead); before the first head's
-        first step, the wait for K / V (after those loads are on their way)."""
+        ``n_heads``), its lse / delta rows (``rows``: the lse and delta tensors and their strides) and their first
+        step's values (read a step ahead); before the first head's first step, the wait for K / V (after those loads
+        are on their way)."""
+        L, Delta, stride_lb, stride_lh = rows
         n_steps_h = gl.where(g < n_heads, n_steps, 0)
         h64 = (h0 + g * r).to(gl.int64)
         l_row = L + b * stride_lb + h64 * stride_lh + q0_row
@@ -525,7 +518,7 @@ if gluon is not None:
         return n_steps_h, l_row, dl_row, lse_next, delta_next
 
     @gluon.jit
-    def _dkdv_ws_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
+    def _dkdv_ws_consumer(steps, rows, out, bufs, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
                           IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc):
         """dK and dV of keys ``64 WG ..`` of the program's tile, and columns ``HEAD_DIM / 2 * WG ..`` of each step's
         dQ share (``dq_desc``): ``hopper.dkdv_dq_products``'s products, each summed in the same order (``dP^T`` is
@@ -533,11 +526,8 @@ if gluon is not None:
         register A operand of ``dV += P^T dO``, held until the step's dQ wait retires it: no shared-memory tile, store
         or proxy fence for it (session 48: spills 80-108 -> 32-40 bytes, forward+backward 1.03-1.05x at H 16, dK / dV
         bit for bit as before). ``dS^T`` stays in shared memory: the dQ product reads it transposed."""
-        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, n_heads, head_offset, r, n_prev, kbase,
-         k_first, n_k, j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh,
-         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn,
-         stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar,
-         ready, empty, ds_ready) = a
+        h0, n_heads, r, n_q, q0_row, start_q, n_steps, j_first, shift, full_from, b, scale, qk_scale = steps
+        k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_ready = bufs
         dtype: gl.constexpr = k_smem.dtype
         KW: gl.constexpr = 64  # keys per warpgroup
         DH: gl.constexpr = HEAD_DIM // 2  # dQ columns per warpgroup
@@ -560,7 +550,7 @@ if gluon is not None:
         delta_w = rows_smem[2 * WG + 1]
         for g in range(0, HEADS):  # as the producer's: the class's heads h0, h0 + r, ... in the group
             n_steps_h, l_row, dl_row, lse_next, delta_next = _ws_head_rows(
-                g, n_heads, n_steps, h0, r, L, Delta, b, stride_lb, stride_lh, q0_row, start_q, vrows, n_q, kv_bar)
+                g, n_heads, n_steps, h0, r, rows, b, q0_row, start_q, vrows, n_q, kv_bar)
             q_cur = start_q
             for s in range(n_steps_h):
                 it = g * n_steps + s  # the step over all heads: buffer it % 2, the barriers' phases
@@ -611,26 +601,19 @@ if gluon is not None:
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         tma.store_wait(0)
 
-        kc64, d, kin, seen = _key_rows(j_first + WG * KW, k_first, kbase, n_k, r, g0, group, head_offset, PREV, n_prev,
-                                       KW, HEAD_DIM, g_layout, MERGE)
-        _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh, DK_OUT + b * stride_xkb + kvh64 * stride_xkh,
-                kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE, LAST)
-        _finish(dv, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh, kc64, d,
-                kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
+        _finish_keys(dk, dv, j_first + WG * KW, b, r, scale, out, KW, HEAD_DIM, g_layout, MERGE, LAST)
 
     @gluon.jit
-    def _dkdv_ws_role(a, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                      MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, pt_smem, pt_ready, pt_empty):
+    def _dkdv_ws_role(steps, rows, out, bufs, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
+                      IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, pt_smem,
+                      pt_ready, pt_empty):
         """Without ``FUSED_DQ`` (head dim 256): the warpgroups share the program's 64 keys and split the gradients.
         ``WG`` 0 computes ``S^T``, ``P^T`` and ``dV += P^T dO`` and hands ``P^T`` (float32, buffer ``it % 2``) to
         ``WG`` 1, which computes ``dP^T``, ``dS^T`` and ``dK += dS^T Q``: four products a step where one warpgroup
         each for dV and dK (``PART`` 1 / 2, two launches) computed ``S^T`` twice, and K / Q / dO are read once. Each
         product as those launches compute it, so dK and dV are theirs bit for bit."""
-        (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, g0, group, h0, n_heads, head_offset, r, n_prev, kbase,
-         k_first, n_k, j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb, stride_lh,
-         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn,
-         stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar,
-         ready, empty, ds_ready) = a
+        h0, n_heads, r, n_q, q0_row, start_q, n_steps, j_first, shift, full_from, b, scale, qk_scale = steps
+        k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_ready = bufs
         dtype: gl.constexpr = k_smem.dtype
         BLOCK_N: gl.constexpr = k_smem.shape[0]
         s_layout: gl.constexpr = mma_layout(4, BLOCK_Q)
@@ -645,7 +628,7 @@ if gluon is not None:
         row_w = rows_smem[WG]  # lse (base 2) for WG 0, delta for WG 1
         for g in range(0, HEADS):  # as the producer's: the class's heads h0, h0 + r, ... in the group
             n_steps_h, l_row, dl_row, lse_next, delta_next = _ws_head_rows(
-                g, n_heads, n_steps, h0, r, L, Delta, b, stride_lb, stride_lh, q0_row, start_q, vrows, n_q, kv_bar)
+                g, n_heads, n_steps, h0, r, rows, b, q0_row, start_q, vrows, n_q, kv_bar)
             q_cur = start_q
             for s in range(n_steps_h):
                 it = g * n_steps + s  # the step over all heads: buffer it % 2, the barriers' phases
@@ -688,15 +671,10 @@ if gluon is not None:
                 q_cur += BLOCK_Q
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
-        kc64, d, kin, seen = _key_rows(j_first, k_first, kbase, n_k, r, g0, group, head_offset, PREV, n_prev, BLOCK_N,
-                                       HEAD_DIM, g_layout, MERGE)
         if WG == 0:
-            _finish(acc, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh,
-                    kc64, d, kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
+            _finish_keys(None, acc, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST)
         else:
-            _finish(acc * scale, DK + b * stride_dkb + kvh64 * stride_dkh,
-                    DK_OUT + b * stride_xkb + kvh64 * stride_xkh, kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE,
-                    LAST)
+            _finish_keys(acc, None, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST)
 
     @gluon.jit
     def dilated_bwd_dkdv_ws_kernel(
@@ -799,22 +777,30 @@ if gluon is not None:
                 mbarrier.init(pt_ready.index(i), count=1)
                 mbarrier.init(pt_empty.index(i), count=1)
         fence_async_shared()
-        a = (L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, b, kvh64, kvh * group, group, h0, n_heads, head_offset, r, n_prev,
-             kbase, k_first, n_k, j_first, q0_row, n_q, start_q, n_steps, shift, full_from, scale, qk_scale, stride_lb,
-             stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh,
-             stride_xkn, stride_xvb, stride_xvh, stride_xvn, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
-             rows_smem, kv_bar, ready, empty, ds_ready)
+        # What the partitions share, by use: ``steps`` (the class's heads and query steps, the tile's keys), ``rows``
+        # (lse / delta: ``_ws_head_rows``), ``out`` (the epilogue's: ``_finish_keys``) and ``bufs`` (shared memory
+        # and barriers; the roles' P^T tile fills the ds / dq slots).
+        steps = (h0, n_heads, r, n_q, q0_row, start_q, n_steps, j_first, shift, full_from, b, scale, qk_scale)
+        rows = (L, Delta, stride_lb, stride_lh)
+        out = (DK, DV, DK_OUT, DV_OUT, PREV, kvh64, kvh * group, group, head_offset, n_prev, kbase, k_first, n_k,
+               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh,
+               stride_xkn, stride_xvb, stride_xvh, stride_xvn)
+        bufs = (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_ready)
         if FUSED_DQ:
             gl.warp_specialize(
-                [(_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 0, dq_desc0)),
-                 (_dkdv_ws_consumer, (a, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 1, dq_desc1)),
-                 (_dkdv_ws_producer, (a, HEAD_DIM, BLOCK_Q, HEADS, q_desc, do_desc, k_desc, v_desc))],
+                [(_dkdv_ws_consumer, (steps, rows, out, bufs, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 0,
+                                      dq_desc0)),
+                 (_dkdv_ws_consumer, (steps, rows, out, bufs, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 1,
+                                      dq_desc1)),
+                 (_dkdv_ws_producer, (steps, bufs, HEAD_DIM, BLOCK_Q, HEADS, q_desc, do_desc, k_desc, v_desc))],
                 [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize(
-                [(_dkdv_ws_role, (a, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 0, ds_smem, pt_ready, pt_empty)),
-                 (_dkdv_ws_role, (a, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 1, ds_smem, pt_ready, pt_empty)),
-                 (_dkdv_ws_producer, (a, HEAD_DIM, BLOCK_Q, HEADS, q_desc, do_desc, k_desc, v_desc))],
+                [(_dkdv_ws_role, (steps, rows, out, bufs, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 0, ds_smem,
+                                  pt_ready, pt_empty)),
+                 (_dkdv_ws_role, (steps, rows, out, bufs, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 1, ds_smem,
+                                  pt_ready, pt_empty)),
+                 (_dkdv_ws_producer, (steps, bufs, HEAD_DIM, BLOCK_Q, HEADS, q_desc, do_desc, k_desc, v_desc))],
                 [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     @gluon.jit
@@ -832,6 +818,24 @@ if gluon is not None:
         if MERGE:
             seen = kin & written_before(kp, head0, head_offset, PREV, n_prev, heads)
         return kc64, d, kin, seen
+
+    @gluon.jit
+    def _finish_keys(dk, dv, first, b, r, scale, out, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     g_layout: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr):
+        """A dK/dV program's epilogue for its ``ROWS`` dilated key rows from row ``first``: dK (``dk``, scaled here),
+        then dV, each through ``_finish``; either may be ``None`` (a launch or role of one gradient). ``out``: the
+        gradients' tensors, the item's keys and the heads earlier launches wrote (``_key_rows``), the strides."""
+        (DK, DV, DK_OUT, DV_OUT, PREV, kvh64, head0, group, head_offset, n_prev, kbase, k_first, n_k, stride_dkb,
+         stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb,
+         stride_xvh, stride_xvn) = out
+        kc64, d, kin, seen = _key_rows(first, k_first, kbase, n_k, r, head0, group, head_offset, PREV, n_prev, ROWS,
+                                       HEAD_DIM, g_layout, MERGE)
+        if dk is not None:
+            _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh, DK_OUT + b * stride_xkb + kvh64 * stride_xkh,
+                    kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE, LAST)
+        if dv is not None:
+            _finish(dv, DV + b * stride_dvb + kvh64 * stride_dvh, DV_OUT + b * stride_xvb + kvh64 * stride_xvh, kc64,
+                    d, kin, seen, stride_dvn, stride_xvn, MERGE, LAST)
 
     @gluon.jit
     def _finish(acc, SUMS, OUT, rows64, d, rmask, seen, stride_sn, stride_on, MERGE: gl.constexpr,
