@@ -57,7 +57,9 @@ BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
 # session 14): at D = 128, (128, 1, 2) ran the forward 1.04-1.09x faster than the portable kernel at 64K / 256K and
 # 1.06-1.09x with GQA 32 / 8, (64, 3, 3) 0.98-1.02x; at D = 64 (9 / 3 heads) (64, 2, 2) ran 1.06-1.11x, (128, 1, 2)
 # 0.92-0.98x. At D = 256 (Gemma's heads, 8 / 2) (64, 1, 1) (96 KB: two programs per SM; the portable kernel spills
-# 540-820 bytes there) ran 1.36x / 1.25x at 16K / 64K, bit-identical (round 2 session 19).
+# 540-820 bytes there) ran 1.36x / 1.25x at 16K / 64K, bit-identical (round 2 session 19). There 128 rows on 8 warps
+# (two warpgroups reading each K / V tile once, one program an SM; the kernel takes it unchanged) ran the forward 0.86x
+# / 0.94x (64, 1, 1), 0.87x / 0.94x (64, 2, 1) and 0.89x / 0.95x (64, 2, 2) at 16K / 64K (H200, session 54).
 STEPS = {64: (64, 2, 2), 128: (128, 1, 2), 256: (64, 1, 1)}
 # Head dims at which the one-warpgroup kernel runs the forward's parts in one launch (``launch.forward``), with how the
 # last launch merges them (``merge_parts_weighted``): (at most this many parts, unrolled; register cap). At 64, unrolled
