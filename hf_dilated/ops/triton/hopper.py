@@ -458,7 +458,10 @@ if gluon is not None:
     # ``dP = dO V^T`` are issued, then the previous tile's ``dQ += dS K``; the exponentials of this tile run while
     # ``dP`` and that product are on the tensor cores, ``dS`` while the product is. The portable dq kernel waits for
     # ``S`` and ``dP`` as soon as they are issued (Triton 3.6 keeps only the chained ``dQ`` product in flight). ``dS``
-    # stays in registers as the A operand, held by the wait's ``deps`` until its product is done.
+    # stays in registers as the A operand, held by the wait's ``deps`` until its product is done. That is the source
+    # order; the compiler moves the exponentials and ``dS`` after the waits (Triton 3.6, sm_90: after ``dP``'s at
+    # D = 128, after every product's at D = 256). Pinning them (``P`` and the new ``dS`` as the waits' ``deps``) and
+    # reordering the products were both bit-equal and within noise at D = 256 (session 55, NOTES_triton.md).
 
     @gluon.jit
     def dq_first(n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, v_desc, s_zero, lse, delta, qk_scale, mask,
