@@ -25,12 +25,12 @@ order), so the gradients are expected bit-identical (``benchmarks/ab_gluon.py`` 
 dQ (``dilated_bwd_dq_hopper_kernel``, head dim 128 and 256: ``DQ_STEPS``): one warpgroup owns 64 dilated query rows
 of an item and head, Q and dO resident in shared memory, K / V tiles streamed by TMA (3 K and 2 V buffers of 64 keys
 at D = 128; at 256 two warpgroups own 128 rows and share 2 K and 1 V buffers of 64 keys, 224 KB: one program per SM,
-each K / V tile read once for 128 rows; session 54). Per key tile the
-scores and ``dP`` are issued, then the previous tile's ``dQ += dS K`` (``hopper.dq_step``): the exponentials and
-``dS`` run while products are on the tensor cores, where the portable kernel waits for ``S`` and ``dP`` as soon as it
-issues them. Same products, same order: bit-identical gradients (H100, 16K-256K); with it the backward runs 1.07 /
-1.04 / 1.02x faster than with the portable dQ at 16K / 64K / 256K and D = 128 (means of 2 interleaved rounds), 0.98x
-at D = 64, where the portable one stays
+each K / V tile read once for 128 rows; session 54). Per key tile the scores and ``dP`` are issued, then the previous
+tile's ``dQ += dS K`` (``hopper.dq_step``): in source order the exponentials and ``dS`` run while products are on the
+tensor cores (the compiler moves them after the waits: the comment above ``hopper.dq_first``), where the portable
+kernel waits for ``S`` and ``dP`` as soon as it issues them. Same products, same order: bit-identical gradients
+(H100, 16K-256K); with it the backward runs 1.07 / 1.04 / 1.02x faster than with the portable dQ at 16K / 64K / 256K
+and D = 128 (means of 2 interleaved rounds), 0.98x at D = 64, where the portable one stays
 (``benchmarks/results/ab_gluon_dq-dilated-*.jsonl``). At D = 256, where the portable dq kernel spills 184-1392 bytes
 (96-485 spill loads inside its loops), the Gluon dQ runs the backward 1.19x / 1.21x faster at 16K / 64K (8 / 2 heads,
 bit-identical, ``results/ab_gluon_backward-dilated-d256-session19-*``).
