@@ -15,7 +15,9 @@ back to back (what a user's loop sees: where the host queues a call slower than 
 replayed from a CUDA graph (``graph_ms``: the GPU's time alone; calls under ``--graph-max-ms``). Each row also
 records the GPU's mean SM clock, power draw and highest temperature during its eager timing (``gpu_monitor.py``): a
 power-capped GPU slows down under long heavy calls, and ``--warm-s`` runs each call for that long before timing it,
-so that every method is timed at its own sustained clock rather than at whatever the previous case left.
+so that every method is timed at its own sustained clock rather than at whatever the previous case left. Under the
+cap that clock still drifts a few percent from one timing to the next: ``--rounds R`` times each case's methods R
+times, alternated, and reports each one's median (every timing kept in the row's ``rounds``).
 
     python scripts/bench_attention.py                  # the full sweep (about 8 minutes on an H100)
     python scripts/bench_attention.py --quick          # 16K and 64K only
@@ -37,6 +39,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -291,6 +294,9 @@ def main():
                     help="replay from a CUDA graph only calls faster than this (the host matters only for short ones)")
     ap.add_argument("--warm-s", type=float, default=1.0,
                     help="before timing a call, run it back to back for this many seconds (the sustained clock; 0: no)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each case's methods this many times, alternated (each after --warm-s), and report the "
+                         "median eager ms: a power-capped GPU's clock drifts a few percent between timings")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--resume", metavar="JSON",
                     help="continue an earlier run of this script on the same GPU (one that a timeout stopped, or a "
@@ -306,6 +312,8 @@ def main():
                  f"got {args.graph_max_ms}")
     if not args.warm_s >= 0:
         ap.error(f"--warm-s must be >= 0 seconds, got {args.warm_s}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.quick:
         args.seqlens = [n for n in args.seqlens if n <= 65536]
     t_start = time.time()
@@ -335,6 +343,7 @@ def main():
             k = torch.randn(B, Hk, N, D, device=dev, dtype=dtype, generator=gen)
             v = torch.randn(B, Hk, N, D, device=dev, dtype=dtype, generator=gen)
             do = torch.randn(B, H, nq, D, device=dev, dtype=dtype, generator=gen) if mode == "fwdbwd" else None
+            again = []  # (row, call, timer) of the methods --rounds times again
             for method in args.methods:
                 row = dict(mode=mode, N=N, D=D, H=H, Hk=Hk, B=B, method=method)
                 if case_key(row) in done:  # measured by the run this one resumes
@@ -406,11 +415,13 @@ def main():
                     row["peak_gib"] = peak / 2**30
                     row["peak_extra_gib"] = (peak - base) / 2**30
                     row["peak_over_io"] = peak / io_bytes(mode, N, D, H, Hk, B, q.element_size(), nq)
-                    row["ms"], gpu_window, warm_calls = timed_on_gpu(
-                        fn, lambda f: bench(f, reps_for(guess), warmup=0 if guess > 500 else 1), monitor, args.warm_s)
+                    timer = lambda f, guess=guess: bench(f, reps_for(guess), warmup=0 if guess > 500 else 1)  # noqa: E731
+                    row["ms"], gpu_window, warm_calls = timed_on_gpu(fn, timer, monitor, args.warm_s)
                     if args.warm_s > 0:
                         row["warm_calls"] = warm_calls
                     row.update(gpu_window)
+                    if args.rounds > 1 and method != "reference":
+                        again.append((row, fn, timer))
                     if args.graph_timing and guess < args.graph_max_ms and method != "reference":
                         try:  # the GPU's time alone: the same call replayed from a CUDA graph, no host work
                             t_graph = time.monotonic()
@@ -427,22 +438,49 @@ def main():
                 except Exception as e:  # a backend that cannot run a case is reported, not fatal
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     print(f"ERROR {mode} N={N} D={D} G={G} {method}: {row['error']}")
-                if "ms" in row and mode != "decode":
-                    fl = dense_flops(N, D, H, B) if method in ("sdpa", "cudnn") else dilated_flops(N, branches, D, H, B)
-                    fl *= 3.5 if mode == "fwdbwd" else 1.0  # backward = 2.5 x forward (flash-attention convention)
-                    row["tflops"] = fl / (row["ms"] * 1e-3) / 1e12
-                    if "graph_ms" in row:
-                        row["graph_tflops"] = fl / (row["graph_ms"] * 1e-3) / 1e12
                 rows.append(row)
-            fn = None  # the last method's call may hold gathered copies (cudnn-segments)
+            retime(again, args.rounds, monitor, args.warm_s)
+            fn = again = None  # the methods' calls may hold gathered copies (cudnn-segments)
             del q, k, v, do
     if run.interrupted:
         print(f"interrupted: writing the {len(rows)} results measured so far")
     args.interrupted = run.interrupted
     monitor.__exit__(None, None, None)
+    for row in rows:
+        add_rates(row, branches)
     add_ratios(rows)
     print_table(rows)
     write_results(rows, args, gpu, monitor)
+
+
+def retime(timed: list, rounds: int, monitor, warm_s: float) -> None:
+    """Time each ``(row, call, timer)`` of one case ``rounds - 1`` times more, the methods alternated, each after
+    ``warm_s`` of warm-up: the row's ``ms`` becomes the median of its timings (each kept in ``rounds``, with the clock
+    and power it ran at), so that a ratio between two methods does not rest on one timing's clock."""
+    for _ in range(rounds - 1):
+        for row, call, timer in timed:
+            ms, gpu_window, _ = timed_on_gpu(call, timer, monitor, warm_s)
+            row.setdefault("rounds", [dict(ms=row["ms"], gpu_clock_mhz=row.get("gpu_clock_mhz"),
+                                           gpu_power_w=row.get("gpu_power_w"))])
+            row["rounds"].append(dict(ms=ms, gpu_clock_mhz=gpu_window.get("gpu_clock_mhz"),
+                                      gpu_power_w=gpu_window.get("gpu_power_w")))
+    for row, _, _ in timed:
+        if "rounds" in row:
+            row["ms"] = statistics.median(r["ms"] for r in row["rounds"])
+
+
+def add_rates(row: dict, branches) -> None:
+    """A timed row's useful TFLOP/s, eager and from the graph (none for decode): the FLOPs of the dilated pattern, or
+    of dense causal attention for SDPA / cuDNN; forward+backward counts 3.5 x the forward (the flash-attention
+    convention: the backward does 2.5 x the forward's products)."""
+    if "ms" not in row or row["mode"] == "decode":
+        return
+    N, D, H, B = row["N"], row["D"], row["H"], row["B"]
+    fl = dense_flops(N, D, H, B) if row["method"] in ("sdpa", "cudnn") else dilated_flops(N, branches, D, H, B)
+    fl *= 3.5 if row["mode"] == "fwdbwd" else 1.0
+    row["tflops"] = fl / (row["ms"] * 1e-3) / 1e12
+    if "graph_ms" in row:
+        row["graph_tflops"] = fl / (row["graph_ms"] * 1e-3) / 1e12
 
 
 def add_ratios(rows: list) -> None:
@@ -551,7 +589,8 @@ def write_results(rows, args, gpu, monitor=None):
         python=platform.python_version(), command="python " + " ".join(sys.argv), branches=LONGNET,
         dtype="bfloat16", causal=True, date=datetime.datetime.now().isoformat(timespec="seconds"),
         flops="useful: 4*D per computed (query, key) pair of the dilated pattern (dense causal for SDPA); fwd+bwd = 3.5x fwd",
-        warm_s=args.warm_s, interrupted=getattr(args, "interrupted", False), switches=kernel_switches(),
+        warm_s=args.warm_s, rounds=getattr(args, "rounds", 1), interrupted=getattr(args, "interrupted", False),
+        switches=kernel_switches(),
         commands=commands, resumed_from=getattr(args, "resume", None),
         gpu_monitor=(None if monitor is None or not monitor.available
                      else f"{len(monitor.samples)} samples every {monitor.period_s} s, {monitor.errors} failed reads"),

@@ -50,12 +50,41 @@ def test_graph_max_ms_must_be_positive():
     assert run.returncode == 2 and "--graph-max-ms" in run.stderr, run.stderr
 
 
-def test_warm_s_must_not_be_negative():
+@pytest.mark.parametrize("option,value", [("--warm-s", "-1"), ("--rounds", "0")])
+def test_warm_s_and_rounds_are_checked_before_any_work(option, value):
     import subprocess
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
-    run = subprocess.run([sys.executable, str(script), "--warm-s", "-1"], capture_output=True, text=True)
-    assert run.returncode == 2 and "--warm-s" in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, str(script), option, value], capture_output=True, text=True)
+    assert run.returncode == 2 and option in run.stderr, run.stderr
+
+
+def test_rounds_alternate_the_methods_and_report_each_ones_median():
+    """``retime`` times each method of a case again, in turn, and keeps every timing with its clock; ``ms`` becomes
+    the median, from which ``add_rates`` derives the TFLOP/s."""
+    order, clocks = [], iter([1800.0, 1900.0, 1700.0, 1950.0])
+    times = {"triton": iter([3.0, 5.0]), "sdpa": iter([61.0, 59.0])}
+
+    class Monitor:
+        def window(self, t0, t1):
+            return dict(gpu_clock_mhz=next(clocks), gpu_power_w=690.0)
+
+    def timer_of(name):
+        return lambda call: (order.append(name), next(times[name]))[1]
+
+    base = dict(mode="fwdbwd", N=65536, D=64, H=9, Hk=3, B=1)
+    rows = {m: dict(base, method=m, ms=ms, gpu_clock_mhz=1850.0, gpu_power_w=680.0)
+            for m, ms in (("triton", 3.6), ("sdpa", 60.0))}
+    bench.retime([(rows[m], None, timer_of(m)) for m in ("triton", "sdpa")], 3, Monitor(), warm_s=0)
+    assert order == ["triton", "sdpa", "triton", "sdpa"]
+    assert [r["ms"] for r in rows["triton"]["rounds"]] == [3.6, 3.0, 5.0] and rows["triton"]["ms"] == 3.6
+    assert [r["ms"] for r in rows["sdpa"]["rounds"]] == [60.0, 61.0, 59.0] and rows["sdpa"]["ms"] == 60.0
+    assert [r["gpu_clock_mhz"] for r in rows["triton"]["rounds"]] == [1850.0, 1800.0, 1700.0]
+    for row in rows.values():
+        bench.add_rates(row, bench.LONGNET)
+    flops = bench.dilated_flops(65536, bench.LONGNET, 64, 9, 1) * 3.5
+    assert rows["triton"]["tflops"] == pytest.approx(flops / 3.6e-3 / 1e12)
+    assert rows["sdpa"]["tflops"] == pytest.approx(bench.dense_flops(65536, 64, 9, 1) * 3.5 / 60e-3 / 1e12)
 
 
 def test_gpu_monitor_summarises_the_samples_of_each_window():
