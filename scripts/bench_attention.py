@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -362,15 +363,10 @@ def main():
                 torch.cuda.empty_cache()
                 bar.set_postfix_str(f"{mode} N={N} D={D} G={G} {method}")
                 try:
+                    if mode == "decode" and method == "flex":
+                        continue
+                    fn = method_call(method, mode, q, k, v, do, branches)
                     if mode == "decode":
-                        if method == "sdpa":
-                            fn = lambda: F.scaled_dot_product_attention(  # noqa: E731
-                                q, k, v, enable_gqa=G > 1)
-                        elif method == "flex":
-                            continue
-                        else:
-                            be = "triton" if method == "triton" else "torch"
-                            fn = lambda: run_dilated(be, q, k, v, branches)  # noqa: E731
                         out = fn()
                         if method == "sdpa":
                             err = None
@@ -380,15 +376,6 @@ def main():
                             ref = run_dilated("torch", q, *tail, branches)
                             err = rel_err(out, ref)
                     else:
-                        if method in ("sdpa", "cudnn"):
-                            fn = lambda: run_sdpa(q, k, v, do, "cudnn" if method == "cudnn" else "flash")  # noqa: E731
-                        elif method == "cudnn-segments":  # the gather here, untimed
-                            fn = segment_calls(q, k, v, do, branches)[mode == "fwdbwd"]
-                        elif method == "flex":
-                            fn = lambda: run_flex(q, k, v, branches, do)  # noqa: E731
-                        else:
-                            be = "triton" if method == "triton" else "torch"
-                            fn = lambda: run_dilated(be, q, k, v, branches, do)  # noqa: E731
                         t0 = time.time()
                         out = fn()  # first call: compiles / builds, checked below
                         row["first_call_s"] = round(time.time() - t0, 3)
@@ -451,6 +438,23 @@ def main():
     add_ratios(rows)
     print_table(rows)
     write_results(rows, args, gpu, monitor)
+
+
+def method_call(method: str, mode: str, q, k, v, do, branches):
+    """The call that ``method`` times for one case: arguments bound now (``functools.partial``), so that a call kept
+    for ``--rounds`` still runs its own method after the loop has moved on. ``cudnn-segments`` gathers its segments
+    here, untimed; decoding has no cuDNN or FlexAttention rows."""
+    if mode == "decode":
+        if method == "sdpa":
+            return functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+        return functools.partial(run_dilated, "triton" if method == "triton" else "torch", q, k, v, branches)
+    if method in ("sdpa", "cudnn"):
+        return functools.partial(run_sdpa, q, k, v, do, "cudnn" if method == "cudnn" else "flash")
+    if method == "cudnn-segments":
+        return segment_calls(q, k, v, do, branches)[mode == "fwdbwd"]
+    if method == "flex":
+        return functools.partial(run_flex, q, k, v, branches, do)
+    return functools.partial(run_dilated, "triton" if method == "triton" else "torch", q, k, v, branches, do)
 
 
 def retime(timed: list, rounds: int, monitor, warm_s: float) -> None:

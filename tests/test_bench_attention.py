@@ -256,3 +256,16 @@ def test_methods_are_checked_by_name(capsys):
             bench.main()
     err = capsys.readouterr().err
     assert "--methods" in err and "cudnn-segments" in err
+
+
+def test_each_methods_call_keeps_its_own_backend_after_the_loop():
+    """The calls kept for ``--rounds`` run after the loop over methods has moved on: each must still call its own
+    backend (a lambda reading the loop's ``method`` would time cuDNN in SDPA-flash's row)."""
+    ran = []
+    with mock.patch.object(bench, "run_sdpa", lambda *a: ran.append(("sdpa", a[-1]))), \
+            mock.patch.object(bench, "run_dilated", lambda be, *a: ran.append(("dilated", be))):
+        calls = [bench.method_call(m, "fwdbwd", None, None, None, None, bench.LONGNET)
+                 for m in ("triton", "sdpa", "cudnn", "reference")]
+        for call in calls:
+            call()
+    assert ran == [("dilated", "triton"), ("sdpa", "flash"), ("sdpa", "cudnn"), ("dilated", "torch")]
