@@ -344,7 +344,7 @@ def main():
             k = torch.randn(B, Hk, N, D, device=dev, dtype=dtype, generator=gen)
             v = torch.randn(B, Hk, N, D, device=dev, dtype=dtype, generator=gen)
             do = torch.randn(B, H, nq, D, device=dev, dtype=dtype, generator=gen) if mode == "fwdbwd" else None
-            again = []  # (row, call, timer) of the methods --rounds times again
+            again = []  # (row, call, timer, graph timer or None) of the methods --rounds times again
             for method in args.methods:
                 row = dict(mode=mode, N=N, D=D, H=H, Hk=Hk, B=B, method=method)
                 if case_key(row) in done:  # measured by the run this one resumes
@@ -402,13 +402,12 @@ def main():
                     row["peak_gib"] = peak / 2**30
                     row["peak_extra_gib"] = (peak - base) / 2**30
                     row["peak_over_io"] = peak / io_bytes(mode, N, D, H, Hk, B, q.element_size(), nq)
-                    timer = lambda f, guess=guess: bench(f, reps_for(guess), warmup=0 if guess > 500 else 1)  # noqa: E731
+                    timer = functools.partial(bench, reps=reps_for(guess), warmup=0 if guess > 500 else 1)
                     row["ms"], gpu_window, warm_calls = timed_on_gpu(fn, timer, monitor, args.warm_s)
                     if args.warm_s > 0:
                         row["warm_calls"] = warm_calls
                     row.update(gpu_window)
-                    if args.rounds > 1 and method != "reference":
-                        again.append((row, fn, timer))
+                    graph_timer = None
                     if args.graph_timing and guess < args.graph_max_ms and method != "reference":
                         try:  # the GPU's time alone: the same call replayed from a CUDA graph, no host work
                             t_graph = time.monotonic()
@@ -416,9 +415,12 @@ def main():
                             clock = monitor.window(t_graph, time.monotonic()).get("gpu_clock_mhz")
                             if clock is not None:
                                 row["graph_gpu_clock_mhz"] = clock
+                            graph_timer = functools.partial(graph_bench, reps=reps_for(guess))
                         except Exception as e:  # reported, not fatal: the eager time stands
                             row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                             torch.cuda.synchronize()
+                    if args.rounds > 1 and method != "reference":
+                        again.append((row, fn, timer, graph_timer))
                 except torch.cuda.OutOfMemoryError as e:
                     row["error"] = "out of memory"
                     print(f"OOM {mode} N={N} D={D} G={G} {method}: {str(e)[:120]}")
@@ -458,19 +460,28 @@ def method_call(method: str, mode: str, q, k, v, do, branches):
 
 
 def retime(timed: list, rounds: int, monitor, warm_s: float) -> None:
-    """Time each ``(row, call, timer)`` of one case ``rounds - 1`` times more, the methods alternated, each after
-    ``warm_s`` of warm-up: the row's ``ms`` becomes the median of its timings (each kept in ``rounds``, with the clock
-    and power it ran at), so that a ratio between two methods does not rest on one timing's clock."""
+    """Time each ``(row, call, timer, graph_timer)`` of one case ``rounds - 1`` times more, the methods alternated,
+    each after ``warm_s`` of warm-up, and its CUDA-graph replay after it where ``graph_timer`` is given: the row's
+    ``ms`` (and ``graph_ms``) become the medians of its timings (each kept in ``rounds``, with the clock and power of
+    the eager one), so that a ratio between two methods does not rest on one timing's clock."""
     for _ in range(rounds - 1):
-        for row, call, timer in timed:
+        for row, call, timer, graph_timer in timed:
+            if "rounds" not in row:
+                row["rounds"] = [dict(ms=row["ms"], gpu_clock_mhz=row.get("gpu_clock_mhz"),
+                                      gpu_power_w=row.get("gpu_power_w"))]
+                if "graph_ms" in row:
+                    row["rounds"][0]["graph_ms"] = row["graph_ms"]
             ms, gpu_window, _ = timed_on_gpu(call, timer, monitor, warm_s)
-            row.setdefault("rounds", [dict(ms=row["ms"], gpu_clock_mhz=row.get("gpu_clock_mhz"),
-                                           gpu_power_w=row.get("gpu_power_w"))])
-            row["rounds"].append(dict(ms=ms, gpu_clock_mhz=gpu_window.get("gpu_clock_mhz"),
-                                      gpu_power_w=gpu_window.get("gpu_power_w")))
-    for row, _, _ in timed:
+            entry = dict(ms=ms, gpu_clock_mhz=gpu_window.get("gpu_clock_mhz"),
+                         gpu_power_w=gpu_window.get("gpu_power_w"))
+            if graph_timer is not None:
+                entry["graph_ms"] = graph_timer(call)
+            row["rounds"].append(entry)
+    for row, _, _, graph_timer in timed:
         if "rounds" in row:
             row["ms"] = statistics.median(r["ms"] for r in row["rounds"])
+            if graph_timer is not None:
+                row["graph_ms"] = statistics.median(r["graph_ms"] for r in row["rounds"])
 
 
 def add_rates(row: dict, branches) -> None:

@@ -60,8 +60,9 @@ def test_warm_s_and_rounds_are_checked_before_any_work(option, value):
 
 
 def test_rounds_alternate_the_methods_and_report_each_ones_median():
-    """``retime`` times each method of a case again, in turn, and keeps every timing with its clock; ``ms`` becomes
-    the median, from which ``add_rates`` derives the TFLOP/s."""
+    """``retime`` times each method of a case again, in turn (its graph replay after it where it has one), and keeps
+    every timing with its clock; ``ms`` and ``graph_ms`` become the medians, from which ``add_rates`` derives the
+    TFLOP/s."""
     order, clocks = [], iter([1800.0, 1900.0, 1700.0, 1950.0])
     times = {"triton": iter([3.0, 5.0]), "sdpa": iter([61.0, 59.0])}
 
@@ -75,8 +76,14 @@ def test_rounds_alternate_the_methods_and_report_each_ones_median():
     base = dict(mode="fwdbwd", N=65536, D=64, H=9, Hk=3, B=1)
     rows = {m: dict(base, method=m, ms=ms, gpu_clock_mhz=1850.0, gpu_power_w=680.0)
             for m, ms in (("triton", 3.6), ("sdpa", 60.0))}
-    bench.retime([(rows[m], None, timer_of(m)) for m in ("triton", "sdpa")], 3, Monitor(), warm_s=0)
-    assert order == ["triton", "sdpa", "triton", "sdpa"]
+    graphs = iter([3.5, 3.7])
+    rows["triton"]["graph_ms"] = 3.4
+    graph_timer = lambda call: (order.append("triton graph"), next(graphs))[1]  # noqa: E731
+    timed = [(rows["triton"], None, timer_of("triton"), graph_timer), (rows["sdpa"], None, timer_of("sdpa"), None)]
+    bench.retime(timed, 3, Monitor(), warm_s=0)
+    assert order == ["triton", "triton graph", "sdpa", "triton", "triton graph", "sdpa"]
+    assert [r["graph_ms"] for r in rows["triton"]["rounds"]] == [3.4, 3.5, 3.7] and rows["triton"]["graph_ms"] == 3.5
+    assert "graph_ms" not in rows["sdpa"]
     assert [r["ms"] for r in rows["triton"]["rounds"]] == [3.6, 3.0, 5.0] and rows["triton"]["ms"] == 3.6
     assert [r["ms"] for r in rows["sdpa"]["rounds"]] == [60.0, 61.0, 59.0] and rows["sdpa"]["ms"] == 60.0
     assert [r["gpu_clock_mhz"] for r in rows["triton"]["rounds"]] == [1850.0, 1800.0, 1700.0]
