@@ -480,6 +480,10 @@ def retime(timed: list, rounds: int, monitor, warm_s: float) -> None:
     for row, _, _, graph_timer in timed:
         if "rounds" in row:
             row["ms"] = statistics.median(r["ms"] for r in row["rounds"])
+            for key in ("gpu_clock_mhz", "gpu_power_w"):  # the row's clock and power: their means over the rounds
+                read = [r[key] for r in row["rounds"] if r.get(key) is not None]
+                if read:
+                    row[key] = statistics.fmean(read)
             if graph_timer is not None:
                 row["graph_ms"] = statistics.median(r["graph_ms"] for r in row["rounds"])
 
@@ -487,13 +491,16 @@ def retime(timed: list, rounds: int, monitor, warm_s: float) -> None:
 def add_rates(row: dict, branches) -> None:
     """A timed row's useful TFLOP/s, eager and from the graph (none for decode): the FLOPs of the dilated pattern, or
     of dense causal attention for SDPA / cuDNN; forward+backward counts 3.5 x the forward (the flash-attention
-    convention: the backward does 2.5 x the forward's products)."""
+    convention: the backward does 2.5 x the forward's products). With the GPU's mean power, ``tflop_per_j``: useful
+    TFLOP per joule, the rate's bound at a power cap (TFLOP/s = TFLOP/J x W)."""
     if "ms" not in row or row["mode"] == "decode":
         return
     N, D, H, B = row["N"], row["D"], row["H"], row["B"]
     fl = dense_flops(N, D, H, B) if row["method"] in ("sdpa", "cudnn") else dilated_flops(N, branches, D, H, B)
     fl *= 3.5 if row["mode"] == "fwdbwd" else 1.0
     row["tflops"] = fl / (row["ms"] * 1e-3) / 1e12
+    if row.get("gpu_power_w"):  # useful TFLOP per joule: what a GPU at its power cap runs at
+        row["tflop_per_j"] = row["tflops"] / row["gpu_power_w"]
     if "graph_ms" in row:
         row["graph_tflops"] = fl / (row["graph_ms"] * 1e-3) / 1e12
 
@@ -544,7 +551,7 @@ def add_ratios(rows: list) -> None:
 def print_table(rows):
     hdr = (f"{'mode':7} {'N':>8} {'D':>4} {'H/Hk':>6} {'method':14} {'ms':>10} {'TFLOP/s':>8} {'xSDPA':>6} "
            f"{'xcuDNN':>6} {'xSeg':>5} {'graph ms':>9} {'xSDPA':>6} {'xFlex':>6} {'peak GiB':>9} {'xIO':>5} {'err':>8} "
-           f"{'MHz':>5} {'W':>4}")
+           f"{'MHz':>5} {'W':>4} {'TF/J':>5}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -564,16 +571,19 @@ def print_table(rows):
         err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
         mhz = f"{r['gpu_clock_mhz']:.0f}" if "gpu_clock_mhz" in r else "-"
         watts = f"{r['gpu_power_w']:.0f}" if "gpu_power_w" in r else "-"
+        per_j = f"{r['tflop_per_j']:.2f}" if "tflop_per_j" in r else "-"
         print(f"{r['mode']:7} {r['N']:>8} {r['D']:>4} {str(r['H']) + '/' + str(r['Hk']):>6} {r['method']:14} {ms:>10} "
               f"{tf:>8} {ratio:>6} {cd:>6} {sg:>5} {gms:>9} {gx:>6} {fx:>6} {pk:>9} {io:>5} {err:>8} {mhz:>5} "
-              f"{watts:>4}")
+              f"{watts:>4} {per_j:>5}")
     print("xSDPA: useful TFLOP/s over SDPA-flash's (decode: SDPA time / time); * = SDPA measured at a smaller N."
           " xcuDNN: useful TFLOP/s over dense cuDNN's; xSeg: over cuDNN's on the same segments (cudnn-segments)."
           " xFlex: FlexAttention time / Triton time.\n"
           "ms: back-to-back eager calls (host and GPU: where the host is slower, its time); graph ms: the same call"
           " replayed from a CUDA graph (the GPU's time alone), and its xSDPA against SDPA's graph time.\n"
           "xIO: peak memory over the bytes of q, k, v, o and lse (fwd+bwd: and dO, dQ, dK, dV).\n"
-          "MHz, W: the GPU's mean SM clock and power draw while the eager time was taken (- : not sampled).")
+          "MHz, W: the GPU's mean SM clock and power draw while the eager time was taken (- : not sampled; --rounds:"
+          " the means over the rounds); TF/J: useful TFLOP per joule (TFLOP/s over W), what sets the rate at a"
+          " power cap.")
 
 
 def case_key(row: dict) -> tuple:

@@ -87,11 +87,14 @@ def test_rounds_alternate_the_methods_and_report_each_ones_median():
     assert [r["ms"] for r in rows["triton"]["rounds"]] == [3.6, 3.0, 5.0] and rows["triton"]["ms"] == 3.6
     assert [r["ms"] for r in rows["sdpa"]["rounds"]] == [60.0, 61.0, 59.0] and rows["sdpa"]["ms"] == 60.0
     assert [r["gpu_clock_mhz"] for r in rows["triton"]["rounds"]] == [1850.0, 1800.0, 1700.0]
+    assert rows["triton"]["gpu_clock_mhz"] == pytest.approx(1783.33, abs=0.01)  # the means over the rounds
+    assert rows["sdpa"]["gpu_power_w"] == pytest.approx((680.0 + 690.0 + 690.0) / 3)
     for row in rows.values():
         bench.add_rates(row, bench.LONGNET)
     flops = bench.dilated_flops(65536, bench.LONGNET, 64, 9, 1) * 3.5
     assert rows["triton"]["tflops"] == pytest.approx(flops / 3.6e-3 / 1e12)
     assert rows["sdpa"]["tflops"] == pytest.approx(bench.dense_flops(65536, 64, 9, 1) * 3.5 / 60e-3 / 1e12)
+    assert rows["triton"]["tflop_per_j"] == pytest.approx(rows["triton"]["tflops"] / ((680.0 + 690.0 + 690.0) / 3))
 
 
 def test_gpu_monitor_summarises_the_samples_of_each_window():
@@ -171,14 +174,14 @@ def test_peak_memory_is_compared_with_the_bytes_a_call_must_hold():
     assert bench.io_bytes("fwd", 1024, 64, 4, 4, 1, elem=4) == 2 * bench.io_bytes("fwd", 1024, 64, 4, 4, 1) - lse
 
 
-def test_table_shows_the_clock_and_power_of_each_timing(capsys):
+def test_table_shows_the_clock_power_and_energy_rate_of_each_timing(capsys):
     rows = [dict(mode="fwd", N=1024, D=64, H=9, Hk=3, method="triton", ms=1.0, tflops=100.0, gpu_clock_mhz=1770.4,
-                 gpu_power_w=690.0),
+                 gpu_power_w=690.0, tflop_per_j=100.0 / 690.0),
             dict(mode="fwd", N=1024, D=64, H=9, Hk=3, method="sdpa", ms=2.0, tflops=50.0)]
     bench.print_table(rows)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[-2:] == ["MHz", "W"]
-    assert lines[2].split()[-2:] == ["1770", "690"] and lines[3].split()[-2:] == ["-", "-"]
+    assert lines[0].split()[-3:] == ["MHz", "W", "TF/J"]
+    assert lines[2].split()[-3:] == ["1770", "690", "0.14"] and lines[3].split()[-3:] == ["-", "-", "-"]
     assert lines[0].split().index("xIO") == lines[0].split().index("GiB") + 1
 
 
