@@ -297,7 +297,7 @@ def main():
                     help="before timing a call, run it back to back for this many seconds (the sustained clock; 0: no)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each case's methods this many times, alternated (each after --warm-s), and report the "
-                         "median eager ms: a power-capped GPU's clock drifts a few percent between timings")
+                         "median eager and graph ms: a power-capped GPU's clock drifts a few percent between timings")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--resume", metavar="JSON",
                     help="continue an earlier run of this script on the same GPU (one that a timeout stopped, or a "
@@ -462,8 +462,8 @@ def method_call(method: str, mode: str, q, k, v, do, branches):
 def retime(timed: list, rounds: int, monitor, warm_s: float) -> None:
     """Time each ``(row, call, timer, graph_timer)`` of one case ``rounds - 1`` times more, the methods alternated,
     each after ``warm_s`` of warm-up, and its CUDA-graph replay after it where ``graph_timer`` is given: the row's
-    ``ms`` (and ``graph_ms``) become the medians of its timings (each kept in ``rounds``, with the clock and power of
-    the eager one), so that a ratio between two methods does not rest on one timing's clock."""
+    ``ms`` (and ``graph_ms``) become the medians of its timings (each kept in ``rounds``, with the GPU's clock and
+    power during the eager timing), so that a ratio between two methods does not rest on one timing's clock."""
     for _ in range(rounds - 1):
         for row, call, timer, graph_timer in timed:
             if "rounds" not in row:
@@ -495,7 +495,7 @@ def add_rates(row: dict, branches) -> None:
     TFLOP per joule, the rate's bound at a power cap (TFLOP/s = TFLOP/J x W)."""
     if "ms" not in row or row["mode"] == "decode":
         return
-    N, D, H, B = row["N"], row["D"], row["H"], row["B"]
+    N, D, H, B = row["N"], row["D"], row["H"], row.get("B", 1)
     fl = dense_flops(N, D, H, B) if row["method"] in ("sdpa", "cudnn") else dilated_flops(N, branches, D, H, B)
     fl *= 3.5 if row["mode"] == "fwdbwd" else 1.0
     row["tflops"] = fl / (row["ms"] * 1e-3) / 1e12
