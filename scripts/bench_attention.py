@@ -628,7 +628,8 @@ def write_results(rows, args, gpu, monitor=None):
 
 
 def plot(rows: list, gpu: str, png: str) -> None:
-    """Time and peak memory against N (log-log), one column per mode that ran."""
+    """Time and peak memory against N (log-log), one column per mode that ran, and where the GPU's power was read a
+    third row: useful TFLOP per joule (what sets each method's rate at a power cap)."""
     try:
         import matplotlib
 
@@ -640,7 +641,8 @@ def plot(rows: list, gpu: str, png: str) -> None:
     modes = [m for m in ("fwd", "fwdbwd", "decode") if any(r["mode"] == m and "ms" in r for r in rows)]
     if not modes:
         return
-    fig, axes = plt.subplots(2, len(modes), figsize=(5.5 * len(modes), 9), squeeze=False)
+    panels = 3 if any("tflop_per_j" in r for r in rows) else 2
+    fig, axes = plt.subplots(panels, len(modes), figsize=(5.5 * len(modes), 4.5 * panels), squeeze=False)
     shapes = sorted({(r["D"], r["H"], r["Hk"]) for r in rows})
     for j, mode in enumerate(modes):
         # one colour per head shape, one marker and line style per method (solid: ours)
@@ -655,9 +657,16 @@ def plot(rows: list, gpu: str, png: str) -> None:
                 for i, col in ((0, 1), (1, 2)):
                     axes[i, j].loglog([p[0] for p in pts], [p[col] for p in pts], style, color=f"C{c % 10}",
                                       label=lab, base=2)
+                per_j = sorted((r["N"], r["tflop_per_j"]) for r in rows if r["mode"] == mode and r["method"] == method
+                               and (r["D"], r["H"], r["Hk"]) == (D, H, Hk) and "tflop_per_j" in r)
+                if panels == 3 and per_j:
+                    axes[2, j].semilogx([p[0] for p in per_j], [p[1] for p in per_j], style, color=f"C{c % 10}",
+                                        label=lab, base=2)
         axes[0, j].set_title(f"{mode}: time (ms)" + (" per token, N = cache length" if mode == "decode" else ""))
         axes[1, j].set_title(f"{mode}: peak memory (GiB)")
-        for i in range(2):
+        if panels == 3:
+            axes[2, j].set_title(f"{mode}: useful TFLOP per joule")
+        for i in range(panels):
             axes[i, j].set_xlabel("N (tokens)")
             axes[i, j].grid(True, which="both", alpha=0.3)
     axes[0, 0].legend(fontsize=6)

@@ -41,6 +41,19 @@ def test_plot_draws_one_column_per_mode_that_ran(tmp_path):
     assert (width, height) == (1210, 990)  # two columns of 5.5 x 9 inches at 110 dpi: no empty decode column
 
 
+def test_plot_adds_a_row_of_tflop_per_joule_where_power_was_read(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [dict(mode="fwdbwd", N=n, D=64, H=9, Hk=3, method=meth, ms=1.0 * n / 1024, peak_gib=0.1,
+                 tflop_per_j=0.4 + 0.1 * (meth == "triton"))
+            for n in (1024, 2048) for meth in ("triton", "sdpa")]
+    png = tmp_path / "plot.png"
+    bench.plot(rows, "CPU", str(png))
+    from matplotlib.image import imread
+
+    height, width = imread(png).shape[:2]
+    assert (width, height) == (605, 1485)  # one column of 5.5 x 13.5 inches at 110 dpi: three rows
+
+
 def test_graph_max_ms_must_be_positive():
     """``--graph-max-ms`` is checked before any work (no GPU needed), naming the option."""
     import subprocess
