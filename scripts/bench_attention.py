@@ -8,17 +8,17 @@ sequence, it is run on windows of the largest segment (with causal, segment-loca
 of a window ``[a, a + w_max)``, ``a`` a multiple of every ``w``, depend on that window alone): the first and the last.
 
 Writes ``<out>/<gpu>-<date>.json`` (rows, GPU, versions, command) and a PNG plot (time and peak memory against N,
-log-log; useful TFLOP per joule where the power was read) beside it, and prints a table: ms, useful TFLOP/s (the
-FLOPs of the dilated pattern, or of dense causal attention for SDPA), the ratios of TFLOP/s to SDPA-flash, to dense
-cuDNN and to cuDNN on the same segments at the same N, peak memory and its ratio to the bytes the call must hold
-(``io_bytes``). Each call is timed twice: eager, back to back (what a user's loop sees: where the host queues a call
-slower than the GPU runs it, the host's time), and replayed from a CUDA graph (``graph_ms``: the GPU's time alone;
-calls under ``--graph-max-ms``). Each row also
-records the GPU's mean SM clock, power draw and highest temperature during its eager timing (``gpu_monitor.py``): a
-power-capped GPU slows down under long heavy calls, and ``--warm-s`` runs each call for that long before timing it,
-so that every method is timed at its own sustained clock rather than at whatever the previous case left. Under the
-cap that clock still drifts a few percent from one timing to the next: ``--rounds R`` times each case's methods R
-times, alternated, and reports each one's median (every timing kept in the row's ``rounds``).
+log-log; useful TFLOP per joule where the power was read) beside it, and prints a table: ms, useful TFLOP/s (the FLOPs
+of the dilated pattern, or of dense causal attention for SDPA), the ratios of TFLOP/s to SDPA-flash, to dense cuDNN and
+to cuDNN on the same segments at the same N, peak memory and its ratio to the bytes the call must hold (``io_bytes``).
+Each call is timed twice: eager, back to back (what a user's loop sees: where the host queues a call slower than the GPU
+runs it, the host's time), and replayed from a CUDA graph (``graph_ms``: the GPU's time alone; calls under
+``--graph-max-ms``). Each row also records the GPU's mean SM clock, power draw and highest temperature during its eager
+timing (``gpu_monitor.py``): a power-capped GPU slows down under long heavy calls, and ``--warm-s`` runs each call for
+that long before timing it, so that every method is timed at its own sustained clock rather than at whatever the
+previous case left. Under the cap that clock still drifts a few percent from one timing to the next: ``--rounds R``
+times each case's methods R times, alternated, and reports each one's median (every timing kept in the row's
+``rounds``).
 
     python scripts/bench_attention.py                  # the full sweep (about 8 minutes on an H100)
     python scripts/bench_attention.py --quick          # 16K and 64K only
