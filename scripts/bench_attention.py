@@ -465,13 +465,14 @@ def retime(timed: list, rounds: int, monitor, warm_s: float) -> None:
     each after ``warm_s`` of warm-up, and its CUDA-graph replay after it where ``graph_timer`` is given: the row's
     ``ms`` (and ``graph_ms``) become the medians of its timings (each kept in ``rounds``, with the GPU's clock and
     power during the eager timing), so that a ratio between two methods does not rest on one timing's clock."""
+    if rounds < 2:
+        return
+    for row, _, _, _ in timed:  # the first timing, taken in the case's loop
+        row["rounds"] = [dict(ms=row["ms"], gpu_clock_mhz=row.get("gpu_clock_mhz"), gpu_power_w=row.get("gpu_power_w"))]
+        if "graph_ms" in row:
+            row["rounds"][0]["graph_ms"] = row["graph_ms"]
     for _ in range(rounds - 1):
         for row, call, timer, graph_timer in timed:
-            if "rounds" not in row:
-                row["rounds"] = [dict(ms=row["ms"], gpu_clock_mhz=row.get("gpu_clock_mhz"),
-                                      gpu_power_w=row.get("gpu_power_w"))]
-                if "graph_ms" in row:
-                    row["rounds"][0]["graph_ms"] = row["graph_ms"]
             ms, gpu_window, _ = timed_on_gpu(call, timer, monitor, warm_s)
             entry = dict(ms=ms, gpu_clock_mhz=gpu_window.get("gpu_clock_mhz"),
                          gpu_power_w=gpu_window.get("gpu_power_w"))
@@ -479,14 +480,13 @@ def retime(timed: list, rounds: int, monitor, warm_s: float) -> None:
                 entry["graph_ms"] = graph_timer(call)
             row["rounds"].append(entry)
     for row, _, _, graph_timer in timed:
-        if "rounds" in row:
-            row["ms"] = statistics.median(r["ms"] for r in row["rounds"])
-            for key in ("gpu_clock_mhz", "gpu_power_w"):  # the row's clock and power: their means over the rounds
-                read = [r[key] for r in row["rounds"] if r.get(key) is not None]
-                if read:
-                    row[key] = statistics.fmean(read)
-            if graph_timer is not None:
-                row["graph_ms"] = statistics.median(r["graph_ms"] for r in row["rounds"])
+        row["ms"] = statistics.median(r["ms"] for r in row["rounds"])
+        for key in ("gpu_clock_mhz", "gpu_power_w"):  # the row's clock and power: their means over the rounds
+            read = [r[key] for r in row["rounds"] if r.get(key) is not None]
+            if read:
+                row[key] = statistics.fmean(read)
+        if graph_timer is not None:
+            row["graph_ms"] = statistics.median(r["graph_ms"] for r in row["rounds"])
 
 
 def add_rates(row: dict, branches) -> None:
@@ -650,16 +650,15 @@ def plot(rows: list, gpu: str, png: str) -> None:
         for method, style in [("sdpa", "o--"), ("cudnn", "v:"), ("cudnn-segments", "x:"), ("flex", "s-."),
                               ("reference", "^-."), ("triton", "D-")]:
             for c, (D, H, Hk) in enumerate(shapes):
-                pts = sorted((r["N"], r["ms"], r["peak_gib"]) for r in rows if r["mode"] == mode
-                             and r["method"] == method and (r["D"], r["H"], r["Hk"]) == (D, H, Hk) and "ms" in r)
-                if not pts:
+                timed = sorted((r for r in rows if r["mode"] == mode and r["method"] == method
+                                and (r["D"], r["H"], r["Hk"]) == (D, H, Hk) and "ms" in r), key=lambda r: r["N"])
+                if not timed:
                     continue
                 lab = f"{method} H/Hk={H}/{Hk} D={D}"
-                for i, col in ((0, 1), (1, 2)):
-                    axes[i, j].loglog([p[0] for p in pts], [p[col] for p in pts], style, color=f"C{c % 10}",
+                for i, key in ((0, "ms"), (1, "peak_gib")):
+                    axes[i, j].loglog([r["N"] for r in timed], [r[key] for r in timed], style, color=f"C{c % 10}",
                                       label=lab, base=2)
-                per_j = sorted((r["N"], r["tflop_per_j"]) for r in rows if r["mode"] == mode and r["method"] == method
-                               and (r["D"], r["H"], r["Hk"]) == (D, H, Hk) and "tflop_per_j" in r)
+                per_j = [(r["N"], r["tflop_per_j"]) for r in timed if "tflop_per_j" in r]
                 if panels == 3 and per_j:
                     axes[2, j].semilogx([p[0] for p in per_j], [p[1] for p in per_j], style, color=f"C{c % 10}",
                                         label=lab, base=2)
