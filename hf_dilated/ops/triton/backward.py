@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    LOG2E, allowed, drop_keep, drop_rows, first_selected, item_query_tile, item_tile, load_item, load_rows, mm, n_rows,
-    query_range, query_tile_keys, rounded, row_desc, tile_mask, tile_rows, written_before,
+    LOG2E, NEST_COLUMNS, allowed, drop_keep, drop_rows, first_selected, item_query_tile, item_tile, load_item,
+    load_rows, mm, n_rows, nest_first_query, nest_limit, nest_weight, query_range, query_tile_keys, rounded, row_desc,
+    tile_mask, tile_rows, written_before,
 )
 
 
@@ -52,8 +53,10 @@ def delta_kernel(O, DO, Delta, stride_ob, stride_oh, stride_on, stride_db, strid
 def dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, qbase, b, h, h64, H, Nq, QV,
               q_row, do_row, l_row, dl_row, S, stride_qn, stride_dn, dmask, window, qk_scale, drop_threshold, inv_keep,
               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr,
-              DROPOUT: tl.constexpr, UPCAST: tl.constexpr, EVEN_D: tl.constexpr, q_desc, do_desc, TMA: tl.constexpr):
-    """One query tile's share of a key tile's dK and dV. Unmasked (``MASKED`` false) where every query of the tile
+              DROPOUT: tl.constexpr, UPCAST: tl.constexpr, EVEN_D: tl.constexpr, q_desc, do_desc, TMA: tl.constexpr,
+              k_weight, NEST, below, head_offset, NESTED: tl.constexpr):
+    """One query tile's share of a key tile's dK and dV (``NESTED``: the pairs and weights of a nested branch,
+    ``tiles.nest_weight``; ``k_weight`` the keys' weights for head ``h``). Unmasked (``MASKED`` false) where every query of the tile
     is valid and sees every key: rows past the tile's last key were loaded as zeros and are never stored. With
     ``TMA`` the query and dO rows come through the descriptors over the head's dilated query rows (zeros past the
     last)."""
@@ -80,8 +83,12 @@ def dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, q
         delta = tl.load(dl_row + qc64)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
     qkT = mm(k, tl.trans(q), UPCAST)
+    if NESTED:
+        qkT += tl.minimum(k_weight[:, None], nest_weight(qp, h, head_offset, NEST, 1.0 / qk_scale)[None, :])
     if MASKED:
         ok = allowed(kmask[:, None] & qmask[None, :], qp[None, :] - kp[:, None], window, IS_CAUSAL, WINDOW)
+        if NESTED:
+            ok = ok & (kp[:, None] < nest_limit(qp, below)[None, :])
         pT = tl.where(ok, tl.math.exp2(qkT * qk_scale - lse[None, :]), 0.0)
     else:
         pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
@@ -99,7 +106,7 @@ def dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, q
 
 @triton.jit
 def dilated_bwd_dkdv_kernel(
-    Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, T, QV, KV, S,
+    Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, PREV, T, QV, KV, S, NESTS,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -110,9 +117,10 @@ def dilated_bwd_dkdv_kernel(
     stride_xkb, stride_xkh, stride_xkn,
     stride_xvb, stride_xvh, stride_xvn,
     Nq, Nk, H, head_offset, group, n_classes, r, scale, qk_scale, window, drop_threshold, inv_keep, n_tiles, n_prev,
+    nest_i,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-    MERGE: tl.constexpr, LAST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    MERGE: tl.constexpr, LAST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, NESTED: tl.constexpr,
 ):
     item, tile = item_tile(n_tiles, False)  # under causal attention the first key tile is the heaviest already
     hc = tl.program_id(1)
@@ -136,6 +144,11 @@ def dilated_bwd_dkdv_kernel(
 
     kp_max = tl.minimum(kp_min + (BLOCK_N - 1) * r, k_hi - 1)
     lo, hi = query_range(kp_min, kp_max, q_lo, q_hi, window, IS_CAUSAL, WINDOW)
+    NEST = NESTS + nest_i * NEST_COLUMNS
+    below = 0
+    if NESTED:  # queries only in later segments of the branch below
+        below = tl.load(NEST)
+        lo = tl.maximum(lo, nest_first_query(kp_min, below))
     q_first = first_selected(q_lo, off, r)
     n_q = n_rows(q_first, hi, r)
     j0 = tl.where(lo > q_first, (lo - q_first) // r, 0)  # queries before ``lo`` see none of the tile's keys
@@ -162,27 +175,33 @@ def dilated_bwd_dkdv_kernel(
         # [start_q, start_full) masked, [start_full, end_full) unmasked, [end_full, n_q) masked (the partial tail).
         if WINDOW or HOLES:
             start_full = n_q
+        elif NESTED:
+            j_full = n_rows(q_first, nest_first_query(kp_max, below), r)
+            start_full = tl.minimum(tl.maximum((j_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, start_q), n_q)
         elif IS_CAUSAL:
             j_full = tl.where(kp_max > q_first, (kp_max - q_first + r - 1) // r, 0)
             start_full = tl.minimum(tl.maximum((j_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, start_q), n_q)
         else:
             start_full = start_q
         end_full = tl.maximum((n_q // BLOCK_M) * BLOCK_M, start_full)
+        k_weight = kp
+        if NESTED:
+            k_weight = nest_weight(kp, h, head_offset, NEST, 1.0 / qk_scale)
         for start in range(start_q, start_full, BLOCK_M):
             dk, dv = dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, qbase, b, h, h64, H,
                                Nq, QV, q_row, do_row, l_row, dl_row, S, stride_qn, stride_dn, dmask, window,
                                qk_scale, drop_threshold, inv_keep, True, IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST,
-                               EVEN_D, q_desc, do_desc, TMA)
+                               EVEN_D, q_desc, do_desc, TMA, k_weight, NEST, below, head_offset, NESTED)
         for start in range(start_full, end_full, BLOCK_M):
             dk, dv = dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, qbase, b, h, h64, H,
                                Nq, QV, q_row, do_row, l_row, dl_row, S, stride_qn, stride_dn, dmask, window,
                                qk_scale, drop_threshold, inv_keep, False, IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST,
-                               EVEN_D, q_desc, do_desc, TMA)
+                               EVEN_D, q_desc, do_desc, TMA, k_weight, NEST, below, head_offset, NESTED)
         for start in range(end_full, n_q, BLOCK_M):
             dk, dv = dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, qbase, b, h, h64, H,
                                Nq, QV, q_row, do_row, l_row, dl_row, S, stride_qn, stride_dn, dmask, window,
                                qk_scale, drop_threshold, inv_keep, True, IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST,
-                               EVEN_D, q_desc, do_desc, TMA)
+                               EVEN_D, q_desc, do_desc, TMA, k_weight, NEST, below, head_offset, NESTED)
     dk = dk * scale
     smask = tile_mask(in_range, dmask, EVEN_D)
     dk_ptrs = DK + b * stride_dkb + kvh64 * stride_dkh + kc64 * stride_dkn + d[None, :]
@@ -203,7 +222,7 @@ def dilated_bwd_dkdv_kernel(
 
 @triton.jit
 def dilated_bwd_dq_kernel(
-    Q, K, V, DO, L, Delta, DQ, DQ_OUT, PREV, T, QV, KV, S,
+    Q, K, V, DO, L, Delta, DQ, DQ_OUT, PREV, T, QV, KV, S, NESTS,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -211,10 +230,10 @@ def dilated_bwd_dq_kernel(
     stride_lb, stride_lh,
     stride_dqb, stride_dqh, stride_dqn,
     stride_xqb, stride_xqh, stride_xqn,
-    Nq, Nk, H, head_offset, group, r, scale, qk_scale, window, drop_threshold, inv_keep, n_tiles, n_prev,
+    Nq, Nk, H, head_offset, group, r, scale, qk_scale, window, drop_threshold, inv_keep, n_tiles, n_prev, nest_i,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-    MERGE: tl.constexpr, LAST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    MERGE: tl.constexpr, LAST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, NESTED: tl.constexpr,
 ):
     b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(T, n_tiles, head_offset, r,
                                                                                            BLOCK_M, IS_CAUSAL)
@@ -240,6 +259,16 @@ def dilated_bwd_dq_kernel(
 
     k_first, n_k, n_full = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                            WINDOW, HOLES)
+    NEST = NESTS + nest_i * NEST_COLUMNS
+    qlim = qp
+    q_weight = lse
+    if NESTED:  # keys only in earlier segments of the branch below (as the forward)
+        below = tl.load(NEST)
+        qlim = nest_limit(qp, below)
+        p_max = tl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
+        n_k = tl.minimum(n_k, n_rows(k_first, nest_limit(p_max, below), r))
+        n_full = tl.minimum(n_full, (n_rows(k_first, nest_limit(p_min, below), r) // BLOCK_N) * BLOCK_N)
+        q_weight = nest_weight(qp, h, head_offset, NEST, 1.0 / qk_scale)
     cols_base = tl.arange(0, BLOCK_N)
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]
@@ -254,11 +283,13 @@ def dilated_bwd_dq_kernel(
     for start in range(0, n_full, BLOCK_N):
         dq = dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_first, r, n_k, kbase, b, Nk, KV,
                      k_row, v_row, stride_kn, stride_vn, dmask, window, qk_scale, drop_threshold, inv_keep, False,
-                     IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST, EVEN_D, k_desc, v_desc, TMA)
+                     IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST, EVEN_D, k_desc, v_desc, TMA, qlim, q_weight, NEST, h,
+                     head_offset, NESTED)
     for start in range(n_full, n_k, BLOCK_N):
         dq = dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_first, r, n_k, kbase, b, Nk, KV,
                      k_row, v_row, stride_kn, stride_vn, dmask, window, qk_scale, drop_threshold, inv_keep, True,
-                     IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST, EVEN_D, k_desc, v_desc, TMA)
+                     IS_CAUSAL, WINDOW, HOLES, DROPOUT, UPCAST, EVEN_D, k_desc, v_desc, TMA, qlim, q_weight, NEST, h,
+                     head_offset, NESTED)
     dq = dq * scale
     smask = tile_mask(in_range, dmask, EVEN_D)
     dq_ptrs = DQ + b * stride_dqb + h64 * stride_dqh + qc64[:, None] * stride_dqn + d[None, :]
@@ -276,8 +307,10 @@ def dilated_bwd_dq_kernel(
 def dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_first, r, n_k, kbase, b, Nk, KV, k_row,
             v_row, stride_kn, stride_vn, dmask, window, qk_scale, drop_threshold, inv_keep, MASKED: tl.constexpr,
             IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
-            UPCAST: tl.constexpr, EVEN_D: tl.constexpr, k_desc, v_desc, TMA: tl.constexpr):
-    """One key tile's share of a query tile's dQ. Unmasked (``MASKED`` false) where every key of the tile is valid
+            UPCAST: tl.constexpr, EVEN_D: tl.constexpr, k_desc, v_desc, TMA: tl.constexpr, qlim, q_weight, NEST, h,
+            head_offset, NESTED: tl.constexpr):
+    """One key tile's share of a query tile's dQ (``NESTED``: keys below ``qlim`` per query, pairs weighted as
+    ``tiles.nest_weight``). Unmasked (``MASKED`` false) where every key of the tile is valid
     and seen by every query: rows past the tile's last query were loaded as zeros and are never stored. With ``TMA``
     the key and value rows come through the descriptors over the tile's dilated key rows (zeros past the last)."""
     cols = start + cols_base
@@ -298,8 +331,12 @@ def dq_step(dq, q, do, lse, delta, qp, qmask, row_hash, start, cols_base, k_firs
         k = load_rows(k_row + kc64 * stride_kn, cols, dmask, False, EVEN_D)
         v = load_rows(v_row + kc64 * stride_vn, cols, dmask, False, EVEN_D)
     qk = mm(q, tl.trans(k), UPCAST)
+    if NESTED:
+        qk += tl.minimum(q_weight[:, None], nest_weight(kp, h, head_offset, NEST, 1.0 / qk_scale)[None, :])
     if MASKED:
         ok = allowed(qmask[:, None] & kmask[None, :], qp[:, None] - kp[None, :], window, IS_CAUSAL, WINDOW)
+        if NESTED:
+            ok = ok & (kp[None, :] < qlim[:, None])
         p = tl.where(ok, tl.math.exp2(qk * qk_scale - lse[:, None]), 0.0)
     else:
         p = tl.math.exp2(qk * qk_scale - lse[:, None])

@@ -23,27 +23,29 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    PART_COLUMNS, allowed, drop_rows, finish, item_query_tile, load_rows, merge_rows, mm, n_rows, part_query_tile,
-    query_tile_keys, row_desc, rounded, softmax_step, tile_mask, tile_rows, written_before,
+    NEST_COLUMNS, PART_COLUMNS, allowed, drop_rows, finish, item_query_tile, load_rows, merge_rows, mm, n_rows,
+    nest_limit, nest_weight, part_query_tile, query_tile_keys, row_desc, rounded, softmax_step, tile_mask, tile_rows,
+    written_before,
 )
 
 
 @triton.jit
 def dilated_fwd_branch_kernel(
-    Q, K, V, O, L, OUT, PREV, T, QV, KV, S, PL,
+    Q, K, V, O, L, OUT, PREV, T, QV, KV, S, PL, NESTS,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     stride_lb, stride_lh,
-    Nq, Nk, H, head_offset, group, r, qk_scale, window, drop_threshold, inv_keep, n_tiles, n_prev,
+    Nq, Nk, H, head_offset, group, r, qk_scale, window, drop_threshold, inv_keep, n_tiles, n_prev, nest_i,
     HEAD_DIM: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HOLES: tl.constexpr, DROPOUT: tl.constexpr,
     MERGE: tl.constexpr, LAST: tl.constexpr, PARTS: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    NESTED: tl.constexpr,
 ):
     base = 0
     if PARTS and not LAST:  # the one launch over the parts: this program's part (``PREV``: the parts' table)
-        r, base, b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = part_query_tile(
+        r, base, nest_i, b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = part_query_tile(
             PREV, n_prev, T, head_offset, BLOCK_M, IS_CAUSAL)
     else:
         b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
@@ -69,6 +71,14 @@ def dilated_fwd_branch_kernel(
 
     k_first, n_k, n_full = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                            WINDOW, HOLES)
+    if NESTED:  # keys only in earlier segments of the branch below; each pair weighted by the branches that have it
+        NEST = NESTS + nest_i * NEST_COLUMNS
+        below = tl.load(NEST)
+        qlim = nest_limit(qp, below)
+        p_max = tl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
+        n_k = tl.minimum(n_k, n_rows(k_first, nest_limit(p_max, below), r))
+        n_full = tl.minimum(n_full, (n_rows(k_first, nest_limit(p_min, below), r) // BLOCK_N) * BLOCK_N)
+        q_weight = nest_weight(qp, h, head_offset, NEST, 1.0 / qk_scale)
 
     cols = tl.arange(0, BLOCK_N)
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
@@ -90,6 +100,8 @@ def dilated_fwd_branch_kernel(
             k = load_rows(k_row + kc.to(tl.int64)[:, None] * stride_kn, cols, dmask, False, EVEN_D)
             v = load_rows(v_row + kc.to(tl.int64)[:, None] * stride_vn, cols, dmask, False, EVEN_D)
         qk = mm(q, tl.trans(k), UPCAST)
+        if NESTED:
+            qk += tl.minimum(q_weight[:, None], nest_weight(kp, h, head_offset, NEST, 1.0 / qk_scale)[None, :])
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, qk_scale, v, row_hash, kc, drop_threshold, inv_keep, DROPOUT,
                                      UPCAST)
     for start in range(n_full, n_k, BLOCK_N):
@@ -109,6 +121,9 @@ def dilated_fwd_branch_kernel(
         if HOLES:
             ok = ok & qmask[:, None]
         ok = allowed(ok, qp[:, None] - kp[None, :], window, IS_CAUSAL, WINDOW)
+        if NESTED:
+            ok = ok & (kp[None, :] < qlim[:, None])
+            qk += tl.minimum(q_weight[:, None], nest_weight(kp, h, head_offset, NEST, 1.0 / qk_scale)[None, :])
         qk = tl.where(ok, qk, float("-inf"))
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, qk_scale, v, row_hash, kc, drop_threshold, inv_keep, DROPOUT,
                                      UPCAST)

@@ -23,7 +23,7 @@ from .configs import (
 from .decode import dilated_decode_kernel
 from .forward import dilated_fwd_branch_kernel
 from .hopper import switch
-from .schedule import RunPlan, branch_items
+from .schedule import NEST_COLUMNS, RunPlan, branch_items
 from .tiles import LOG2E_F as LOG2E
 
 LAUNCHES: Counter = Counter()
@@ -51,6 +51,40 @@ class Problem:
         if self.global_tokens > 0:
             out.append((DENSE_SEGMENT, 1, int(self.global_tokens)))
         return out
+
+    def nesting(self) -> tuple | None:
+        """Per kernel branch its row of the nesting table (``tiles.nest_weight``: ``(below, n_higher, higher rates,
+        0...)``), or None where the branches do not nest. They nest when each branch's segment length and rate divide
+        the next one's: then every pair a branch shares with a lower branch lies in one segment of the branch just
+        below, and the kernels compute each (query, key) pair once, weighted by the branches that have it, instead of
+        once per branch (LongNet's 2048..32768 / 1..16: 24% fewer pairs, and the r > 1 branches' causal segments
+        become full rectangles). Causal only (a bidirectional branch's kept keys lie on both sides of the query's
+        segment: two ranges), without a window, and without dropout (SPEC draws each (query, key, branch) apart)."""
+        br = [(int(w), int(r)) for w, r in self.branches]
+        if (not NESTED_PAIRS or not self.is_causal or self.window or self.dropout_p > 0 or len(br) < 2
+                or len(br) - 1 > NEST_COLUMNS - 2
+                or any(w1 % w0 or r1 % r0 for (w0, r0), (w1, r1) in zip(br, br[1:]))):
+            return None
+        rows = []
+        for i in range(len(br)):
+            higher = [r for _, r in br[i + 1:]]
+            rows.append((br[i - 1][0] if i else 0, len(higher), *higher) + (0,) * (NEST_COLUMNS - 2 - len(higher)))
+        if self.global_tokens > 0:  # the global-token branch: plain causal, weight 1
+            rows.append((0,) * NEST_COLUMNS)
+        return tuple(rows)
+
+
+# Nested branches computed once per (query, key) pair (``Problem.nesting``); False (``HF_DILATED_NESTED=0`` in the
+# environment when this is imported): every branch computes all its pairs (the tests compare the two).
+NESTED_PAIRS = switch("HF_DILATED_NESTED")
+
+
+def _nests(pb: Problem, device) -> tuple[torch.Tensor | None, bool]:
+    """The nesting table on ``device`` (int32 ``[branches, NEST_COLUMNS]``, made once per device and branches) and
+    whether the kernels use it (``NESTED``); a one-row placeholder where the branches do not nest."""
+    rows = pb.nesting()
+    table = rows or ((0,) * NEST_COLUMNS,)
+    return _constant(f"nests{table}", device, lambda: torch.tensor(table, dtype=torch.int32).to(device)), bool(rows)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -244,7 +278,7 @@ COMPACT_PARTS = switch("HF_DILATED_PARTS")
 class Parts:
     """The forward's one launch over its parts (every branch launch but the last, an ``r = 1`` branch that merges
     them): ``table`` (int32 rows of ``tiles.part_query_tile``: first program, first item, tiles per item, r, compact
-    row base), the parts' ``items`` concatenated, ``n_programs`` (axis 0 of its grid); a part of rate ``r`` writes
+    row base, branch index), the parts' ``items`` concatenated, ``n_programs`` (axis 0 of its grid); a part of rate ``r`` writes
     row ``base + column // r`` (its rows of one head have one residue mod ``r``: ``ceil(Nq / r)`` rows)."""
 
     table: torch.Tensor
@@ -260,9 +294,9 @@ def _parts(order, Nq: int, block_m: int, device) -> Parts | None:
     if hit is not None and hit[0] is order:
         return hit[1]
     table, start, first_item, rows = [], 0, 0, 0
-    for _, r, it in order[:-1]:
+    for i, r, it in order[:-1]:
         n_tiles = cdiv(it.max_q_rows, block_m)
-        table.append([start, first_item, n_tiles, r, rows])
+        table.append([start, first_item, n_tiles, r, rows, i])
         start, first_item, rows = start + it.n_items * n_tiles, first_item + it.n_items, rows + cdiv(Nq, r)
     parts = None
     if rows <= Nq and start < 2**31:
@@ -300,8 +334,8 @@ def _plan_key(kind: str, tensors, pb: Problem, plan: RunPlan, cache_key, *extra)
     (their work lists and validity masks are the call's own), dropout (its streams are drawn per call)."""
     if cache_key is None or plan.holes or pb.dropout_p > 0 or not plans.ENABLED:
         return None
-    return plans.signature(kind, tensors, pb, cache_key, COMPACT_PARTS, CONCURRENT_BACKWARD, SCRATCH_FRACTION,
-                           SCRATCH_MIN_BYTES, relaunch.ENABLED, config_state(), *extra)
+    return plans.signature(kind, tensors, pb, cache_key, COMPACT_PARTS, NESTED_PAIRS, CONCURRENT_BACKWARD,
+                           SCRATCH_FRACTION, SCRATCH_MIN_BYTES, relaunch.ENABLED, config_state(), *extra)
 
 
 def forward(q, k, v, pb: Problem, plan: RunPlan, layout_valid, cache_key):
@@ -335,7 +369,10 @@ def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_va
     if tma:
         rec.scratch(q.device)
         rec.count("forward_tma")
-    gluon = forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
+    nests, nested = _nests(pb, q.device)
+    rec.constant(nests)
+    rec.count("forward_nested", nested)
+    gluon = not nested and forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
     ws = gluon and forward_hopper.ws_applies(  # warp-specialized: head dim 128, and 64 where balanced
         q, flags, tma, [(it.n_items, it.items_per_group, it.max_q_rows, r) for _, r, it in order], sm_count(q.device))
     if gluon:
@@ -380,9 +417,10 @@ def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_va
             rec.count("forward_ws" if ws else "forward_hopper")
             continue
         rec.run(dilated_fwd_branch_kernel, grid,
-            q, k, v, o, lse, out, prev, items, qv, kv, per_branch[i], part_lse, *strides,
-            Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles, n_prev,
-            HEAD_DIM=head_dim_block(D), D=D, **merge, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **cfg,
+            q, k, v, o, lse, out, prev, items, qv, kv, per_branch[i], part_lse, nests, *strides,
+            Nq, Nk, H, pb.head_offset, group, r, pb.scale * LOG2E, window, thr, inv_keep, n_tiles, n_prev, i,
+            HEAD_DIM=head_dim_block(D), D=D, **merge, UPCAST=dot_mode(q.dtype), TMA=tma, NESTED=nested, **flags,
+            **cfg,
         )
     return (o.to(q.dtype) if filled else out), lse
 
@@ -426,9 +464,12 @@ def _backward(rec: plans.Recorder, q, k, v, do, lse, delta, pb: Problem, plan: R
     # that also adds dQ (``backward_hopper.fused_dq_launch_config``); None: dQ has kernels of its own.
     fused = backward_hopper.fused_dq_launch_config(hd, k.shape[2])
     tma = use_tma((q, k, v, do), hd != D, flags["HOLES"])
-    gluon = backward_hopper.applies(q, flags, tma)
+    nests = _nests(pb, q.device)
+    rec.constant(nests[0])
+    rec.count("backward_nested", nests[1])
+    gluon = not nests[1] and backward_hopper.applies(q, flags, tma)
     fused = fused if gluon else None
-    args = (order, rates, last, pb, extras, kv_cfg, q_cfg, tma, gluon, fused)
+    args = (order, rates, last, pb, extras, nests, kv_cfg, q_cfg, tma, gluon, fused)
     if q.dtype == torch.float32 or (not filled and len(order) == 1 and fused is None):
         # The sums are the gradients (the last launch writes them in place; one launch alone writes them and merges
         # nothing), laid out like q, k, v (the op's fake implementation says so: compiled graphs rely on it).
@@ -469,13 +510,14 @@ SCRATCH_MIN_BYTES = 2**30
 
 
 def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem,
-                    extras, kv_cfg, q_cfg, tma, gluon, fused):
+                    extras, nests, kv_cfg, q_cfg, tma, gluon, fused):
     """All branches of the backward for the heads ``h0..`` of these (possibly head-sliced) tensors, in launch
     ``order``, summed into the float32 ``sums`` (dq, dk, dv); the ``last`` branch's launches write ``outs`` in their
     dtype. Dropout streams stay indexed by the head in the whole tensor: the stream pointer is shifted by h0.
     The dQ launches run beside the dK / dV ones (``forked``); with ``fused`` (a config) the dK/dV launches add dQ to
     its zeroed sums and there are none. ``tma`` / ``gluon``: descriptor loads / the Gluon kernels (sm_90), each at
-    the head dims it takes, as ``backward`` decided them. Each step goes through ``rec``."""
+    the head dims it takes, as ``backward`` decided them; ``nests``: the nesting table and whether the kernels use it
+    (``Problem.nesting``). Each step goes through ``rec``."""
     H, Hk, Nq, Nk, D = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
     group = H // Hk
     qv, kv, streams, window, thr, inv_keep, flags = extras
@@ -520,10 +562,10 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
             else:
                 grid, n_tiles = items_grid(it.n_items, it.max_k_rows, kv_cfg["BLOCK_N"], Hk * n_classes)
                 rec.run(dilated_bwd_dkdv_kernel, grid,
-                    *kv_tensors, it.items, qv, kv, s, *kv_strides,
+                    *kv_tensors, it.items, qv, kv, s, nests[0], *kv_strides,
                     Nq, Nk, H_all, pb.head_offset + h0, group, n_classes, r, pb.scale, pb.scale * LOG2E, window, thr,
-                    inv_keep, n_tiles, j,
-                    HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge, **kv_cfg,
+                    inv_keep, n_tiles, j, i,
+                    HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, NESTED=nests[1], **flags, **merge, **kv_cfg,
                 )
         with beside():  # dQ on a second stream
             for j, i, r, it, s, merge in launches if not fused else ():
@@ -538,10 +580,10 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
                 else:
                     grid, n_tiles = items_grid(it.n_items, it.max_q_rows, q_cfg["BLOCK_M"], H)
                     rec.run(dilated_bwd_dq_kernel, grid,
-                        *q_tensors, it.items, qv, kv, s, *q_strides,
+                        *q_tensors, it.items, qv, kv, s, nests[0], *q_strides,
                         Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr,
-                        inv_keep, n_tiles, j, HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma, **flags, **merge,
-                        **q_cfg,
+                        inv_keep, n_tiles, j, i, HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma,
+                        NESTED=nests[1], **flags, **merge, **q_cfg,
                     )
 
 

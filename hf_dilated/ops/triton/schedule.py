@@ -27,8 +27,11 @@ RUN_COLUMNS = 7
 # Columns of an items table ([n, 7] int32, on the device); the kernels read them with ``tiles.load_item``.
 IT_B, IT_Q_BASE, IT_K_BASE, IT_Q_LO, IT_Q_HI, IT_K_LO, IT_K_HI = range(7)
 ITEM_COLUMNS = 7
-# the forward's table of parts (``launch.forward``): first program, first item, tiles per item, r, compact row base
-PART_COLUMNS = 5
+# the forward's table of parts (``launch.forward``): first program, first item, tiles per item, r, compact row base,
+# branch index
+PART_COLUMNS = 6
+# a branch's row of the nesting table (``tiles.nest_weight``): below, n_higher, the higher branches' rates
+NEST_COLUMNS = 8
 # Positions and columns must stay below this (int32 arithmetic in the kernels, DENSE_SEGMENT = 2**30 included).
 MAX_POSITION = 2**30
 

@@ -24,6 +24,7 @@ _IT_K_LO = tl.constexpr(schedule.IT_K_LO)
 _IT_K_HI = tl.constexpr(schedule.IT_K_HI)
 _ITEM_COLUMNS = tl.constexpr(schedule.ITEM_COLUMNS)
 PART_COLUMNS = tl.constexpr(schedule.PART_COLUMNS)
+NEST_COLUMNS = tl.constexpr(schedule.NEST_COLUMNS)
 
 
 @triton.jit
@@ -62,9 +63,10 @@ def item_query_tile(T, n_tiles, head_offset, r, BLOCK_M: tl.constexpr, IS_CAUSAL
 @triton.jit
 def part_query_tile(PARTS, n_parts, T, head_offset, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """:func:`item_query_tile` for a program of the forward's one launch over its parts (every branch but the last:
-    ``launch.forward``), and the program's part: ``(r, base, b, qbase, ..., p_min)``. ``PARTS``: int32 rows
-    ``(first program, first item, tiles per item, r, compact row base)`` per part, axis 0 of the grid the parts'
-    programs one after another (each part's as :func:`item_tile` orders them), ``T`` the parts' items in order."""
+    ``launch.forward``), and the program's part: ``(r, base, nest_i, b, qbase, ..., p_min)``. ``PARTS``: int32 rows
+    ``(first program, first item, tiles per item, r, compact row base, branch index)`` per part, axis 0 of the grid the parts'
+    programs one after another (each part's as :func:`item_tile` orders them), ``T`` the parts' items in order.
+    Returned after ``base``: the part's branch index (its row of the nesting table, :func:`nest_limit`)."""
     pid = tl.program_id(0)
     j = 0
     for i in range(1, n_parts):
@@ -73,12 +75,13 @@ def part_query_tile(PARTS, n_parts, T, head_offset, BLOCK_M: tl.constexpr, IS_CA
     local = pid - tl.load(row)
     n_tiles = tl.load(row + 2)
     r = tl.load(row + 3)
+    nest_i = tl.load(row + 5)
     tile = local % n_tiles
     if IS_CAUSAL:
         tile = n_tiles - 1 - tile
     b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = query_tile(
         T, tl.load(row + 1) + local // n_tiles, tile, head_offset, r, BLOCK_M)
-    return r, tl.load(row + 4), b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min
+    return r, tl.load(row + 4), nest_i, b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min
 
 
 @triton.jit
@@ -330,3 +333,39 @@ def drop_rows(S, b, h, H, q_col):
 def drop_keep(row_hash, k_col, threshold):
     """Keep decisions ``mix32(row_hash ^ k_col) >= threshold`` (operands already broadcast to the tile's shape)."""
     return mix32(row_hash ^ k_col.to(tl.uint32)) >= threshold.to(tl.uint32)
+
+
+# Nested branches (``launch.Problem.nesting``): where every branch's segments and selected rows lie inside the next
+# branch's, a (query, key) pair of branch i that lies in one segment of branch i - 1 is also a pair of every branch
+# below i; each pair is then computed once, by the lowest branch that has it, with the weight ``m`` (a score
+# ``+ log m``) of the branches that have it (SPEC: one softmax over the union, a key reached by m branches carrying
+# log m). A branch's row of the nesting table: ``(below, n_higher, rates of the n_higher branches above it)``,
+# ``below`` the segment length of the branch under it (0 for the first): a key of branch i is kept for a query only
+# when it lies in an earlier ``below``-segment than the query's. The pair's weight is 1 + the number of higher
+# branches that select both (each higher branch's segment holds the pair, so selecting both is enough).
+
+
+@triton.jit
+def nest_limit(p, below):
+    """Per query position ``p``: the keys it keeps in a nested branch lie at positions below this (the start of its
+    ``below``-segment; ``p + 1``, plain causal, where ``below`` is 0)."""
+    return tl.where(below > 0, p - p % tl.maximum(below, 1), p + 1)
+
+
+@triton.jit
+def nest_first_query(kp, below):
+    """Per key position ``kp``: the first query position of a nested branch that keeps it (the start of the next
+    ``below``-segment; ``kp`` itself, plain causal, where ``below`` is 0)."""
+    return tl.where(below > 0, kp - kp % tl.maximum(below, 1) + below, kp)
+
+
+@triton.jit
+def nest_weight(p, head, head_offset, NEST, inv_scale):
+    """Per position ``p`` (query head ``head``): ``log2(1 + higher branches that select p) * inv_scale``. A pair's
+    weight is the smaller of its query's and key's (every higher branch that selects both has the pair), so the
+    score bias is ``min(wq, wk)`` (``inv_scale`` 1 / the kernel's score scale, so the bias adds to raw scores)."""
+    n = tl.zeros(p.shape, dtype=tl.int32) + 1
+    for j in range(tl.load(NEST + 1)):
+        rj = tl.load(NEST + 2 + j)
+        n += ((((p - head - head_offset) % rj) + rj) % rj == 0).to(tl.int32)
+    return tl.math.log2(n.to(tl.float32)) * inv_scale

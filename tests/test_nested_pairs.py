@@ -1,0 +1,118 @@
+"""Nested branches computed once per (query, key) pair (``launch.Problem.nesting``): where every branch's segment
+length and rate divide the next one's, the kernels skip a branch's pairs that a lower branch has and weight each pair
+by the branches that have it. The result must be SPEC's function exactly: the float64 oracle (tests/naive.py, which
+sums every branch apart) for the output and every gradient, and the same as the kernels with nesting off."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hf_dilated.ops import TokenLayout  # noqa: E402
+from hf_dilated.ops.triton import launch  # noqa: E402
+from hf_dilated.ops.triton.schedule import NEST_COLUMNS  # noqa: E402
+from hf_dilated.ops.triton.tuning import LONGNET  # noqa: E402
+from naive import rel_err  # noqa: E402
+from test_triton_kernels import TOL, _gpu_skip, check_op, cpu, make_qkv  # noqa: E402
+
+
+def problem(branches, **kw):
+    return launch.Problem(tuple(branches), kw.pop("is_causal", True), 0.1, 0, **kw)
+
+
+def test_nesting_rows_of_longnet():
+    rows = problem(LONGNET).nesting()
+    pad = (0,) * NEST_COLUMNS
+    assert rows == tuple((below, len(hi), *hi) + pad[: NEST_COLUMNS - 2 - len(hi)]
+                         for below, hi in [(0, [2, 4, 8, 16]), (2048, [4, 8, 16]), (4096, [8, 16]),
+                                           (8192, [16]), (16384, [])])
+    assert problem(LONGNET, global_tokens=4).nesting()[-1] == pad  # the global-token branch: plain, weight 1
+
+
+@pytest.mark.parametrize("branches, kw", [
+    (LONGNET, dict(is_causal=False)),  # bidirectional: a query's kept keys would lie on both sides
+    (LONGNET, dict(window=100)),
+    (LONGNET, dict(dropout_p=0.1)),
+    ([(2048, 1)], {}),  # one branch: nothing to share
+    ([(8, 2), (16, 1)], {}),  # rates that do not divide
+    ([(8, 1), (12, 2)], {}),  # segment lengths that do not divide
+])
+def test_nesting_off_where_it_does_not_apply(branches, kw):
+    assert problem(branches, **kw).nesting() is None
+
+
+def test_nesting_switch(monkeypatch):
+    monkeypatch.setattr(launch, "NESTED_PAIRS", False)
+    assert problem(LONGNET).nesting() is None
+
+
+def _counted(kind):
+    return launch.LAUNCHES[kind]
+
+
+@cpu
+@pytest.mark.parametrize("branches, N, global_tokens, head_offset", [
+    ([(8, 1), (16, 2), (32, 4)], 70, 0, 1),  # segments cut short at the end
+    ([(8, 1), (8, 2), (24, 4), (48, 8)], 53, 3, 2),  # an equal segment length (a branch with no pair of its own), a
+    # segment three times the one below, and the global-token branch
+    ([(4, 1), (8, 2), (16, 4), (32, 8), (64, 16)], 64, 0, 5),  # LongNet's shape: 1 / 2 / ... / 16
+])
+def test_nested_against_the_oracle(rng, branches, N, global_tokens, head_offset):
+    q, k, v = make_qkv(rng, 2, 6, 2, N, N, 16, torch.float32, "cpu")
+    before = Counter(launch.LAUNCHES)
+    check_op(q, k, v, branches, TOL[torch.float32], head_offset=head_offset, global_tokens=global_tokens)
+    assert _counted("forward_nested") > before["forward_nested"], "the forward did not take the nested pairs"
+    assert _counted("backward_nested") > before["backward_nested"], "the backward did not take the nested pairs"
+
+
+@cpu
+def test_nested_padding_half_precision(rng):
+    """Left padding (positions counted from each sequence's first real token) in bfloat16."""
+    B, N = 2, 40
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, :13] = False
+    pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    seq = torch.zeros(B, N, dtype=torch.long)
+    layout = TokenLayout(pos, seq, pos, seq, mask, mask, False)
+    q, k, v = make_qkv(rng, B, 4, 4, N, N, 16, torch.bfloat16, "cpu")
+    before = Counter(launch.LAUNCHES)
+    check_op(q, k, v, [(4, 1), (8, 2), (16, 4)], TOL[torch.bfloat16], layout=layout, head_offset=1)
+    assert _counted("forward_nested") > before["forward_nested"]
+
+
+@cpu
+def test_nested_equals_every_pair_per_branch(rng, monkeypatch):
+    """The same function with nesting off (every branch all its pairs, merged by log-sum-exp)."""
+    import hf_dilated
+
+    branches = [(8, 1), (16, 2), (32, 4)]
+    q, k, v = make_qkv(rng, 1, 4, 2, 64, 64, 16, torch.float32, "cpu")
+    grad = torch.randn(q.shape, generator=rng)
+    outs = []
+    for nested in (True, False):
+        monkeypatch.setattr(launch, "NESTED_PAIRS", nested)
+        before = Counter(launch.LAUNCHES)
+        out = hf_dilated.dilated_attention(q, k, v, [w for w, _ in branches], [r for _, r in branches],
+                                           backend="triton")
+        outs.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+        assert (_counted("forward_nested") > before["forward_nested"]) == nested
+    for a, b in zip(*outs):
+        assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_nested_longnet_shape(rng, dtype, D):
+    """LongNet's rates 1..16 on segments 256..4096, GQA, a head offset and the global-token branch."""
+    _gpu_skip()
+    q, k, v = make_qkv(rng, 1, 8, 2, 5000, 5000, D, dtype, "cuda")
+    before = Counter(launch.LAUNCHES)
+    check_op(q, k, v, [(256, 1), (512, 2), (1024, 4), (2048, 8), (4096, 16)], TOL[dtype], head_offset=3,
+             global_tokens=2)
+    assert _counted("forward_nested") > before["forward_nested"]
+    assert _counted("backward_nested") > before["backward_nested"]
