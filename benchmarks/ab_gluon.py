@@ -9,7 +9,9 @@ against one segment item a program (bit-identical: the same tiles). ``--switch r
 directly (``ops/triton/relaunch.py``) against Triton's own launch of every call (the same kernels, bit for bit; a host
 time change, so it shows where the host sets the pace: small heads, 16K). ``--switch parts``: the forward's branch
 launches but the last as one launch over the parts (``launch.Parts``, ``HF_DILATED_PARTS=1``) against a launch per
-branch (the merges in another order: held to 1e-2). Interleaved in one process, as here, is
+branch (the merges in another order: held to 1e-2). ``--switch nested``: nested branches computed once per (query,
+key) pair (``launch.Problem.nesting``, ``HF_DILATED_NESTED=1``) against every branch's pairs (held to 1e-2).
+Interleaved in one process, as here, is
 how to measure a host-time change: the lent host's speed drifts between runs by more than such a change.
 
 - ``--op dilated``: ``launch.forward`` / ``launch.backward`` (``ops/triton/forward_hopper.py``,
@@ -135,6 +137,10 @@ SWITCHES = {
     # the forward's branch launches but the last as one launch over the parts against a launch per branch: float32
     # merges in another order; read at import, so switched as launch.COMPACT_PARTS
     "parts": ("HF_DILATED_PARTS", ("per_branch", "parts"), {"forward": ("forward_parts",)}, False),
+    # nested branches, each (query, key) pair computed once and weighted (``launch.Problem.nesting``) against every
+    # branch's pairs: other sums, held to 1e-2; read at import, so switched as launch.NESTED_PAIRS
+    "nested": ("HF_DILATED_NESTED", ("every_pair", "nested"),
+               {"forward": ("forward_nested",), "backward": ("backward_nested",)}, False),
 }
 
 
@@ -152,6 +158,8 @@ def set_switch(switch: str, flag: str) -> None:
         relaunch.ENABLED = flag == "1"
     elif switch == "parts":
         launch.COMPACT_PARTS = flag == "1"
+    elif switch == "nested":
+        launch.NESTED_PAIRS = flag == "1"
     else:
         os.environ[SWITCHES[switch][0]] = flag
 
@@ -176,7 +184,8 @@ def run_case(op: str, which: str, N: int, H: int, Hk: int, D: int, block: int, r
     fused_before = launches["dq_fused"]
     # set per call below, restored on the way out
     with (mock.patch.dict(os.environ), mock.patch.object(relaunch, "ENABLED", relaunch.ENABLED),
-          mock.patch.object(launch, "COMPACT_PARTS", launch.COMPACT_PARTS)):
+          mock.patch.object(launch, "COMPACT_PARTS", launch.COMPACT_PARTS),
+          mock.patch.object(launch, "NESTED_PAIRS", launch.NESTED_PAIRS)):
         for name, flag in kernels.items():
             set_switch(switch, flag)
             before = counted()
@@ -220,10 +229,11 @@ def main() -> int:
                          "warp-specialized forward's persistent programs against one item a program; ws_dkdv: the "
                          "warp-specialized fused dK/dV against the one-program one (dilated backward, head dim 128); "
                          "relaunch: the kernels relaunched directly against Triton's launch of every call; parts: "
-                         "the forward's branch launches but the last as one launch against a launch per branch")
+                         "the forward's branch launches but the last as one launch against a launch per branch; "
+                         "nested: each (query, key) pair of nested branches once, weighted, against every branch's")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    dilated_only = ("fused_dq", "ws_dkdv", "persistent", "parts")
+    dilated_only = ("fused_dq", "ws_dkdv", "persistent", "parts", "nested")
     if args.which not in SWITCHES[args.switch][2] or (args.switch in dilated_only and args.op != "dilated") or (
             args.switch == "ws" and args.op == "dilated" and args.which == "backward"):
         ap.error(f"--switch {args.switch} has no --op {args.op} --pass {args.which}")

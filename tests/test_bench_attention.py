@@ -292,3 +292,17 @@ def test_each_methods_call_keeps_its_own_backend_after_the_loop():
         for call in calls:
             call()
     assert ran == [("dilated", "triton"), ("sdpa", "flash"), ("sdpa", "cudnn"), ("dilated", "torch")]
+
+
+@pytest.mark.parametrize("N, branches", [(64, [(8, 1), (16, 2), (32, 4)]), (50, [(4, 1), (8, 2), (8, 4), (24, 8)]),
+                                         (40, [(8, 1), (12, 2)])])
+def test_computed_flops_count_each_pair_once_where_branches_nest(N, branches):
+    """The pairs the kernels compute: for head 0 (offset class 0: ceil(L / r) rows a segment, as the counts assume)
+    the union of the branches' pairs where they nest, every branch's where they do not ((8, 1), (12, 2))."""
+    from bench_attention import computed_dilated_flops, dilated_flops
+
+    union = {(p, q) for w, r in branches for p in range(0, N, r) for q in range(0, p + 1, r) if p // w == q // w}
+    nests = all(w1 % w0 == 0 and r1 % r0 == 0 for (w0, r0), (w1, r1) in zip(branches, branches[1:]))
+    want = len(union) if nests else dilated_flops(N, branches, 1, 1, 1) // 4
+    assert computed_dilated_flops(N, branches, 1, 1, 1) == 4 * want
+    assert (want < dilated_flops(N, branches, 1, 1, 1) // 4) == nests

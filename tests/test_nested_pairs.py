@@ -116,3 +116,16 @@ def test_gpu_nested_longnet_shape(rng, dtype, D):
              global_tokens=2)
     assert _counted("forward_nested") > before["forward_nested"]
     assert _counted("backward_nested") > before["backward_nested"]
+
+
+@pytest.mark.parametrize("branches, aligned", [
+    (LONGNET, True),  # each branch's segments of the branch below: 1024 of its dilated rows
+    ([(256, 1), (512, 2), (1024, 4), (2048, 8), (4096, 16)], True),  # 128 rows
+    ([(64, 1), (128, 2), (256, 4)], False),  # 32 rows: a Gluon tile would straddle them
+])
+def test_gluon_takes_nesting_where_tiles_align(branches, aligned):
+    """The Gluon kernels nest only where no tile straddles the segments of the branch below (they have no mask for
+    it); the portable kernels nest wherever the branches do."""
+    pb = problem(branches)
+    assert launch._nests(pb, "cpu")[1]
+    assert launch._nests(pb, "cpu", gluon=True)[1] == aligned

@@ -101,10 +101,12 @@ import torch
 from .hopper import (
     WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
     fence_async_shared, first_selected, gl, gluon, heads_desc, item_query_tile, kv_descs, kv_prefetch, load_item,
-    lse_base2, mbarrier, mma_layout, n_rows, query_tile_buffers, query_tile_keys, register_product, release_barriers,
-    row_desc, rows_copy, runnable, score_buffers, step_rows, switch, thread_barrier, tma, tma_load, tma_reduce_add,
-    warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, written_before,
+    lse_base2, mbarrier, mma_layout, n_rows, nest_class_weights, nest_first_query, nest_row_weights, nest_scores,
+    query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc, rows_copy, runnable,
+    score_buffers, step_rows, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init,
+    warpgroup_mma_wait, written_before,
 )
+from .tiles import NEST_COLUMNS
 
 BLOCK_N = 64  # dilated key rows per program (one warpgroup)
 BLOCK_Q = 64  # dilated query rows per step at D <= 128: n64 instructions for the transposed products
@@ -165,13 +167,14 @@ if gluon is not None:
 
     @gluon.jit
     def _key_tile(T, n_tiles, n_classes, group, head_offset, r, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr = False, below=0):
         """What a dK/dV program's grid place means (the portable kernel's grid): its kv head ``kvh`` and the class's
         first query head ``h0``, its segment item (batch row, query / key column bases), the offset class's first key
         position and dilated key rows ``k_first`` / ``n_k``, the tile's first dilated key row ``j_first`` and last
         key position ``kp_max``, the class's first query position and rows ``q_first`` / ``n_q``, and the 64-query
         steps from dilated query row ``start_q`` (queries before the tile's first key see none of it) that see the
-        tile: ``n_steps``, 0 where it holds no keys."""
+        tile: ``n_steps``, 0 where it holds no keys. ``NESTED``: a nested branch's queries, those after the keys'
+        ``below``-segment (``tiles.nest_first_query``)."""
         pid = gl.program_id(0)
         item = pid // n_tiles
         tile = pid % n_tiles
@@ -191,13 +194,37 @@ if gluon is not None:
         if IS_CAUSAL:
             lo = gl.maximum(lo, kp_min)
         j0 = gl.where(lo > q_first, (lo - q_first) // r, 0)  # queries before ``lo`` see none of the tile's keys
+        if NESTED:  # from the first query row at or after the keys' next segment of the branch below, exactly: no
+            # step may hold rows before it (the Gluon kernels have no mask for them)
+            j0 = n_rows(q_first, gl.maximum(lo, nest_first_query(kp_min, below)), r)
         start_q = (j0 // BLOCK_Q) * BLOCK_Q
         n_steps = gl.where(j_first < n_k, gl.maximum(n_q - start_q + BLOCK_Q - 1, 0) // BLOCK_Q, 0)  # 0: no keys
         return kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps
 
     @gluon.jit
+    def _full_from(kp_max, q_first, r, IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr, below):
+        """The first dilated query row from which a dK/dV step sees every key of the tile (keys up to ``kp_max``)."""
+        full_from = 0
+        if NESTED:
+            full_from = n_rows(q_first, nest_first_query(kp_max, below), r)
+        elif IS_CAUSAL:
+            full_from = gl.maximum(kp_max - q_first + r - 1, 0) // r
+        return full_from
+
+    @gluon.jit
+    def _nest_head(h, kidx, j_first, nest, r, qk_scale, s_zero, NEST_T: gl.constexpr):
+        """A dK/dV program's nested weights for query head ``h`` (``tiles.nest_weight``): its key rows' (``kidx``
+        from ``j_first``, the score tile's rows) and its query columns' by class (``hopper.nest_class_weights``: the
+        steps start at multiples of their rows, which ``NEST_T`` divides). ``nest``: ``(NEST, below, k_first,
+        q_first, head_offset)``."""
+        NEST, below, k_first, q_first, head_offset = nest
+        inv = 1.0 / qk_scale
+        return (nest_row_weights(s_zero, k_first + (j_first + kidx) * r, h, head_offset, NEST, inv, NEST_T),
+                nest_class_weights(s_zero, q_first, h, head_offset, r, NEST, inv, NEST_T))
+
+    @gluon.jit
     def dilated_bwd_dkdv_hopper_kernel(
-        Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, DQ, PREV, T,
+        Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, DQ, PREV, T, NESTS,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
@@ -208,10 +235,10 @@ if gluon is not None:
         stride_xkb, stride_xkh, stride_xkn,
         stride_xvb, stride_xvh, stride_xvn,
         stride_dqb, stride_dqh, stride_dqn,
-        head_offset, group, n_classes, r, scale, qk_scale, n_tiles, n_prev,
+        head_offset, group, n_classes, r, scale, qk_scale, n_tiles, n_prev, nest_i,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
         IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, PART: gl.constexpr, FUSED_DQ: gl.constexpr,
-        num_warps: gl.constexpr,
+        num_warps: gl.constexpr, NESTED: gl.constexpr = False, NEST_T: gl.constexpr = 1,
     ):
         """dK and dV of one tile of ``BLOCK_N`` dilated key rows of one segment item, for one kv head and offset
         class (the query heads ``h0, h0 + r, ...`` of its GQA group read the same key rows), added to the rows of
@@ -220,7 +247,7 @@ if gluon is not None:
         ``dK += dS^T Q``): one accumulator per program where two do not fit the registers (head dim 256).
         ``FUSED_DQ`` (with ``PART`` 0): each step also computes the step's share of dQ, ``dS K`` of its queries, and
         adds it to the float32 sums ``DQ`` by a TMA reduce-add (FA3's scheme): no dQ kernel, which would compute
-        ``S`` and ``dP`` again."""
+        ``S`` and ``dP`` again. ``NESTED``: a nested branch's pairs and weights (row ``nest_i`` of ``NESTS``)."""
         dtype: gl.constexpr = Q.dtype.element_ty
         s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_Q)
         g_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
@@ -235,8 +262,13 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, HEAD_DIM // (num_warps // 4), 16])
         dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], gl.float32)
 
+        NEST = NESTS + nest_i * NEST_COLUMNS
+        below = 0
+        if NESTED:
+            below = gl.load(NEST)
         kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = _key_tile(
-            T, n_tiles, n_classes, group, head_offset, r, BLOCK_N, BLOCK_Q, IS_CAUSAL)
+            T, n_tiles, n_classes, group, head_offset, r, BLOCK_N, BLOCK_Q, IS_CAUSAL, NESTED, below)
+        nest = (NEST, below, k_first, q_first, head_offset)
 
         k_smem, v_smem, q_smem, do_smem, kv_bar, ready = dkdv_buffers(
             dtype, kv_smem_layout, q_smem_layout, BLOCK_N, BLOCK_Q, HEAD_DIM, PART)
@@ -269,9 +301,7 @@ if gluon is not None:
         # needed: rows past the item's last query read as zeros (Q, dO by TMA; lse, delta masked to 0), so they add
         # nothing, and rows past its last key are never stored.
         shift = (q_first - k_first) // r - j_first
-        full_from = 0
-        if IS_CAUSAL:
-            full_from = gl.maximum(kp_max - q_first + r - 1, 0) // r
+        full_from = _full_from(kp_max, q_first, r, IS_CAUSAL, NESTED, below)
         vrows = gl.arange(0, BLOCK_Q, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
         s_zero = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=s_layout)
         if PART == 0:
@@ -303,6 +333,9 @@ if gluon is not None:
                                    r * stride_dqn, BLOCK_Q, HEAD_DIM, dq_smem_layout)
             l_row = L + b * stride_lb + h64 * stride_lh + q0_row
             dl_row = Delta + b * stride_lb + h64 * stride_lh + q0_row
+            weights = 0
+            if NESTED:
+                weights = _nest_head(h, kidx, j_first, nest, r, qk_scale, s_zero, NEST_T)
             # Prologue: the first query tile's Q / dO by TMA, its lse / delta into registers (a step ahead).
             q_cur = start_q
             lse_next, delta_next = step_rows(l_row, dl_row, q_cur, vrows, n_q, r, n_steps_h > 0)
@@ -337,6 +370,8 @@ if gluon is not None:
                     tma_load(q_desc, [q_cur, 0], ready.index(nbuf), q_smem.index(nbuf))
                     tma_load(do_desc, [q_cur, 0], ready.index(nbuf), do_smem.index(nbuf))
                     lse_next, delta_next = step_rows(l_row, dl_row, q_cur, vrows, n_q, r, True)
+                if NESTED:
+                    sT = nest_scores(sT, weights[0], weights[1], NEST_T)
                 pT = gl.exp2(sT * qk_scale - lse[None, :])
                 if needs_mask:
                     qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
@@ -374,7 +409,7 @@ if gluon is not None:
 
     @gluon.jit
     def dilated_bwd_dq_hopper_kernel(
-        Q, K, V, DO, L, Delta, DQ, DQ_OUT, PREV, T,
+        Q, K, V, DO, L, Delta, DQ, DQ_OUT, PREV, T, NESTS,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
@@ -382,14 +417,15 @@ if gluon is not None:
         stride_lb, stride_lh,
         stride_dqb, stride_dqh, stride_dqn,
         stride_xqb, stride_xqh, stride_xqn,
-        head_offset, group, r, scale, qk_scale, n_tiles, n_prev,
+        head_offset, group, r, scale, qk_scale, n_tiles, n_prev, nest_i,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
         V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr,
-        num_warps: gl.constexpr,
+        num_warps: gl.constexpr, NESTED: gl.constexpr = False, NEST_T: gl.constexpr = 1,
     ):
         """dQ of one tile of ``BLOCK_M`` dilated query rows of one segment item and head (Q, dO, lse and delta
         resident), over the key tiles it sees (``hopper.dq_step``), added to the rows earlier launches wrote
-        (``MERGE``), stored to ``DQ`` or, ``LAST``, to ``DQ_OUT``: the portable dq kernel's grid and contract."""
+        (``MERGE``), stored to ``DQ`` or, ``LAST``, to ``DQ_OUT``: the portable dq kernel's grid and contract.
+        ``NESTED``: a nested branch's pairs and weights (row ``nest_i`` of ``NESTS``, as the forward's)."""
         dtype: gl.constexpr = Q.dtype.element_ty
         s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
         g_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
@@ -406,8 +442,12 @@ if gluon is not None:
         b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
             T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)
         if p_min < q_hi:
+            NEST = NESTS + nest_i * NEST_COLUMNS
+            below = 0
+            if NESTED:
+                below = gl.load(NEST)
             k_first, n_k, n_plain, n_kt, shift = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, BLOCK_N,
-                                                                 IS_CAUSAL)
+                                                                 IS_CAUSAL, NESTED, below)
             kvh = (h // group).to(gl.int64)
             h64 = h.to(gl.int64)
             q0 = (qbase + q_first).to(gl.int64)
@@ -435,19 +475,23 @@ if gluon is not None:
             kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
             dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=g_layout)
+            nest = 0
+            if NESTED:  # the rows' and keys' weights (the forward's)
+                nest = (nest_row_weights(s_zero, p_min + qidx * r, h, head_offset, NEST, 1.0 / qk_scale, NEST_T),
+                        nest_class_weights(s_zero, k_first, h, head_offset, r, NEST, 1.0 / qk_scale, NEST_T))
             mbarrier.wait(q_bar, 0)
             if n_kt > 0:
                 ds = dq_first(n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, v_desc, s_zero, lse, delta,
                               qk_scale, n_plain == 0, n_k, shift, qidx, kidx, ds_layout, BLOCK_N, V_STAGES, NBYTES,
-                              IS_CAUSAL)
+                              IS_CAUSAL, NESTED, nest, NEST_T)
                 for j in range(1, n_plain):
                     dq, ds = dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds,
                                      s_zero, lse, delta, qk_scale, False, n_k, shift, qidx, kidx, ds_layout, BLOCK_N,
-                                     K_STAGES, V_STAGES, NBYTES, False, IS_CAUSAL)
+                                     K_STAGES, V_STAGES, NBYTES, False, IS_CAUSAL, NESTED, nest, NEST_T)
                 for j in range(gl.maximum(n_plain, 1), n_kt):
                     dq, ds = dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds,
                                      s_zero, lse, delta, qk_scale, True, n_k, shift, qidx, kidx, ds_layout, BLOCK_N,
-                                     K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL)
+                                     K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL, NESTED, nest, NEST_T)
                 dq = dq_last(n_kt, k_smem, dq, ds, K_STAGES)
 
             # The portable kernel's epilogue: scale, add the rows earlier launches wrote, store.
@@ -522,13 +566,15 @@ if gluon is not None:
 
     @gluon.jit
     def _dkdv_ws_consumer(steps, rows, out, bufs, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
-                          IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc):
+                          IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc,
+                          nest, NESTED: gl.constexpr, NEST_T: gl.constexpr):
         """dK and dV of keys ``64 WG ..`` of the program's tile, and columns ``HEAD_DIM / 2 * WG ..`` of each step's
         dQ share (``dq_desc``): ``hopper.dkdv_dq_products``'s products, each summed in the same order (``dP^T`` is
         issued after the exponentials rather than beside ``S^T``: 32 registers fewer while they run). ``P^T`` is the
         register A operand of ``dV += P^T dO``, held until the step's dQ wait retires it: no shared-memory tile, store
         or proxy fence for it (session 48: spills 80-108 -> 32-40 bytes, forward+backward 1.03-1.05x at H 16, dK / dV
-        bit for bit as before). ``dS^T`` stays in shared memory: the dQ product reads it transposed."""
+        bit for bit as before). ``dS^T`` stays in shared memory: the dQ product reads it transposed. ``NESTED``: a
+        nested branch's pairs and weights (``nest``: ``_nest_head``'s)."""
         h0, n_heads, r, n_q, q0_row, start_q, n_steps, j_first, shift, full_from, b, scale, qk_scale = steps
         k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_ready = bufs
         dtype: gl.constexpr = k_smem.dtype
@@ -554,6 +600,9 @@ if gluon is not None:
         for g in range(0, HEADS):  # as the producer's: the class's heads h0, h0 + r, ... in the group
             n_steps_h, l_row, dl_row, lse_next, delta_next = _ws_head_rows(
                 g, n_heads, n_steps, h0, r, rows, b, q0_row, start_q, vrows, n_q, kv_bar)
+            weights = 0
+            if NESTED:
+                weights = _nest_head(h0 + g * r, kidx, j_first, nest, r, qk_scale, s_zero, NEST_T)
             q_cur = start_q
             for s in range(n_steps_h):
                 it = g * n_steps + s  # the step over all heads: buffer it % 2, the barriers' phases
@@ -571,6 +620,8 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(1 - buf), count=1)
                 if s + 1 < n_steps_h:
                     lse_next, delta_next = step_rows(l_row, dl_row, q_cur + BLOCK_Q, vrows, n_q, r, True)
+                if NESTED:
+                    sT = nest_scores(sT, weights[0], weights[1], NEST_T)
                 pT = gl.exp2(sT * qk_scale - lse_w.load(query_axis)[None, :])
                 if needs_mask:
                     qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
@@ -609,12 +660,13 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_ws_role(steps, rows, out, bufs, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
                       IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, pt_smem,
-                      pt_ready, pt_empty):
+                      pt_ready, pt_empty, nest, NESTED: gl.constexpr, NEST_T: gl.constexpr):
         """Without ``FUSED_DQ`` (head dim 256): the warpgroups share the program's 64 keys and split the gradients.
         ``WG`` 0 computes ``S^T``, ``P^T`` and ``dV += P^T dO`` and hands ``P^T`` (float32, buffer ``it % 2``) to
         ``WG`` 1, which computes ``dP^T``, ``dS^T`` and ``dK += dS^T Q``: four products a step where one warpgroup
         each for dV and dK (``PART`` 1 / 2, two launches) computed ``S^T`` twice, and K / Q / dO are read once. Each
-        product as those launches compute it, so dK and dV are theirs bit for bit."""
+        product as those launches compute it, so dK and dV are theirs bit for bit. ``NESTED``: ``WG`` 0 weights and
+        masks ``P^T`` as ``_dkdv_ws_consumer`` does."""
         h0, n_heads, r, n_q, q0_row, start_q, n_steps, j_first, shift, full_from, b, scale, qk_scale = steps
         k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_ready = bufs
         dtype: gl.constexpr = k_smem.dtype
@@ -632,6 +684,9 @@ if gluon is not None:
         for g in range(0, HEADS):  # as the producer's: the class's heads h0, h0 + r, ... in the group
             n_steps_h, l_row, dl_row, lse_next, delta_next = _ws_head_rows(
                 g, n_heads, n_steps, h0, r, rows, b, q0_row, start_q, vrows, n_q, kv_bar)
+            weights = 0
+            if NESTED and WG == 0:
+                weights = _nest_head(h0 + g * r, kidx, j_first, nest, r, qk_scale, s_zero, NEST_T)
             q_cur = start_q
             for s in range(n_steps_h):
                 it = g * n_steps + s  # the step over all heads: buffer it % 2, the barriers' phases
@@ -655,6 +710,8 @@ if gluon is not None:
                 if s + 1 < n_steps_h:
                     lse_next, delta_next = step_rows(l_row, dl_row, q_cur + BLOCK_Q, vrows, n_q, r, True)
                 if WG == 0:
+                    if NESTED:
+                        sT = nest_scores(sT, weights[0], weights[1], NEST_T)
                     pT = gl.exp2(sT * qk_scale - row_w.load(query_axis)[None, :])
                     if q_cur < full_from:  # some key of the tile after some query of the step
                         qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
@@ -681,7 +738,7 @@ if gluon is not None:
 
     @gluon.jit
     def dilated_bwd_dkdv_ws_kernel(
-        Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, DQ, PREV, T,
+        Q, K, V, DO, L, Delta, DK, DV, DK_OUT, DV_OUT, DQ, PREV, T, NESTS,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
@@ -692,10 +749,11 @@ if gluon is not None:
         stride_xkb, stride_xkh, stride_xkn,
         stride_xvb, stride_xvh, stride_xvn,
         stride_dqb, stride_dqh, stride_dqn,
-        head_offset, group, n_classes, r, scale, qk_scale, n_tiles, n_prev,
+        head_offset, group, n_classes, r, scale, qk_scale, n_tiles, n_prev, nest_i,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
         IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, PART: gl.constexpr, FUSED_DQ: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        NESTED: gl.constexpr = False, NEST_T: gl.constexpr = 1,
     ):
         """``dilated_bwd_dkdv_hopper_kernel``'s contract with ``FUSED_DQ``: ``_dkdv_ws_producer`` and two
         ``_dkdv_ws_consumer`` s (the section's comment), over the class's ``HEADS`` query heads at most; without it
@@ -707,13 +765,16 @@ if gluon is not None:
         ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
         dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM // 2], gl.float32)
 
+        NEST = NESTS + nest_i * NEST_COLUMNS
+        below = 0
+        if NESTED:
+            below = gl.load(NEST)
         kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = _key_tile(
-            T, n_tiles, n_classes, group, head_offset, r, BLOCK_N, BLOCK_Q, IS_CAUSAL)
+            T, n_tiles, n_classes, group, head_offset, r, BLOCK_N, BLOCK_Q, IS_CAUSAL, NESTED, below)
         n_steps = gl.where(h0 < (kvh + 1) * group, n_steps, 0)
         shift = (q_first - k_first) // r - j_first
-        full_from = 0
-        if IS_CAUSAL:
-            full_from = gl.maximum(kp_max - q_first + r - 1, 0) // r
+        full_from = _full_from(kp_max, q_first, r, IS_CAUSAL, NESTED, below)
+        nest = (NEST, below, k_first, q_first, head_offset)
 
         kvh64 = kvh.to(gl.int64)
         h64 = h0.to(gl.int64)
@@ -792,17 +853,17 @@ if gluon is not None:
         if FUSED_DQ:
             gl.warp_specialize(
                 [(_dkdv_ws_consumer, (steps, rows, out, bufs, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 0,
-                                      dq_desc0)),
+                                      dq_desc0, nest, NESTED, NEST_T)),
                  (_dkdv_ws_consumer, (steps, rows, out, bufs, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 1,
-                                      dq_desc1)),
+                                      dq_desc1, nest, NESTED, NEST_T)),
                  (_dkdv_ws_producer, (steps, bufs, HEAD_DIM, BLOCK_Q, HEADS, q_desc, do_desc, k_desc, v_desc))],
                 [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize(
                 [(_dkdv_ws_role, (steps, rows, out, bufs, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 0, ds_smem,
-                                  pt_ready, pt_empty)),
+                                  pt_ready, pt_empty, nest, NESTED, NEST_T)),
                  (_dkdv_ws_role, (steps, rows, out, bufs, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 1, ds_smem,
-                                  pt_ready, pt_empty)),
+                                  pt_ready, pt_empty, nest, NESTED, NEST_T)),
                  (_dkdv_ws_producer, (steps, bufs, HEAD_DIM, BLOCK_Q, HEADS, q_desc, do_desc, k_desc, v_desc))],
                 [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 

@@ -45,12 +45,12 @@ import torch
 
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, heads_desc,
-    item_query_tile, kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, part_query_tile,
-    query_tile_buffers, query_tile_keys, release_barriers, row_desc, rows_copy, runnable, softmax_finish,
-    softmax_start, softmax_step, switch, tma_load, warpgroup_mma, warpgroup_mma_wait, written_before, ws_barriers,
-    ws_copy_kv,
+    item_query_tile, kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, nest_class_weights,
+    nest_row_weights, nest_scores, part_query_tile, query_tile_buffers, query_tile_keys, release_barriers, row_desc,
+    rows_copy, runnable, softmax_finish, softmax_start, softmax_step, switch, tma_load, warpgroup_mma,
+    warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
 )
-from .tiles import LOG2E, PART_COLUMNS
+from .tiles import LOG2E, NEST_COLUMNS, PART_COLUMNS
 
 BLOCK_M = 64  # dilated query rows per program (one warpgroup: m64 instructions)
 # (key rows per step, K buffers, V buffers) by head dim, measured on the H100 (benchmarks/NOTES_triton.md, round 2
@@ -320,21 +320,24 @@ if gluon is not None:
 
     @gluon.jit
     def dilated_fwd_hopper_kernel(
-        Q, K, V, O, L, OUT, PREV, T, PL,
+        Q, K, V, O, L, OUT, PREV, T, PL, NESTS,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
         stride_ob, stride_oh, stride_on,
         stride_lb, stride_lh,
-        head_offset, group, r, qk_scale, n_tiles, n_prev,
+        head_offset, group, r, qk_scale, n_tiles, n_prev, nest_i,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
         V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr,
-        PARTS: gl.constexpr, MAX_PARTS: gl.constexpr, num_warps: gl.constexpr,
+        PARTS: gl.constexpr, MAX_PARTS: gl.constexpr, num_warps: gl.constexpr, NESTED: gl.constexpr = False,
+        NEST_T: gl.constexpr = 1,
     ):
         """One branch's output rows for one tile of ``BLOCK_M`` dilated query rows of one segment item and head,
         merged into what earlier launches wrote (``MERGE``), stored to ``O`` / ``L`` or, ``LAST``, to ``OUT``. With
         ``PARTS`` (``launch.forward``): the one launch over the parts, each program's part from ``PREV`` (the parts'
-        table), its rows stored compact to ``O`` / ``PL``; or the last launch, starting from the parts' rows."""
+        table), its rows stored compact to ``O`` / ``PL``; or the last launch, starting from the parts' rows.
+        ``NESTED``: a nested branch's pairs and weights (row ``nest_i`` of ``NESTS``, ``tiles.nest_weight``; the key
+        weights repeat every ``NEST_T`` rows, ``hopper.nest_key_weight``)."""
         dtype: gl.constexpr = Q.dtype.element_ty
         s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
         o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
@@ -349,14 +352,18 @@ if gluon is not None:
 
         base = 0
         if PARTS and not LAST:
-            r, base, b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = part_query_tile(
+            r, base, nest_i, b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = part_query_tile(
                 PREV, n_prev, T, head_offset, BLOCK_M, IS_CAUSAL)
         else:
             b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
                 T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)
         if p_min < q_hi:
+            NEST = NESTS + nest_i * NEST_COLUMNS
+            below = 0
+            if NESTED:
+                below = gl.load(NEST)
             k_first, n_k, n_plain, n_kt, shift = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, BLOCK_N,
-                                                                 IS_CAUSAL)
+                                                                 IS_CAUSAL, NESTED, below)
             kvh = (h // group).to(gl.int64)
             h64 = h.to(gl.int64)
             q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh + (qbase + q_first).to(gl.int64) * stride_qn,
@@ -370,6 +377,10 @@ if gluon is not None:
             qidx = gl.arange(0, BLOCK_M, layout=row_axis)
             kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+            nest = 0
+            if NESTED:  # the rows' and keys' weights (a key tile's repeat)
+                nest = (nest_row_weights(s_zero, p_min + qidx * r, h, head_offset, NEST, 1.0 / qk_scale, NEST_T),
+                        nest_class_weights(s_zero, k_first, h, head_offset, r, NEST, 1.0 / qk_scale, NEST_T))
             # the online softmax starts from the rows earlier launches wrote (their lse, output), if any
             acc, m_i, l_i = resume_rows(p_min, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob,
                                         stride_oh, stride_on, stride_lb, stride_lh, o_layout, row_axis, HEAD_DIM,
@@ -378,17 +389,19 @@ if gluon is not None:
             if n_kt > 0:
                 p, acc, m_i, l_i = fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, K_STAGES * BLOCK_N, s_zero,
                                              qk_scale, n_plain == 0, 0, n_k, shift, qidx, kidx, acc, m_i, l_i, o_rows,
-                                             p_layout, K_STAGES, NBYTES, IS_CAUSAL, MERGE)
+                                             p_layout, K_STAGES, NBYTES, IS_CAUSAL, MERGE, NESTED, nest, NEST_T)
                 for j in range(1, n_plain):
                     acc, p, m_i, l_i = fwd_step(
                         j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, (j + K_STAGES) * BLOCK_N,
                         (j - 1 + V_STAGES) * BLOCK_N, acc, p, m_i, l_i, s_zero, qk_scale, False, j * BLOCK_N, n_k,
-                        shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, False, IS_CAUSAL)
+                        shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, False, IS_CAUSAL, NESTED,
+                        nest, NEST_T)
                 for j in range(gl.maximum(n_plain, 1), n_kt):
                     acc, p, m_i, l_i = fwd_step(
                         j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, (j + K_STAGES) * BLOCK_N,
                         (j - 1 + V_STAGES) * BLOCK_N, acc, p, m_i, l_i, s_zero, qk_scale, True, j * BLOCK_N, n_k,
-                        shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL)
+                        shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL, NESTED,
+                        nest, NEST_T)
                 o_b, lse_b = fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows, V_STAGES)
             else:  # no key of this branch: the earlier launches' rows as they are (none: 0, -inf)
                 o_b, lse_b = softmax_finish(acc, m_i, l_i, o_rows)
@@ -427,7 +440,8 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_tile(i, T, h0, head_offset, r, k, G, it0, n_items, n_tiles, n_units, q_org, k_org,
-                 PER_UNIT: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                 PER_UNIT: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr,
+                 below):
         """The program's ``i``-th tile slot: ``(live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row,
         k_row)`` -- whether it holds query rows (a short item's missing tiles and a unit's repeated middle tile do
         not), its head (of the class from ``h0``: ``h0 + r``, ... after every ``n_items x n_units`` units), the item's
@@ -446,18 +460,20 @@ if gluon is not None:
         k_first = first_selected(k_lo, off, r)
         p_min = q_first + tile * 128 * r
         live = (p_min < q_hi) & ((s == 0) | (tile != n_tiles - 1 - j))
-        n_kt = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, 128, BLOCK_N, IS_CAUSAL)[3]
+        n_kt = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, 128, BLOCK_N, IS_CAUSAL, NESTED, below)[3]
         q_row = (qbase + q_first - q_org) // r + tile * 128
         k_row = (kbase + k_first - k_org) // r
         return live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row
 
     @gluon.jit
     def _ws_consumer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_UNIT: gl.constexpr,
-                     IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr):
-        """Output and lse of rows ``64 WG ..`` of each of the program's query tiles."""
+                     IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr,
+                     NESTED: gl.constexpr, NEST_T: gl.constexpr):
+        """Output and lse of rows ``64 WG ..`` of each of the program's query tiles (``NESTED``: a nested branch's
+        pairs and weights, ``tiles.nest_weight``)."""
         (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,
          group, qk_scale, k, G, it0, n_items, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar,
-         q_empty, k_ready, v_ready, empty) = a
+         q_empty, k_ready, v_ready, empty, NEST, below) = a
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
         o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
@@ -472,11 +488,15 @@ if gluon is not None:
         for i in range(n_slots):
             live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row = _ws_tile(
                 i, T, h0, head_offset, r, k, G, it0, n_items, n_tiles, n_units, q_org, k_org, PER_UNIT, BLOCK_N,
-                IS_CAUSAL)
+                IS_CAUSAL, NESTED, below)
             if live:
                 p_w = p_min + WG * 64 * r
                 k_first, n_k, n_plain, n_own, shift = query_tile_keys(p_w, q_hi, k_lo, k_hi, off, r, 64, BLOCK_N,
-                                                                      IS_CAUSAL)
+                                                                      IS_CAUSAL, NESTED, below)
+                nest = 0
+                if NESTED:  # the rows' and keys' weights (a key tile's repeat)
+                    nest = (nest_row_weights(s_zero, p_w + qidx * r, h, head_offset, NEST, 1.0 / qk_scale, NEST_T),
+                            nest_class_weights(s_zero, k_first, h, head_offset, r, NEST, 1.0 / qk_scale, NEST_T))
                 if p_w >= q_hi:  # no rows here (the item's last tile)
                     n_own = 0
                 # the online softmax starts from the rows earlier launches wrote (their lse, output), if any
@@ -489,6 +509,8 @@ if gluon is not None:
                     sc = warpgroup_mma(qs, k_smem.index(c % STAGES).permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
                     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                    if NESTED:
+                        sc = nest_scores(sc, nest[0], nest[1], NEST_T)
                     if n_plain == 0:
                         sc = masked_scores(sc, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
                     pf, acc, m_i, l_i = softmax_start(sc, acc, m_i, l_i, qk_scale, o_rows, MERGE)
@@ -496,7 +518,7 @@ if gluon is not None:
                     for t in range(1, n_own):
                         acc, p, m_i, l_i = _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i,
                                                     l_i, s_zero, qk_scale, n_k, n_plain, shift, qidx, kidx, o_rows,
-                                                    p_layout, STAGES, BLOCK_N, IS_CAUSAL)
+                                                    p_layout, STAGES, BLOCK_N, IS_CAUSAL, NESTED, nest, NEST_T)
                     mbarrier.arrive(q_empty, count=1)  # its last scores are in: the next tile's Q may come
                     out, lse = fwd_last(p, v_smem, v_ready, acc, c + n_own, m_i, l_i, o_rows, STAGES)
                     mbarrier.arrive(empty.index((c + n_own - 1) % STAGES), count=1)
@@ -515,10 +537,11 @@ if gluon is not None:
     @gluon.jit
     def _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i, l_i, s_zero, qk_scale, n_k,
                  n_plain, shift, qidx, kidx, o_rows: gl.constexpr, p_layout: gl.constexpr, STAGES: gl.constexpr,
-                 BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                 BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr, nest, NEST_T: gl.constexpr):
         """A consumer's key tile ``t >= 1`` of a query tile whose first key tile is the program's ``c``-th:
         ``hopper.fwd_step``'s order from the producer's buffers, tile ``t - 1``'s buffer released once its ``P V`` is
-        done; scores masked from tile ``n_plain`` on. ``(acc, p, m_i, l_i)``."""
+        done; scores masked from tile ``n_plain`` on (``NESTED``, ``nest``: as ``hopper.fwd_step``).
+        ``(acc, p, m_i, l_i)``."""
         st = (c + t) % STAGES
         pst = (c + t - 1) % STAGES
         mbarrier.wait(k_ready.index(st), ((c + t) // STAGES) & 1)
@@ -526,6 +549,8 @@ if gluon is not None:
         mbarrier.wait(v_ready.index(pst), ((c + t - 1) // STAGES) & 1)
         o = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
+        if NESTED:
+            sc = nest_scores(sc, nest[0], nest[1], NEST_T)
         if t >= n_plain:
             sc = masked_scores(sc, t * BLOCK_N, n_k, shift, qidx, kidx, IS_CAUSAL)
         pf, alpha, m_i, l_i = softmax_step(sc, m_i, l_i, qk_scale)
@@ -536,11 +561,11 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_UNIT: gl.constexpr,
-                     IS_CAUSAL: gl.constexpr, q_desc, k_desc, v_desc):
+                     IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr, q_desc, k_desc, v_desc):
         """Each query tile's Q (two 64-row tiles, once both consumers are done with the last), then its key tiles."""
         (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,
          group, qk_scale, k, G, it0, n_items, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar,
-         q_empty, k_ready, v_ready, empty) = a
+         q_empty, k_ready, v_ready, empty, NEST, below) = a
         dtype: gl.constexpr = q_smem.dtype
         Q_BYTES: gl.constexpr = 64 * HEAD_DIM * dtype.primitive_bitwidth // 8
         KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
@@ -549,7 +574,7 @@ if gluon is not None:
         for i in range(n_slots):
             live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row = _ws_tile(
                 i, T, h0, head_offset, r, k, G, it0, n_items, n_tiles, n_units, q_org, k_org, PER_UNIT, BLOCK_N,
-                IS_CAUSAL)
+                IS_CAUSAL, NESTED, below)
             if live:
                 mbarrier.wait(q_empty, (n_q & 1) ^ 1)
                 mbarrier.expect(q_bar, 2 * Q_BYTES)
@@ -563,22 +588,24 @@ if gluon is not None:
 
     @gluon.jit
     def dilated_fwd_ws_kernel(
-        Q, K, V, O, L, OUT, PREV, T,
+        Q, K, V, O, L, OUT, PREV, T, NESTS,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn,
         stride_ob, stride_oh, stride_on,
         stride_lb, stride_lh,
-        head_offset, group, r, qk_scale, n_tiles, n_prev, G, n_units, n_items, heads,
+        head_offset, group, r, qk_scale, n_tiles, n_prev, G, n_units, n_items, heads, nest_i,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         PER_UNIT: gl.constexpr, PERSISTENT: gl.constexpr, IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr,
         LAST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        NESTED: gl.constexpr = False, NEST_T: gl.constexpr = 1,
     ):
         """``dilated_fwd_hopper_kernel``'s contract for the ``BLOCK_M`` = 128-row query tiles of the program's units
         (``_ws_producer`` and two ``_ws_consumer`` s): ``n_tiles`` tiles an item at most, ``n_units`` units an item,
         ``G`` programs per item (``PERSISTENT``: ``G`` per group of ``n_items`` items, dealt to the launch's offset
         classes in proportion to their heads, ``forward_hopper.ws_schedule``; grid ``(most programs of a class,
-        classes, groups)``), else ``(items x G, heads)``."""
+        classes, groups)``), else ``(items x G, heads)``. ``NESTED``: a nested branch (row ``nest_i`` of
+        ``NESTS``)."""
         dtype: gl.constexpr = Q.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -627,11 +654,17 @@ if gluon is not None:
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_empty, count=2)
         fence_async_shared()
+        NEST = NESTS + nest_i * NEST_COLUMNS
+        below = 0
+        if NESTED:
+            below = gl.load(NEST)
         a = (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,
              group, qk_scale, k, G, it0, n_items, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem,
-             q_bar, q_empty, k_ready, v_ready, empty)
-        gl.warp_specialize([(_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, MERGE, LAST, 0)),
-                            (_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, MERGE, LAST, 1)),
-                            (_ws_producer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, q_desc, k_desc,
+             q_bar, q_empty, k_ready, v_ready, empty, NEST, below)
+        gl.warp_specialize([(_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, MERGE, LAST, 0,
+                                            NESTED, NEST_T)),
+                            (_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, MERGE, LAST, 1,
+                                            NESTED, NEST_T)),
+                            (_ws_producer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, NESTED, q_desc, k_desc,
                                             v_desc))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -176,8 +176,8 @@ if gluon is not None:
 
     @gluon.jit
     def part_query_tile(PARTS, n_parts, T, head_offset, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """``tiles.part_query_tile`` in Gluon: ``(r, base, b, qbase, ..., p_min)`` of a program of the forward's one
-        launch over its parts."""
+        """``tiles.part_query_tile`` in Gluon: ``(r, base, nest_i, b, qbase, ..., p_min)`` of a program of the
+        forward's one launch over its parts."""
         pid = gl.program_id(0)
         j = 0
         for i in range(1, n_parts):
@@ -191,7 +191,8 @@ if gluon is not None:
             tile = n_tiles - 1 - tile
         b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = query_tile(
             T, gl.load(row + 1) + local // n_tiles, tile, head_offset, r, BLOCK_M)
-        return r, gl.load(row + 4), b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min
+        return r, gl.load(row + 4), gl.load(row + 5), b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, \
+            p_min
 
     @gluon.jit
     def item_query_tile(T, n_tiles, head_offset, r, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
@@ -217,20 +218,25 @@ if gluon is not None:
 
     @gluon.jit
     def query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        IS_CAUSAL: gl.constexpr):
+                        IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr = False, below=0):
         """``tiles.query_tile_keys`` in Gluon without window or holes: ``(k_first, n_k, n_plain, n_kt, shift)``, the
         tile's first selected key position, how many selected key rows it may see, how many ``BLOCK_N`` key tiles
         every query of the tile sees whole (no mask), how many key tiles there are, and the tile's first query in
-        dilated rows after ``k_first`` (exact: both positions are in the offset class)."""
+        dilated rows after ``k_first`` (exact: both positions are in the offset class). ``NESTED``: a nested
+        branch's keys, those before the query's ``below``-segment (``tiles.nest_limit``)."""
         p_max = gl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
         k_end = k_hi
         if IS_CAUSAL:
             k_end = gl.minimum(k_end, p_max + 1)
+        if NESTED:
+            k_end = gl.minimum(k_end, nest_limit(p_max, below))
         k_first = first_selected(k_lo, off, r)
         n_k = n_rows(k_first, k_end, r)
         n_full = n_k
         if IS_CAUSAL:
             n_full = gl.minimum(gl.where(p_min >= k_first, (p_min - k_first) // r + 1, 0), n_k)
+        if NESTED:
+            n_full = gl.minimum(n_full, n_rows(k_first, nest_limit(p_min, below), r))
         n_plain = n_full // BLOCK_N
         n_kt = (n_k + BLOCK_N - 1) // BLOCK_N
         shift = (p_min - k_first) // r
@@ -324,8 +330,72 @@ if gluon is not None:
             ok = ok & (kj[None, :] <= (qidx + shift)[:, None])
         return gl.where(ok, s, float("-inf"))
 
-    # The online softmax of the forwards (base 2, ``qk_scale`` = scale x log2 e): a row's running maximum ``m_i`` and
-    # sum ``l_i``; the first tile starts them (a row with no key yet keeps -1e30, so exp2 of -inf scores stays 0).
+    # Nested branches (``tiles.nest_weight``, ``launch.Problem.nesting``), in Gluon, where each branch's segments of the
+    # branch below start at multiples of 128 of its dilated rows (``launch.gluon_nests``): a tile then lies in one of
+    # them, so the kept keys are a range (the loop bounds: ``query_tile_keys``, ``_key_tile``) and no score needs a
+    # mask beyond the causal one. The rates are powers of two, so a residue is a mask, and a tile's key weights repeat
+    # every ``NEST_T`` rows (the highest rate over this branch's), so they are made once a tile.
+
+    @gluon.jit
+    def nest_limit(p, below):
+        """``tiles.nest_limit``: the position the kept keys of a query at ``p`` lie below."""
+        return gl.where(below > 0, p - p % gl.maximum(below, 1), p + 1)
+
+    @gluon.jit
+    def nest_first_query(kp, below):
+        """``tiles.nest_first_query``: the first query position that keeps a key at ``kp``."""
+        return gl.where(below > 0, kp - kp % gl.maximum(below, 1) + below, kp)
+
+    @gluon.jit
+    def nest_weight(p, head, head_offset, NEST, inv_scale):
+        """``tiles.nest_weight`` (rates powers of two): ``log2(1 + higher branches that select p) * inv_scale``."""
+        n = (p * 0 + 1).to(gl.int32)
+        for j in range(gl.load(NEST + 1)):
+            n += (((p - head - head_offset) & (gl.load(NEST + 2 + j) - 1)) == 0).to(gl.int32)
+        return gl.log2(n.to(gl.float32)) * inv_scale
+
+    @gluon.jit
+    def nest_class_weights(s, k_first, head, head_offset, r, NEST, inv_scale, NEST_T: gl.constexpr):
+        """:func:`nest_weight` of a score tile's key columns by class (column ``c`` is in class ``c % NEST_T``: the
+        weights repeat every ``NEST_T`` key rows, ``NEST_T`` a power of two that the higher rates over ``r`` divide),
+        in the layout :func:`nest_scores` reads them in: a thread holds one value per class it meets, 4 of a 128-key
+        tile's at ``NEST_T`` 16, not one per column (32 held through the loop spilled the warp-specialized
+        forward)."""
+        M: gl.constexpr = s.shape[0]
+        N: gl.constexpr = s.shape[1]
+        layout: gl.constexpr = gl.reshape(s, [M, N // NEST_T, NEST_T]).type.layout
+        c = gl.arange(0, NEST_T, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+        u = (k_first - head - head_offset) // r  # exact: the key rows are in the head's offset class
+        y = (c + u) & (NEST_T - 1)
+        n = (y * 0 + 1).to(gl.int32)
+        for j in range(gl.load(NEST + 1)):
+            n += ((y & (gl.load(NEST + 2 + j) // r - 1)) == 0).to(gl.int32)
+        return gl.log2(n.to(gl.float32)) * inv_scale
+
+    @gluon.jit
+    def nest_row_weights(s, p, head, head_offset, NEST, inv_scale, NEST_T: gl.constexpr):
+        """:func:`nest_weight` of a score tile's rows (positions ``p``, in the tile's row layout), in the layout
+        :func:`nest_scores` reads them in (converted once a tile, not once a step)."""
+        M: gl.constexpr = s.shape[0]
+        N: gl.constexpr = s.shape[1]
+        layout: gl.constexpr = gl.reshape(s, [M, N // NEST_T, NEST_T]).type.layout
+        return gl.convert_layout(nest_weight(p, head, head_offset, NEST, inv_scale),
+                                 gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+
+    @gluon.jit
+    def nest_scores(s, wq, wk, NEST_T: gl.constexpr):
+        """Scores plus each pair's weight, ``min`` of its query's (``wq``, the tile's rows:
+        :func:`nest_row_weights`) and its key's (``wk``, by column class: :func:`nest_class_weights`); ``NEST_T`` 1
+        has none (every weight is 1)."""
+        if NEST_T == 1:
+            out = s
+        else:
+            M: gl.constexpr = s.shape[0]
+            N: gl.constexpr = s.shape[1]
+            s3 = gl.reshape(s, [M, N // NEST_T, NEST_T])
+            s3 = s3 + gl.minimum(wq[:, None, None], wk[None, None, :])
+            out = gl.convert_layout(gl.reshape(s3, [M, N]), s.type.layout, assert_trivial=True)
+        return out
 
     @gluon.jit
     def softmax_first(s, qk_scale):
@@ -358,14 +428,18 @@ if gluon is not None:
     @gluon.jit
     def fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, k_next, s_zero, qk_scale, mask, key0, n_k, shift, qidx, kidx,
                   acc, m_i, l_i, o_rows: gl.constexpr, p_layout: gl.constexpr, K_STAGES: gl.constexpr,
-                  NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr, RESUME: gl.constexpr):
+                  NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr, RESUME: gl.constexpr, NESTED: gl.constexpr = False,
+                  nest=0, NEST_T: gl.constexpr = 1):
         """Key tile 0 (its K in buffer 0): its scores alone, nothing to overlap yet; its K buffer refilled with tile
-        ``K_STAGES`` (row ``k_next``). ``(p, acc, m_i, l_i)`` (``softmax_start``)."""
+        ``K_STAGES`` (row ``k_next``). ``(p, acc, m_i, l_i)`` (``softmax_start``). ``NESTED``: a nested branch's
+        weights, ``nest`` = ``(wq, wk)`` (:func:`nest_scores`)."""
         mbarrier.wait(k_bar.index(0), 0)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if K_STAGES < n_kt:
             tile_copy(k_desc, k_smem, k_bar, K_STAGES, k_next, K_STAGES, NBYTES)
+        if NESTED:  # ``nest``: (wq, wk)
+            s = nest_scores(s, nest[0], nest[1], NEST_T)
         if mask:
             s = masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL)
         p, acc, m_i, l_i = softmax_start(s, acc, m_i, l_i, qk_scale, o_rows, RESUME)
@@ -375,8 +449,8 @@ if gluon is not None:
     def fwd_step(j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, k_next, v_next, acc, p, m_i, l_i,
                  s_zero, qk_scale, mask, key0, n_k, shift, qidx, kidx, o_rows: gl.constexpr, p_layout: gl.constexpr,
                  K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, NBYTES: gl.constexpr, MASKABLE: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr):
-        """Key tile ``j >= 1`` of ``n_kt``: its scores issued, then tile ``j - 1``'s ``P V`` (``p``: its
+                 IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr = False, nest=0, NEST_T: gl.constexpr = 1):
+        """Key tile ``j >= 1`` of ``n_kt`` (``NESTED``, ``nest``: as :func:`fwd_first`): its scores issued, then tile ``j - 1``'s ``P V`` (``p``: its
         probabilities), the softmax of tile ``j`` while that product runs, then the rescale of the output. The scores
         are masked where ``MASKABLE`` and ``mask`` (:func:`masked_scores`). Each buffer is refilled as soon as its
         product has read it: K with tile ``j + K_STAGES`` (from row ``k_next``) once the scores are in, V with tile
@@ -390,6 +464,8 @@ if gluon is not None:
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         if j + K_STAGES < n_kt:
             tile_copy(k_desc, k_smem, k_bar, j + K_STAGES, k_next, K_STAGES, NBYTES)
+        if NESTED:
+            s = nest_scores(s, nest[0], nest[1], NEST_T)
         if MASKABLE:
             if mask:
                 s = masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL)
@@ -466,7 +542,8 @@ if gluon is not None:
     @gluon.jit
     def dq_first(n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, v_desc, s_zero, lse, delta, qk_scale, mask,
                  n_k, shift, qidx, kidx, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr, V_STAGES: gl.constexpr,
-                 NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                 NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr = False, nest=0,
+                 NEST_T: gl.constexpr = 1):
         """Key tile 0: its scores and ``dP``, nothing to overlap yet; its V buffer refilled with tile ``V_STAGES``.
         Its ``dS`` (K stays in its buffer for the product)."""
         mbarrier.wait(k_bar.index(0), 0)
@@ -474,6 +551,8 @@ if gluon is not None:
         mbarrier.wait(v_bar.index(0), 0)
         dp = warpgroup_mma(do_smem, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        if NESTED:  # ``nest``: (wq, wk), as ``fwd_first``'s
+            s = nest_scores(s, nest[0], nest[1], NEST_T)
         if mask:
             s = masked_scores(s, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
         p = gl.exp2(s * qk_scale - lse[:, None])
@@ -487,8 +566,8 @@ if gluon is not None:
     def dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds, s_zero, lse, delta,
                 qk_scale, mask, n_k, shift, qidx, kidx, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                 K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, NBYTES: gl.constexpr, MASKABLE: gl.constexpr,
-                IS_CAUSAL: gl.constexpr):
-        """Key tile ``j >= 1`` of ``n_kt``: ``S`` and ``dP`` issued, then tile ``j - 1``'s ``dQ += dS K`` (``ds``:
+                IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr = False, nest=0, NEST_T: gl.constexpr = 1):
+        """Key tile ``j >= 1`` of ``n_kt`` (``NESTED``, ``nest``: as :func:`dq_first`): ``S`` and ``dP`` issued, then tile ``j - 1``'s ``dQ += dS K`` (``ds``:
         its ``dS``); this tile's ``P`` while ``dP`` and that product run, its ``dS`` while the product does. V's
         buffer is refilled with tile ``j + V_STAGES`` once ``dP`` is in, tile ``j - 1``'s K buffer with tile
         ``j - 1 + K_STAGES`` once its product is done. Scores masked where ``MASKABLE`` and ``mask``. ``(dq, ds)``,
@@ -502,6 +581,8 @@ if gluon is not None:
         dp = warpgroup_mma(do_smem, v_smem.index(vs).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dq = warpgroup_mma(ds, k_smem.index(pk), dq, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
+        if NESTED:
+            s = nest_scores(s, nest[0], nest[1], NEST_T)
         if MASKABLE:
             if mask:
                 s = masked_scores(s, j * BLOCK_N, n_k, shift, qidx, kidx, IS_CAUSAL)
@@ -640,5 +721,6 @@ else:  # pragma: no cover - a Triton without Gluon: the kernel modules import th
     dkdv_dq_products = register_product = score_buffers = None
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = heads_desc = rows_copy = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
+    nest_limit = nest_first_query = nest_weight = nest_class_weights = nest_row_weights = nest_scores = None
     softmax_first = softmax_step = softmax_start = softmax_finish = None
     dq_first = dq_step = dq_last = ws_barriers = ws_copy_kv = mma_layout = None

@@ -58,11 +58,12 @@ class Problem:
         the next one's: then every pair a branch shares with a lower branch lies in one segment of the branch just
         below, and the kernels compute each (query, key) pair once, weighted by the branches that have it, instead of
         once per branch (LongNet's 2048..32768 / 1..16: 24% fewer pairs, and the r > 1 branches' causal segments
-        become full rectangles). Causal only (a bidirectional branch's kept keys lie on both sides of the query's
+        become full rectangles). Rates powers of two, the highest at most 64 times the lowest (a residue is then a
+        mask, and a key tile's weights repeat in every key tile of at least 64 rows). Causal only (a bidirectional branch's kept keys lie on both sides of the query's
         segment: two ranges), without a window, and without dropout (SPEC draws each (query, key, branch) apart)."""
         br = [(int(w), int(r)) for w, r in self.branches]
         if (not NESTED_PAIRS or not self.is_causal or self.window or self.dropout_p > 0 or len(br) < 2
-                or len(br) - 1 > NEST_COLUMNS - 2
+                or len(br) - 1 > NEST_COLUMNS - 2 or any(r & (r - 1) for _, r in br) or br[-1][1] > 64 * br[0][1]
                 or any(w1 % w0 or r1 % r0 for (w0, r0), (w1, r1) in zip(br, br[1:]))):
             return None
         rows = []
@@ -79,12 +80,30 @@ class Problem:
 NESTED_PAIRS = switch("HF_DILATED_NESTED")
 
 
-def _nests(pb: Problem, device) -> tuple[torch.Tensor | None, bool]:
+def _nests(pb: Problem, device, gluon: bool = False, plan: RunPlan | None = None) -> tuple[torch.Tensor | None, bool]:
     """The nesting table on ``device`` (int32 ``[branches, NEST_COLUMNS]``, made once per device and branches) and
-    whether the kernels use it (``NESTED``); a one-row placeholder where the branches do not nest."""
+    whether the kernels use it (``NESTED``); a one-row placeholder where the branches do not nest. The Gluon kernels
+    (``gluon``) take it only where each branch's segments of the branch below start at multiples of ``GLUON_NEST_ROWS``
+    of its dilated rows (LongNet's: 1024) and the items start at segments' starts (``plan.from_start``): their tiles
+    then lie in one such segment, the kept keys are a range of whole tiles and no score needs a mask of its own
+    (``hopper.nest_scores``); elsewhere they compute every branch's pairs (the same function)."""
     rows = pb.nesting()
+    if rows and gluon:
+        br = pb.branches
+        aligned = all((w0 // r1) % GLUON_NEST_ROWS == 0 for (w0, _), (_, r1) in zip(br, br[1:]))
+        rows = rows if aligned and (plan is None or plan.from_start) else None
     table = rows or ((0,) * NEST_COLUMNS,)
     return _constant(f"nests{table}", device, lambda: torch.tensor(table, dtype=torch.int32).to(device)), bool(rows)
+
+
+GLUON_NEST_ROWS = 128  # the Gluon kernels' largest tile of dilated rows
+
+
+def _nest_period(pb: Problem, branch_indices) -> int:
+    """The period, in a launch's dilated key rows, of its nested key weights (``hopper.nest_key_weight``): the highest
+    rate over the lowest rate of the launch's branches (1 for the global-token branch, whose weights are all 1)."""
+    rates = [r for _, r in pb.branches]
+    return max((rates[-1] // rates[i] if i < len(rates) else 1) for i in branch_indices)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -369,10 +388,10 @@ def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_va
     if tma:
         rec.scratch(q.device)
         rec.count("forward_tma")
-    nests, nested = _nests(pb, q.device)
+    gluon = forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
+    nests, nested = _nests(pb, q.device, gluon, plan)
     rec.constant(nests)
     rec.count("forward_nested", nested)
-    gluon = not nested and forward_hopper.applies(q, flags, tma)  # the Gluon forward (sm_90)
     ws = gluon and forward_hopper.ws_applies(  # warp-specialized: head dim 128, and 64 where balanced
         q, flags, tma, [(it.n_items, it.items_per_group, it.max_q_rows, r) for _, r, it in order], sm_count(q.device))
     if gluon:
@@ -399,9 +418,13 @@ def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_va
         rec.constant(prev)
         rec.constant(items)
         if gluon:
-            args = (q, k, v, o, lse, out, prev, items, *(() if ws else (part_lse,)), *strides, pb.head_offset, group,
-                    r, pb.scale * LOG2E)
-            common = dict(HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=merge["MERGE"], LAST=merge["LAST"], **gcfg)
+            args = (q, k, v, o, lse, out, prev, items, *(() if ws else (part_lse,)), nests, *strides, pb.head_offset,
+                    group, r, pb.scale * LOG2E)
+            common = dict(HEAD_DIM=D, IS_CAUSAL=flags["IS_CAUSAL"], MERGE=merge["MERGE"], LAST=merge["LAST"],
+                          NESTED=nested, **gcfg)
+            if nested:  # (a launch over the parts: every part's branch)
+                parted = merge["PARTS"] and not merge["LAST"]
+                common["NEST_T"] = _nest_period(pb, [x[0] for x in order[:-1]] if parted else [i])
             if not ws:  # (the warp-specialized kernel takes no parts)
                 common["PARTS"] = merge["PARTS"]
                 common.update(merge_cfg if merge["PARTS"] and merge["LAST"] else dict(MAX_PARTS=0))
@@ -410,10 +433,10 @@ def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_va
                 grid, sched = forward_hopper.ws_schedule(it.n_items, it.items_per_group, it.max_q_rows, H, r,
                                                          sm_count(q.device))
                 rec.run(gkernel, grid, *args, sched["n_tiles"], n_prev, sched["G"], sched["n_units"],
-                        sched["n_items"], H, PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
+                        sched["n_items"], H, i, PER_UNIT=sched["PER_UNIT"], PERSISTENT=sched["PERSISTENT"], **common)
                 rec.count("forward_persistent", sched["PERSISTENT"])
             else:
-                rec.run(gkernel, grid, *args, n_tiles, n_prev, **common)
+                rec.run(gkernel, grid, *args, n_tiles, n_prev, i, **common)
             rec.count("forward_ws" if ws else "forward_hopper")
             continue
         rec.run(dilated_fwd_branch_kernel, grid,
@@ -464,11 +487,11 @@ def _backward(rec: plans.Recorder, q, k, v, do, lse, delta, pb: Problem, plan: R
     # that also adds dQ (``backward_hopper.fused_dq_launch_config``); None: dQ has kernels of its own.
     fused = backward_hopper.fused_dq_launch_config(hd, k.shape[2])
     tma = use_tma((q, k, v, do), hd != D, flags["HOLES"])
-    nests = _nests(pb, q.device)
+    gluon = backward_hopper.applies(q, flags, tma)
+    fused = fused if gluon else None
+    nests = _nests(pb, q.device, gluon, plan)
     rec.constant(nests[0])
     rec.count("backward_nested", nests[1])
-    gluon = not nests[1] and backward_hopper.applies(q, flags, tma)
-    fused = fused if gluon else None
     args = (order, rates, last, pb, extras, nests, kv_cfg, q_cfg, tma, gluon, fused)
     if q.dtype == torch.float32 or (not filled and len(order) == 1 and fused is None):
         # The sums are the gradients (the last launch writes them in place; one launch alone writes them and merges
@@ -541,6 +564,14 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
     kv_strides = (*strides, *dk.stride()[:3], *dv.stride()[:3], *xk.stride()[:3], *xv.stride()[:3])
     hopper_tensors, hopper_strides = (*kv_tensors[:-1], dq, rates), (*kv_strides, *dq.stride()[:3])
     q_tensors, q_strides = (q, k, v, do, lse, delta, dq, xq, rates), (*strides, *dq.stride()[:3], *xq.stride()[:3])
+    # The portable dq kernel beside Gluon dK/dV launches (head dim 64) computes every branch's pairs: its key weights,
+    # made per key tile, cost it more than the pairs it skips (backward 0.84x at 9 / 3 / 64, 64K; NOTES_triton,
+    # session 57). dQ and dK / dV are separate sums, so each may take the pairs either way.
+
+    def nest_args(i: int) -> dict:
+        """The Gluon kernels' nesting constexprs for branch ``i`` (none where the branches do not nest)."""
+        return dict(NESTED=True, NEST_T=_nest_period(pb, [i])) if nests[1] else {}
+
     # The dQ stream only where there are dQ launches: with ``fused`` the fork and join were host time alone (16K
     # 16 / 16 / 128 forward+backward: 1.52 -> 1.31 ms of host, GPU time the same; NOTES_triton, session 43)
     no_fork = contextlib.nullcontext(contextlib.nullcontext)
@@ -552,9 +583,9 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
                     kernel = backward_hopper.dkdv_kernel(dkdv_cfg)
                     grid, n_tiles = items_grid(it.n_items, it.max_k_rows, dkdv_cfg["BLOCK_N"], Hk * n_classes)
                     rec.run(kernel, grid,
-                        *hopper_tensors, it.items, *hopper_strides, pb.head_offset + h0, group, n_classes, r, pb.scale,
-                        pb.scale * LOG2E, n_tiles, j, HEAD_DIM=hd, HEADS=cdiv(group, n_classes),
-                        IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dkdv_cfg,
+                        *hopper_tensors, it.items, nests[0], *hopper_strides, pb.head_offset + h0, group, n_classes, r,
+                        pb.scale, pb.scale * LOG2E, n_tiles, j, i, HEAD_DIM=hd, HEADS=cdiv(group, n_classes),
+                        IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dkdv_cfg, **nest_args(i),
                     )
                     rec.count("dkdv_hopper")
                     rec.count("dkdv_ws", kernel is not backward_hopper.dilated_bwd_dkdv_hopper_kernel)
@@ -572,9 +603,9 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
                 if dq_cfg:
                     grid, n_tiles = items_grid(it.n_items, it.max_q_rows, dq_cfg["BLOCK_M"], H)
                     rec.run(backward_hopper.dilated_bwd_dq_hopper_kernel, grid,
-                        *q_tensors, it.items, *q_strides, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E,
-                        n_tiles, j,
-                        HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dq_cfg,
+                        *q_tensors, it.items, nests[0], *q_strides, pb.head_offset + h0, group, r, pb.scale,
+                        pb.scale * LOG2E, n_tiles, j, i,
+                        HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dq_cfg, **nest_args(i),
                     )
                     rec.count("dq_hopper")
                 else:
@@ -583,7 +614,7 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
                         *q_tensors, it.items, qv, kv, s, nests[0], *q_strides,
                         Nq, Nk, H_all, pb.head_offset + h0, group, r, pb.scale, pb.scale * LOG2E, window, thr,
                         inv_keep, n_tiles, j, i, HEAD_DIM=hd, D=D, UPCAST=dot_mode(q.dtype), TMA=tma,
-                        NESTED=nests[1], **flags, **merge, **q_cfg,
+                        NESTED=nests[1] and not gluon, **flags, **merge, **q_cfg,
                     )
 
 

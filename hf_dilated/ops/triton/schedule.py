@@ -14,6 +14,7 @@ the common contiguous case are cached, so steady-state training builds none.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -43,6 +44,12 @@ class RunPlan:
 
     runs: torch.Tensor
     holes: bool
+
+    @functools.cached_property
+    def from_start(self) -> bool:
+        """Whether every run's queries and keys start at position 0 (whole sequences, not a cache's tail): then every
+        item starts at a segment's start, and the tiles of its rows at fixed offsets from it."""
+        return bool((self.runs[:, RUN_Q_POS] == 0).all() and (self.runs[:, RUN_K_POS] == 0).all())
 
 
 def _runs_of(pos: torch.Tensor, seq: torch.Tensor, valid: torch.Tensor):

@@ -367,5 +367,5 @@ def nest_weight(p, head, head_offset, NEST, inv_scale):
     n = tl.zeros(p.shape, dtype=tl.int32) + 1
     for j in range(tl.load(NEST + 1)):
         rj = tl.load(NEST + 2 + j)
-        n += ((((p - head - head_offset) % rj) + rj) % rj == 0).to(tl.int32)
+        n += (((p - head - head_offset) & (rj - 1)) == 0).to(tl.int32)  # rates are powers of two
     return tl.math.log2(n.to(tl.float32)) * inv_scale
