@@ -129,3 +129,27 @@ def test_gluon_takes_nesting_where_tiles_align(branches, aligned):
     pb = problem(branches)
     assert launch._nests(pb, "cpu")[1]
     assert launch._nests(pb, "cpu", gluon=True)[1] == aligned
+
+
+def test_gluon_takes_nesting_where_items_start_at_segment_starts():
+    """A cache's tail of queries (decoding, chunked prefill) starts inside a segment: a Gluon tile of its rows could
+    straddle a segment of the branch below, so those kernels take every pair there; the portable ones mask per pair."""
+    from hf_dilated.ops.triton.schedule import RunPlan
+
+    pb = problem(LONGNET)
+    whole = RunPlan(torch.tensor([[0, 0, 0, 100, 0, 0, 100]]), False)
+    tail = RunPlan(torch.tensor([[0, 0, 60, 40, 0, 0, 100]]), False)  # the last 40 of 100 positions query
+    assert whole.from_start and not tail.from_start
+    assert launch._nests(pb, "cpu", True, whole)[1]
+    assert not launch._nests(pb, "cpu", True, tail)[1]
+    assert launch._nests(pb, "cpu", False, tail)[1]
+
+
+@cpu
+def test_nested_queries_from_a_cache_tail(rng):
+    """Fewer queries than keys (a prefill chunk after a cache): the queries start inside segments, the portable
+    kernels' per-pair rule keeps exactly the nested pairs."""
+    q, k, v = make_qkv(rng, 1, 4, 2, 70, 100, 16, torch.float32, "cpu")
+    before = Counter(launch.LAUNCHES)
+    check_op(q, k, v, [(8, 1), (16, 2), (32, 4)], TOL[torch.float32], head_offset=1)
+    assert _counted("forward_nested") > before["forward_nested"]

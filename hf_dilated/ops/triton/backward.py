@@ -56,9 +56,9 @@ def dkdv_step(dk, dv, k, v, kp, kc, kmask, start, rows_base, q_first, r, q_hi, q
               DROPOUT: tl.constexpr, UPCAST: tl.constexpr, EVEN_D: tl.constexpr, q_desc, do_desc, TMA: tl.constexpr,
               k_weight, NEST, below, head_offset, NESTED: tl.constexpr):
     """One query tile's share of a key tile's dK and dV (``NESTED``: the pairs and weights of a nested branch,
-    ``tiles.nest_weight``; ``k_weight`` the keys' weights for head ``h``). Unmasked (``MASKED`` false) where every query of the tile
-    is valid and sees every key: rows past the tile's last key were loaded as zeros and are never stored. With
-    ``TMA`` the query and dO rows come through the descriptors over the head's dilated query rows (zeros past the
+    ``tiles.nest_weight``; ``k_weight`` the keys' weights for head ``h``). Unmasked (``MASKED`` false) where every query
+    of the tile is valid and sees every key: rows past the tile's last key were loaded as zeros and are never stored.
+    With ``TMA`` the query and dO rows come through the descriptors over the head's dilated query rows (zeros past the
     last)."""
     rows = start + rows_base
     qp = q_first + rows * r

@@ -450,11 +450,12 @@ if gluon is not None:
                  s_zero, qk_scale, mask, key0, n_k, shift, qidx, kidx, o_rows: gl.constexpr, p_layout: gl.constexpr,
                  K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, NBYTES: gl.constexpr, MASKABLE: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr = False, nest=0, NEST_T: gl.constexpr = 1):
-        """Key tile ``j >= 1`` of ``n_kt`` (``NESTED``, ``nest``: as :func:`fwd_first`): its scores issued, then tile ``j - 1``'s ``P V`` (``p``: its
-        probabilities), the softmax of tile ``j`` while that product runs, then the rescale of the output. The scores
-        are masked where ``MASKABLE`` and ``mask`` (:func:`masked_scores`). Each buffer is refilled as soon as its
-        product has read it: K with tile ``j + K_STAGES`` (from row ``k_next``) once the scores are in, V with tile
-        ``j - 1 + V_STAGES`` (row ``v_next``) once ``P V`` is. ``(acc, p, m_i, l_i)``, ``p`` now tile ``j``'s."""
+        """Key tile ``j >= 1`` of ``n_kt`` (``NESTED``, ``nest``: as :func:`fwd_first`): its scores issued, then tile
+        ``j - 1``'s ``P V`` (``p``: its probabilities), the softmax of tile ``j`` while that product runs, then the
+        rescale of the output. The scores are masked where ``MASKABLE`` and ``mask`` (:func:`masked_scores`). Each
+        buffer is refilled as soon as its product has read it: K with tile ``j + K_STAGES`` (from row ``k_next``) once
+        the scores are in, V with tile ``j - 1 + V_STAGES`` (row ``v_next``) once ``P V`` is. ``(acc, p, m_i, l_i)``,
+        ``p`` now tile ``j``'s."""
         ks = j % K_STAGES
         vs = (j - 1) % V_STAGES
         mbarrier.wait(k_bar.index(ks), (j // K_STAGES) & 1)
@@ -567,11 +568,11 @@ if gluon is not None:
                 qk_scale, mask, n_k, shift, qidx, kidx, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                 K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, NBYTES: gl.constexpr, MASKABLE: gl.constexpr,
                 IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr = False, nest=0, NEST_T: gl.constexpr = 1):
-        """Key tile ``j >= 1`` of ``n_kt`` (``NESTED``, ``nest``: as :func:`dq_first`): ``S`` and ``dP`` issued, then tile ``j - 1``'s ``dQ += dS K`` (``ds``:
-        its ``dS``); this tile's ``P`` while ``dP`` and that product run, its ``dS`` while the product does. V's
-        buffer is refilled with tile ``j + V_STAGES`` once ``dP`` is in, tile ``j - 1``'s K buffer with tile
-        ``j - 1 + K_STAGES`` once its product is done. Scores masked where ``MASKABLE`` and ``mask``. ``(dq, ds)``,
-        ``ds`` now tile ``j``'s."""
+        """Key tile ``j >= 1`` of ``n_kt`` (``NESTED``, ``nest``: as :func:`dq_first`): ``S`` and ``dP`` issued, then
+        tile ``j - 1``'s ``dQ += dS K`` (``ds``: its ``dS``); this tile's ``P`` while ``dP`` and that product run, its
+        ``dS`` while the product does. V's buffer is refilled with tile ``j + V_STAGES`` once ``dP`` is in, tile ``j -
+        1``'s K buffer with tile ``j - 1 + K_STAGES`` once its product is done. Scores masked where ``MASKABLE`` and
+        ``mask``. ``(dq, ds)``, ``ds`` now tile ``j``'s."""
         ks = j % K_STAGES
         vs = j % V_STAGES
         pk = (j - 1) % K_STAGES

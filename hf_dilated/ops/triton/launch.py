@@ -57,10 +57,11 @@ class Problem:
         0...)``), or None where the branches do not nest. They nest when each branch's segment length and rate divide
         the next one's: then every pair a branch shares with a lower branch lies in one segment of the branch just
         below, and the kernels compute each (query, key) pair once, weighted by the branches that have it, instead of
-        once per branch (LongNet's 2048..32768 / 1..16: 24% fewer pairs, and the r > 1 branches' causal segments
-        become full rectangles). Rates powers of two, the highest at most 64 times the lowest (a residue is then a
-        mask, and a key tile's weights repeat in every key tile of at least 64 rows). Causal only (a bidirectional branch's kept keys lie on both sides of the query's
-        segment: two ranges), without a window, and without dropout (SPEC draws each (query, key, branch) apart)."""
+        once per branch (LongNet's 2048..32768 / 1..16: 24% fewer pairs, and the r > 1 branches' causal segments become
+        full rectangles). Rates powers of two, the highest at most 64 times the lowest (a residue is then a mask, and a
+        key tile's weights repeat in every key tile of at least 64 rows). Causal only (a bidirectional branch's kept
+        keys lie on both sides of the query's segment: two ranges), without a window, and without dropout (SPEC draws
+        each (query, key, branch) apart)."""
         br = [(int(w), int(r)) for w, r in self.branches]
         if (not NESTED_PAIRS or not self.is_causal or self.window or self.dropout_p > 0 or len(br) < 2
                 or len(br) - 1 > NEST_COLUMNS - 2 or any(r & (r - 1) for _, r in br) or br[-1][1] > 64 * br[0][1]
@@ -295,9 +296,9 @@ COMPACT_PARTS = switch("HF_DILATED_PARTS")
 
 @dataclass(frozen=True)
 class Parts:
-    """The forward's one launch over its parts (every branch launch but the last, an ``r = 1`` branch that merges
-    them): ``table`` (int32 rows of ``tiles.part_query_tile``: first program, first item, tiles per item, r, compact
-    row base, branch index), the parts' ``items`` concatenated, ``n_programs`` (axis 0 of its grid); a part of rate ``r`` writes
+    """The forward's one launch over its parts (every branch launch but the last, an ``r = 1`` branch that merges them):
+    ``table`` (int32 rows of ``tiles.part_query_tile``: first program, first item, tiles per item, r, compact row base,
+    branch index), the parts' ``items`` concatenated, ``n_programs`` (axis 0 of its grid); a part of rate ``r`` writes
     row ``base + column // r`` (its rows of one head have one residue mod ``r``: ``ceil(Nq / r)`` rows)."""
 
     table: torch.Tensor

@@ -64,8 +64,8 @@ def item_query_tile(T, n_tiles, head_offset, r, BLOCK_M: tl.constexpr, IS_CAUSAL
 def part_query_tile(PARTS, n_parts, T, head_offset, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """:func:`item_query_tile` for a program of the forward's one launch over its parts (every branch but the last:
     ``launch.forward``), and the program's part: ``(r, base, nest_i, b, qbase, ..., p_min)``. ``PARTS``: int32 rows
-    ``(first program, first item, tiles per item, r, compact row base, branch index)`` per part, axis 0 of the grid the parts'
-    programs one after another (each part's as :func:`item_tile` orders them), ``T`` the parts' items in order.
+    ``(first program, first item, tiles per item, r, compact row base, branch index)`` per part, axis 0 of the grid the
+    parts' programs one after another (each part's as :func:`item_tile` orders them), ``T`` the parts' items in order.
     Returned after ``base``: the part's branch index (its row of the nesting table, :func:`nest_limit`)."""
     pid = tl.program_id(0)
     j = 0
