@@ -640,7 +640,8 @@ def write_results(rows, args, gpu, monitor=None):
         gpu=gpu, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
         python=platform.python_version(), command="python " + " ".join(sys.argv), branches=LONGNET,
         dtype="bfloat16", causal=True, date=datetime.datetime.now().isoformat(timespec="seconds"),
-        flops="useful: 4*D per computed (query, key) pair of the dilated pattern (dense causal for SDPA); fwd+bwd = 3.5x fwd",
+        flops="useful: 4*D per (query, key) pair of each branch, a pair in m branches counted m times (dense causal for "
+              "SDPA); fwd+bwd = 3.5x fwd; computed_tflops: on the pairs the Triton kernels compute (nested: each once)",
         warm_s=args.warm_s, rounds=getattr(args, "rounds", 1), interrupted=getattr(args, "interrupted", False),
         switches=kernel_switches(),
         commands=commands, resumed_from=getattr(args, "resume", None),

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from .tiles import (
     LOG2E, NEST_COLUMNS, allowed, drop_keep, drop_rows, first_selected, item_query_tile, item_tile, load_item,
-    load_rows, mm, n_rows, nest_first_query, nest_limit, nest_weight, query_range, query_tile_keys, rounded, row_desc,
-    tile_mask, tile_rows, written_before,
+    load_rows, mm, n_rows, nest_first_query, nest_limit, nest_query_tile, nest_weight, query_range, query_tile_keys,
+    rounded, row_desc, tile_mask, tile_rows, written_before,
 )
 
 
@@ -259,16 +259,12 @@ def dilated_bwd_dq_kernel(
 
     k_first, n_k, n_full = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                            WINDOW, HOLES)
-    NEST = NESTS + nest_i * NEST_COLUMNS
+    NEST = NESTS
     qlim = qp
     q_weight = lse
     if NESTED:  # keys only in earlier segments of the branch below (as the forward)
-        below = tl.load(NEST)
-        qlim = nest_limit(qp, below)
-        p_max = tl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
-        n_k = tl.minimum(n_k, n_rows(k_first, nest_limit(p_max, below), r))
-        n_full = tl.minimum(n_full, (n_rows(k_first, nest_limit(p_min, below), r) // BLOCK_N) * BLOCK_N)
-        q_weight = nest_weight(qp, h, head_offset, NEST, 1.0 / qk_scale)
+        NEST, qlim, n_k, n_full, q_weight = nest_query_tile(NESTS, nest_i, qp, p_min, q_hi, k_first, n_k, n_full, h,
+                                                            head_offset, r, qk_scale, BLOCK_M, BLOCK_N)
     cols_base = tl.arange(0, BLOCK_N)
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]
     v_row = V + b * stride_vb + kvh * stride_vh + d[None, :]

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    NEST_COLUMNS, PART_COLUMNS, allowed, drop_rows, finish, item_query_tile, load_rows, merge_rows, mm, n_rows,
-    nest_limit, nest_weight, part_query_tile, query_tile_keys, row_desc, rounded, softmax_step, tile_mask, tile_rows,
+    PART_COLUMNS, allowed, drop_rows, finish, item_query_tile, load_rows, merge_rows, mm, n_rows, nest_query_tile,
+    nest_weight, part_query_tile, query_tile_keys, row_desc, rounded, softmax_step, tile_mask, tile_rows,
     written_before,
 )
 
@@ -72,13 +72,8 @@ def dilated_fwd_branch_kernel(
     k_first, n_k, n_full = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                            WINDOW, HOLES)
     if NESTED:  # keys only in earlier segments of the branch below; each pair weighted by the branches that have it
-        NEST = NESTS + nest_i * NEST_COLUMNS
-        below = tl.load(NEST)
-        qlim = nest_limit(qp, below)
-        p_max = tl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
-        n_k = tl.minimum(n_k, n_rows(k_first, nest_limit(p_max, below), r))
-        n_full = tl.minimum(n_full, (n_rows(k_first, nest_limit(p_min, below), r) // BLOCK_N) * BLOCK_N)
-        q_weight = nest_weight(qp, h, head_offset, NEST, 1.0 / qk_scale)
+        NEST, qlim, n_k, n_full, q_weight = nest_query_tile(NESTS, nest_i, qp, p_min, q_hi, k_first, n_k, n_full, h,
+                                                            head_offset, r, qk_scale, BLOCK_M, BLOCK_N)
 
     cols = tl.arange(0, BLOCK_N)
     k_row = K + b * stride_kb + kvh * stride_kh + d[None, :]

@@ -492,7 +492,7 @@ def _backward(rec: plans.Recorder, q, k, v, do, lse, delta, pb: Problem, plan: R
     fused = fused if gluon else None
     nests = _nests(pb, q.device, gluon, plan)
     rec.constant(nests[0])
-    rec.count("backward_nested", nests[1])
+    rec.count("backward_nested", nests[1] and fused is None)  # (the dK/dV launch that adds dQ takes every pair)
     args = (order, rates, last, pb, extras, nests, kv_cfg, q_cfg, tma, gluon, fused)
     if q.dtype == torch.float32 or (not filled and len(order) == 1 and fused is None):
         # The sums are the gradients (the last launch writes them in place; one launch alone writes them and merges
@@ -569,9 +569,12 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
     # made per key tile, cost it more than the pairs it skips (backward 0.84x at 9 / 3 / 64, 64K; NOTES_triton,
     # session 57). dQ and dK / dV are separate sums, so each may take the pairs either way.
 
-    def nest_args(i: int) -> dict:
-        """The Gluon kernels' nesting constexprs for branch ``i`` (none where the branches do not nest)."""
-        return dict(NESTED=True, NEST_T=_nest_period(pb, [i])) if nests[1] else {}
+    def nest_args(i: int, cfg: dict) -> dict:
+        """The Gluon kernels' nesting constexprs for branch ``i`` (none where the branches do not nest). Not the dK/dV
+        launch that adds dQ (``FUSED_DQ``: head dim 128, and 64 from 128K keys): nested, its warp-specialized form
+        spilled 148-364 bytes and ptxas serialized the wgmma of two of LongNet's five launches (backward 1.007x at
+        16 / 16 / 128, 1.073x at 32 / 8 / 128; NOTES_triton, session 57), so it takes every pair."""
+        return dict(NESTED=True, NEST_T=_nest_period(pb, [i])) if nests[1] and not cfg.get("FUSED_DQ") else {}
 
     # The dQ stream only where there are dQ launches: with ``fused`` the fork and join were host time alone (16K
     # 16 / 16 / 128 forward+backward: 1.52 -> 1.31 ms of host, GPU time the same; NOTES_triton, session 43)
@@ -586,7 +589,7 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
                     rec.run(kernel, grid,
                         *hopper_tensors, it.items, nests[0], *hopper_strides, pb.head_offset + h0, group, n_classes, r,
                         pb.scale, pb.scale * LOG2E, n_tiles, j, i, HEAD_DIM=hd, HEADS=cdiv(group, n_classes),
-                        IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dkdv_cfg, **nest_args(i),
+                        IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dkdv_cfg, **nest_args(i, dkdv_cfg),
                     )
                     rec.count("dkdv_hopper")
                     rec.count("dkdv_ws", kernel is not backward_hopper.dilated_bwd_dkdv_hopper_kernel)
@@ -606,7 +609,7 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
                     rec.run(backward_hopper.dilated_bwd_dq_hopper_kernel, grid,
                         *q_tensors, it.items, nests[0], *q_strides, pb.head_offset + h0, group, r, pb.scale,
                         pb.scale * LOG2E, n_tiles, j, i,
-                        HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dq_cfg, **nest_args(i),
+                        HEAD_DIM=hd, IS_CAUSAL=flags["IS_CAUSAL"], **merge, **dq_cfg, **nest_args(i, dq_cfg),
                     )
                     rec.count("dq_hopper")
                 else:

@@ -360,6 +360,21 @@ def nest_first_query(kp, below):
 
 
 @triton.jit
+def nest_query_tile(NESTS, nest_i, qp, p_min, q_hi, k_first, n_k, n_full, head, head_offset, r, qk_scale,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A query tile's keys in a nested branch (the forward's and dq's, after :func:`query_tile_keys`): ``(NEST, qlim,
+    n_k, n_full, q_weight)``, the branch's row of the nesting table, each query's key limit (:func:`nest_limit`), the
+    key rows it may see and those every query sees whole (a multiple of ``BLOCK_N``), and the rows' weights
+    (:func:`nest_weight`, raw-score units)."""
+    NEST = NESTS + nest_i * NEST_COLUMNS
+    below = tl.load(NEST)
+    p_max = tl.minimum(p_min + (BLOCK_M - 1) * r, q_hi - 1)
+    n_k = tl.minimum(n_k, n_rows(k_first, nest_limit(p_max, below), r))
+    n_full = tl.minimum(n_full, (n_rows(k_first, nest_limit(p_min, below), r) // BLOCK_N) * BLOCK_N)
+    return NEST, nest_limit(qp, below), n_k, n_full, nest_weight(qp, head, head_offset, NEST, 1.0 / qk_scale)
+
+
+@triton.jit
 def nest_weight(p, head, head_offset, NEST, inv_scale):
     """Per position ``p`` (query head ``head``): ``log2(1 + higher branches that select p) * inv_scale``. A pair's
     weight is the smaller of its query's and key's (every higher branch that selects both has the pair), so the
