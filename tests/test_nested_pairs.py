@@ -124,6 +124,7 @@ def test_gpu_nested_longnet_shape(rng, dtype, D):
     (LONGNET, True),  # each branch's segments of the branch below: 1024 of its dilated rows
     ([(256, 1), (512, 2), (1024, 4), (2048, 8), (4096, 16)], True),  # 128 rows
     ([(64, 1), (128, 2), (256, 4)], False),  # 32 rows: a Gluon tile would straddle them
+    ([(16, 1), (64, 32)], False),  # shorter than the rate: each row of a tile in another segment
 ])
 def test_gluon_takes_nesting_where_tiles_align(branches, aligned):
     """The Gluon kernels nest only where no tile straddles the segments of the branch below (they have no mask for

@@ -81,7 +81,7 @@ class Problem:
 NESTED_PAIRS = switch("HF_DILATED_NESTED")
 
 
-def _nests(pb: Problem, device, gluon: bool = False, plan: RunPlan | None = None) -> tuple[torch.Tensor | None, bool]:
+def _nests(pb: Problem, device, gluon: bool = False, plan: RunPlan | None = None) -> tuple[torch.Tensor, bool]:
     """The nesting table on ``device`` (int32 ``[branches, NEST_COLUMNS]``, made once per device and branches) and
     whether the kernels use it (``NESTED``); a one-row placeholder where the branches do not nest. The Gluon kernels
     (``gluon``) take it only where each branch's segments of the branch below start at multiples of ``GLUON_NEST_ROWS``
@@ -91,7 +91,7 @@ def _nests(pb: Problem, device, gluon: bool = False, plan: RunPlan | None = None
     rows = pb.nesting()
     if rows and gluon:
         br = pb.branches
-        aligned = all((w0 // r1) % GLUON_NEST_ROWS == 0 for (w0, _), (_, r1) in zip(br, br[1:]))
+        aligned = all(w0 % (r1 * GLUON_NEST_ROWS) == 0 for (w0, _), (_, r1) in zip(br, br[1:]))
         rows = rows if aligned and (plan is None or plan.from_start) else None
     table = rows or ((0,) * NEST_COLUMNS,)
     return _constant(f"nests{table}", device, lambda: torch.tensor(table, dtype=torch.int32).to(device)), bool(rows)
@@ -101,8 +101,9 @@ GLUON_NEST_ROWS = 128  # the Gluon kernels' largest tile of dilated rows
 
 
 def _nest_period(pb: Problem, branch_indices) -> int:
-    """The period, in a launch's dilated key rows, of its nested key weights (``hopper.nest_key_weight``): the highest
-    rate over the lowest rate of the launch's branches (1 for the global-token branch, whose weights are all 1)."""
+    """The period, in a launch's dilated key rows, of its nested key weights (``hopper.nest_class_weights``): the
+    highest rate over the lowest rate of the launch's branches (1 for the global-token branch, whose weights are all
+    1)."""
     rates = [r for _, r in pb.branches]
     return max((rates[-1] // rates[i] if i < len(rates) else 1) for i in branch_indices)
 
