@@ -665,8 +665,8 @@ if gluon is not None:
         ``WG`` 0 computes ``S^T``, ``P^T`` and ``dV += P^T dO`` and hands ``P^T`` (float32, buffer ``it % 2``) to
         ``WG`` 1, which computes ``dP^T``, ``dS^T`` and ``dK += dS^T Q``: four products a step where one warpgroup
         each for dV and dK (``PART`` 1 / 2, two launches) computed ``S^T`` twice, and K / Q / dO are read once. Each
-        product as those launches compute it, so dK and dV are theirs bit for bit. ``NESTED``: ``WG`` 0 weights and
-        masks ``P^T`` as ``_dkdv_ws_consumer`` does."""
+        product as those launches compute it, so dK and dV are theirs bit for bit. ``NESTED``: ``WG`` 0 weights
+        ``P^T``'s scores as ``_dkdv_ws_consumer`` does."""
         h0, n_heads, r, n_q, q0_row, start_q, n_steps, j_first, shift, full_from, b, scale, qk_scale = steps
         k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_ready = bufs
         dtype: gl.constexpr = k_smem.dtype

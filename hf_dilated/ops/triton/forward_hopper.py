@@ -337,7 +337,7 @@ if gluon is not None:
         ``PARTS`` (``launch.forward``): the one launch over the parts, each program's part from ``PREV`` (the parts'
         table), its rows stored compact to ``O`` / ``PL``; or the last launch, starting from the parts' rows.
         ``NESTED``: a nested branch's pairs and weights (row ``nest_i`` of ``NESTS``, ``tiles.nest_weight``; the key
-        weights repeat every ``NEST_T`` rows, ``hopper.nest_key_weight``)."""
+        weights repeat every ``NEST_T`` rows, ``hopper.nest_class_weights``)."""
         dtype: gl.constexpr = Q.dtype.element_ty
         s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
         o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)

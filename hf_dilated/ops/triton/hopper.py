@@ -331,7 +331,7 @@ if gluon is not None:
         return gl.where(ok, s, float("-inf"))
 
     # Nested branches (``tiles.nest_weight``, ``launch.Problem.nesting``), in Gluon, where each branch's segments of the
-    # branch below start at multiples of 128 of its dilated rows (``launch.gluon_nests``): a tile then lies in one of
+    # branch below start at multiples of 128 of its dilated rows (``launch._nests``): a tile then lies in one of
     # them, so the kept keys are a range (the loop bounds: ``query_tile_keys``, ``_key_tile``) and no score needs a
     # mask beyond the causal one. The rates are powers of two, so a residue is a mask, and a tile's key weights repeat
     # every ``NEST_T`` rows (the highest rate over this branch's), so they are made once a tile.

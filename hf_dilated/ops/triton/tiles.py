@@ -66,7 +66,7 @@ def part_query_tile(PARTS, n_parts, T, head_offset, BLOCK_M: tl.constexpr, IS_CA
     ``launch.forward``), and the program's part: ``(r, base, nest_i, b, qbase, ..., p_min)``. ``PARTS``: int32 rows
     ``(first program, first item, tiles per item, r, compact row base, branch index)`` per part, axis 0 of the grid the
     parts' programs one after another (each part's as :func:`item_tile` orders them), ``T`` the parts' items in order.
-    Returned after ``base``: the part's branch index (its row of the nesting table, :func:`nest_limit`)."""
+    Returned after ``base``: the part's branch index (its row of the nesting table, :func:`nest_query_tile`)."""
     pid = tl.program_id(0)
     j = 0
     for i in range(1, n_parts):
