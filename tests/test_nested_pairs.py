@@ -148,6 +148,25 @@ def test_gluon_takes_nesting_where_items_start_at_segment_starts():
     assert launch._nests(pb, "cpu", False, tail)[1]
 
 
+@pytest.mark.parametrize("global_tokens", [0, 4])
+def test_keyed_rates_name_the_rows_nested_launches_write(global_tokens):
+    """The Gluon forward's nested launches before the last skip their tiles whose rows keep no key of the branch, so
+    a later launch resumes only rows an earlier one wrote: ``(r, w, below)`` per launch in launch order, and a row
+    ``p`` (of the launch's offset class) is written iff ``below`` is 0 or ``p % w >= below``. Checked against the rule
+    itself: some key of the row's class in its segment lies before the row's segment of the branch below."""
+    pb = problem(LONGNET, global_tokens=global_tokens)
+    branches = pb.kernel_branches()
+    order = [(i, r, None) for i, (_, r, _) in enumerate(branches) if i] + [(0, 1, None)]
+    table = launch._keyed_rates(pb, order, "cpu").view(-1, 3).tolist()
+    assert [(r, w) for r, w, _ in table] == [(branches[i][1], branches[i][0]) for i, _, _ in order]
+    for r, w, below in table:
+        for p in range(0, 3 * 32768, 97):
+            start = p - p % w
+            limit = p - p % below if below else p + 1  # tiles.nest_limit
+            keeps = start + (p - start) % r < limit  # the first key of p's class in its segment
+            assert (below == 0 or p % w >= below) == keeps, (r, w, below, p)
+
+
 @cpu
 def test_nested_queries_from_a_cache_tail(rng):
     """Fewer queries than keys (a prefill chunk after a cache): the queries start inside segments, the portable

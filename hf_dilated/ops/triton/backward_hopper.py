@@ -101,8 +101,8 @@ import torch
 from .hopper import (
     WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
     fence_async_shared, first_selected, gl, gluon, heads_desc, item_query_tile, kv_descs, kv_prefetch, load_item,
-    lse_base2, mbarrier, mma_layout, n_rows, nest_class_weights, nest_first_query, nest_row_weights, nest_scores,
-    query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc, rows_copy, runnable,
+    lse_base2, mbarrier, mma_layout, n_rows, nest_class_weights, nest_first_query, nest_pair_weights,
+    nest_row_weights, nest_scores, query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc, rows_copy, runnable,
     score_buffers, step_rows, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init,
     warpgroup_mma_wait, written_before,
 )
@@ -475,23 +475,22 @@ if gluon is not None:
             kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
             dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=g_layout)
-            nest = 0
-            if NESTED:  # the rows' and keys' weights (the forward's)
-                nest = (nest_row_weights(s_zero, p_min + qidx * r, h, head_offset, NEST, 1.0 / qk_scale, NEST_T),
-                        nest_class_weights(s_zero, k_first, h, head_offset, r, NEST, 1.0 / qk_scale, NEST_T))
+            nest = 0.0
+            if NESTED:  # the pairs' weights by (row, key class), the forward's
+                nest = nest_pair_weights(s_zero, p_min + qidx * r, k_first, h, head_offset, r, NEST, NEST_T)
             mbarrier.wait(q_bar, 0)
             if n_kt > 0:
                 ds = dq_first(n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, v_desc, s_zero, lse, delta,
                               qk_scale, n_plain == 0, n_k, shift, qidx, kidx, ds_layout, BLOCK_N, V_STAGES, NBYTES,
-                              IS_CAUSAL, NESTED, nest, NEST_T)
+                              IS_CAUSAL, nest, NEST_T)
                 for j in range(1, n_plain):
                     dq, ds = dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds,
                                      s_zero, lse, delta, qk_scale, False, n_k, shift, qidx, kidx, ds_layout, BLOCK_N,
-                                     K_STAGES, V_STAGES, NBYTES, False, IS_CAUSAL, NESTED, nest, NEST_T)
+                                     K_STAGES, V_STAGES, NBYTES, False, IS_CAUSAL, nest, NEST_T)
                 for j in range(gl.maximum(n_plain, 1), n_kt):
                     dq, ds = dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds,
                                      s_zero, lse, delta, qk_scale, True, n_k, shift, qidx, kidx, ds_layout, BLOCK_N,
-                                     K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL, NESTED, nest, NEST_T)
+                                     K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL, nest, NEST_T)
                 dq = dq_last(n_kt, k_smem, dq, ds, K_STAGES)
 
             # The portable kernel's epilogue: scale, add the rows earlier launches wrote, store.

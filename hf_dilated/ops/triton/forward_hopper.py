@@ -45,10 +45,9 @@ import torch
 
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, heads_desc,
-    item_query_tile, kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, nest_class_weights,
-    nest_row_weights, nest_scores, part_query_tile, query_tile_buffers, query_tile_keys, release_barriers, row_desc,
-    rows_copy, runnable, softmax_finish, softmax_start, softmax_step, switch, tma_load, warpgroup_mma,
-    warpgroup_mma_wait, written_before, ws_barriers, ws_copy_kv,
+    item_query_tile, kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, nest_pair_weights,
+    part_query_tile, query_tile_buffers, query_tile_keys, release_barriers, row_desc, rows_copy, runnable, softmax_finish, softmax_start, softmax_step, switch, tma_load, warpgroup_mma,
+    warpgroup_mma_wait, written_before, written_keyed, ws_barriers, ws_copy_kv,
 )
 from .tiles import LOG2E, NEST_COLUMNS, PART_COLUMNS
 
@@ -290,17 +289,21 @@ if gluon is not None:
     @gluon.jit
     def resume_rows(p_min, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob, stride_oh, stride_on,
                     stride_lb, stride_lh, o_layout: gl.constexpr, row_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    ROWS: gl.constexpr, MERGE: gl.constexpr):
+                    ROWS: gl.constexpr, MERGE: gl.constexpr, NESTED: gl.constexpr = False):
         """The online softmax's start ``(acc, m_i, l_i)`` for ``ROWS`` dilated query rows from position ``p_min``
         (``m_i``, ``l_i`` in ``row_layout``): empty (-1e30, 0, 0) or, ``MERGE``, the merge with earlier launches. A
         row an earlier launch wrote, with lse ``L`` and output ``O``, counts as one key of score ``L`` and value ``O``
         (``m_i`` = that lse in base 2, ``l_i`` = 1, ``acc`` = that output); the others start empty. Read before the
         tile's first scores, so the loads overlap them instead of ending the tile, and the branches are merged by one
-        online softmax (no separate merge). Rounding differs from merging two finished rows in the last bits only."""
+        online softmax (no separate merge). Rounding differs from merging two finished rows in the last bits only.
+        ``NESTED``: ``PREV`` is the earlier launches' ``(r, w, below)`` (:func:`written_keyed`)."""
         if MERGE:
             o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
             qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
-            seen = (qp < q_hi) & written_before(qp, h, head_offset, PREV, n_prev, 1)
+            if NESTED:
+                seen = (qp < q_hi) & written_keyed(qp, h, head_offset, PREV, n_prev)
+            else:
+                seen = (qp < q_hi) & written_before(qp, h, head_offset, PREV, n_prev, 1)
             qc64 = (qbase + qp).to(gl.int64)
             h64 = h.to(gl.int64)
             d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -364,6 +367,9 @@ if gluon is not None:
                 below = gl.load(NEST)
             k_first, n_k, n_plain, n_kt, shift = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, BLOCK_N,
                                                                  IS_CAUSAL, NESTED, below)
+            q_rows = q_hi  # the rows below it are read (``MERGE``) and stored
+            if NESTED and not LAST and not PARTS:  # a tile with no key here adds nothing: none
+                q_rows = gl.where(n_kt > 0, q_hi, 0)
             kvh = (h // group).to(gl.int64)
             h64 = h.to(gl.int64)
             q_desc = row_desc(Q + b * stride_qb + h64 * stride_qh + (qbase + q_first).to(gl.int64) * stride_qn,
@@ -377,31 +383,30 @@ if gluon is not None:
             qidx = gl.arange(0, BLOCK_M, layout=row_axis)
             kidx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-            nest = 0
-            if NESTED:  # the rows' and keys' weights (a key tile's repeat)
-                nest = (nest_row_weights(s_zero, p_min + qidx * r, h, head_offset, NEST, 1.0 / qk_scale, NEST_T),
-                        nest_class_weights(s_zero, k_first, h, head_offset, r, NEST, 1.0 / qk_scale, NEST_T))
+            nest = 0.0
+            if NESTED:  # the pairs' weights by (row, key class): a key tile's repeat
+                nest = nest_pair_weights(s_zero, p_min + qidx * r, k_first, h, head_offset, r, NEST, NEST_T)
             # the online softmax starts from the rows earlier launches wrote (their lse, output), if any
-            acc, m_i, l_i = resume_rows(p_min, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob,
+            acc, m_i, l_i = resume_rows(p_min, q_rows, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob,
                                         stride_oh, stride_on, stride_lb, stride_lh, o_layout, row_axis, HEAD_DIM,
-                                        BLOCK_M, MERGE)
+                                        BLOCK_M, MERGE, NESTED and not PARTS)
             mbarrier.wait(q_bar, 0)
             if n_kt > 0:
                 p, acc, m_i, l_i = fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, K_STAGES * BLOCK_N, s_zero,
                                              qk_scale, n_plain == 0, 0, n_k, shift, qidx, kidx, acc, m_i, l_i, o_rows,
-                                             p_layout, K_STAGES, NBYTES, IS_CAUSAL, MERGE, NESTED, nest, NEST_T)
+                                             p_layout, K_STAGES, NBYTES, IS_CAUSAL, MERGE, nest, NEST_T)
                 for j in range(1, n_plain):
                     acc, p, m_i, l_i = fwd_step(
                         j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, (j + K_STAGES) * BLOCK_N,
                         (j - 1 + V_STAGES) * BLOCK_N, acc, p, m_i, l_i, s_zero, qk_scale, False, j * BLOCK_N, n_k,
-                        shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, False, IS_CAUSAL, NESTED,
-                        nest, NEST_T)
+                        shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, False, IS_CAUSAL, nest,
+                        NEST_T)
                 for j in range(gl.maximum(n_plain, 1), n_kt):
                     acc, p, m_i, l_i = fwd_step(
                         j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, (j + K_STAGES) * BLOCK_N,
                         (j - 1 + V_STAGES) * BLOCK_N, acc, p, m_i, l_i, s_zero, qk_scale, True, j * BLOCK_N, n_k,
-                        shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL, NESTED,
-                        nest, NEST_T)
+                        shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL, nest,
+                        NEST_T)
                 o_b, lse_b = fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows, V_STAGES)
             else:  # no key of this branch: the earlier launches' rows as they are (none: 0, -inf)
                 o_b, lse_b = softmax_finish(acc, m_i, l_i, o_rows)
@@ -410,8 +415,8 @@ if gluon is not None:
                 o_b, lse_b = merge_parts_weighted(o_b, lse_b, p_min, q_hi, qbase, b, h, head_offset, r, O, PL, PREV,
                                                   n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh,
                                                   o_layout, HEAD_DIM, BLOCK_M, MAX_PARTS)
-            store_rows(o_b, lse_b, p_min, q_hi, qbase, b, h, r, O, L, OUT, stride_ob, stride_oh, stride_on, stride_lb,
-                       stride_lh, o_layout, HEAD_DIM, BLOCK_M, LAST, PL, base, PARTS)
+            store_rows(o_b, lse_b, p_min, q_rows, qbase, b, h, r, O, L, OUT, stride_ob, stride_oh, stride_on,
+                       stride_lb, stride_lh, o_layout, HEAD_DIM, BLOCK_M, LAST, PL, base, PARTS)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
 
     # ---- the warp-specialized forward (head dim 128, and 64 by balance) -------------------------------------------
@@ -441,10 +446,10 @@ if gluon is not None:
     @gluon.jit
     def _ws_tile(i, T, h0, head_offset, r, k, G, it0, n_items, n_tiles, n_units, q_org, k_org,
                  PER_UNIT: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr,
-                 below):
+                 below, LAST: gl.constexpr):
         """The program's ``i``-th tile slot: ``(live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row,
         k_row)`` -- whether it holds query rows (a short item's missing tiles and a unit's repeated middle tile do
-        not), its head (of the class from ``h0``: ``h0 + r``, ... after every ``n_items x n_units`` units), the item's
+        not; nor, in a nested launch before the last, a tile whose rows see no key of it), its head (of the class from ``h0``: ``h0 + r``, ... after every ``n_items x n_units`` units), the item's
         batch row, query column base and bounds, the head's offset class, the tile's first query position, how many
         key tiles some row of it sees, and the descriptor rows of its first query and of the item's first key."""
         unit = k + (i // PER_UNIT) * G
@@ -461,6 +466,8 @@ if gluon is not None:
         p_min = q_first + tile * 128 * r
         live = (p_min < q_hi) & ((s == 0) | (tile != n_tiles - 1 - j))
         n_kt = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, 128, BLOCK_N, IS_CAUSAL, NESTED, below)[3]
+        if NESTED and not LAST:  # nothing to add: its rows stay as earlier launches wrote them (``written_keyed``)
+            live = live & (n_kt > 0)
         q_row = (qbase + q_first - q_org) // r + tile * 128
         k_row = (kbase + k_first - k_org) // r
         return live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row
@@ -488,37 +495,34 @@ if gluon is not None:
         for i in range(n_slots):
             live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row = _ws_tile(
                 i, T, h0, head_offset, r, k, G, it0, n_items, n_tiles, n_units, q_org, k_org, PER_UNIT, BLOCK_N,
-                IS_CAUSAL, NESTED, below)
+                IS_CAUSAL, NESTED, below, LAST)
             if live:
                 p_w = p_min + WG * 64 * r
                 k_first, n_k, n_plain, n_own, shift = query_tile_keys(p_w, q_hi, k_lo, k_hi, off, r, 64, BLOCK_N,
                                                                       IS_CAUSAL, NESTED, below)
-                nest = 0
-                if NESTED:  # the rows' and keys' weights (a key tile's repeat)
-                    nest = (nest_row_weights(s_zero, p_w + qidx * r, h, head_offset, NEST, 1.0 / qk_scale, NEST_T),
-                            nest_class_weights(s_zero, k_first, h, head_offset, r, NEST, 1.0 / qk_scale, NEST_T))
+                nest = 0.0
+                if NESTED:  # the pairs' weights by (row, key class): a key tile's repeat
+                    nest = nest_pair_weights(s_zero, p_w + qidx * r, k_first, h, head_offset, r, NEST, NEST_T)
                 if p_w >= q_hi:  # no rows here (the item's last tile)
                     n_own = 0
                 # the online softmax starts from the rows earlier launches wrote (their lse, output), if any
                 acc, m_i, l_i = resume_rows(p_w, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob,
                                             stride_oh, stride_on, stride_lb, stride_lh, o_layout,
-                                            gl.SliceLayout(1, s_layout), HEAD_DIM, 64, MERGE)
+                                            gl.SliceLayout(1, s_layout), HEAD_DIM, 64, MERGE, NESTED)
                 mbarrier.wait(q_bar, n_q & 1)
                 if n_own > 0:
                     mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
                     sc = warpgroup_mma(qs, k_smem.index(c % STAGES).permute((1, 0)), s_zero, use_acc=False,
                                        is_async=True)
                     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                    if NESTED:
-                        sc = nest_scores(sc, nest[0], nest[1], NEST_T)
                     if n_plain == 0:
                         sc = masked_scores(sc, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
-                    pf, acc, m_i, l_i = softmax_start(sc, acc, m_i, l_i, qk_scale, o_rows, MERGE)
+                    pf, acc, m_i, l_i = softmax_start(sc, acc, m_i, l_i, qk_scale, o_rows, MERGE, nest, NEST_T)
                     p = gl.convert_layout(pf.to(dtype), p_layout)
                     for t in range(1, n_own):
                         acc, p, m_i, l_i = _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i,
                                                     l_i, s_zero, qk_scale, n_k, n_plain, shift, qidx, kidx, o_rows,
-                                                    p_layout, STAGES, BLOCK_N, IS_CAUSAL, NESTED, nest, NEST_T)
+                                                    p_layout, STAGES, BLOCK_N, IS_CAUSAL, nest, NEST_T)
                     mbarrier.arrive(q_empty, count=1)  # its last scores are in: the next tile's Q may come
                     out, lse = fwd_last(p, v_smem, v_ready, acc, c + n_own, m_i, l_i, o_rows, STAGES)
                     mbarrier.arrive(empty.index((c + n_own - 1) % STAGES), count=1)
@@ -537,10 +541,10 @@ if gluon is not None:
     @gluon.jit
     def _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i, l_i, s_zero, qk_scale, n_k,
                  n_plain, shift, qidx, kidx, o_rows: gl.constexpr, p_layout: gl.constexpr, STAGES: gl.constexpr,
-                 BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr, nest, NEST_T: gl.constexpr):
+                 BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, nest, NEST_T: gl.constexpr):
         """A consumer's key tile ``t >= 1`` of a query tile whose first key tile is the program's ``c``-th:
         ``hopper.fwd_step``'s order from the producer's buffers, tile ``t - 1``'s buffer released once its ``P V`` is
-        done; scores masked from tile ``n_plain`` on (``NESTED``, ``nest``: as ``hopper.fwd_step``).
+        done; scores masked from tile ``n_plain`` on (``nest``, ``NEST_T``: as ``hopper.fwd_step``).
         ``(acc, p, m_i, l_i)``."""
         st = (c + t) % STAGES
         pst = (c + t - 1) % STAGES
@@ -549,11 +553,9 @@ if gluon is not None:
         mbarrier.wait(v_ready.index(pst), ((c + t - 1) // STAGES) & 1)
         o = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
-        if NESTED:
-            sc = nest_scores(sc, nest[0], nest[1], NEST_T)
         if t >= n_plain:
             sc = masked_scores(sc, t * BLOCK_N, n_k, shift, qidx, kidx, IS_CAUSAL)
-        pf, alpha, m_i, l_i = softmax_step(sc, m_i, l_i, qk_scale)
+        pf, alpha, m_i, l_i = softmax_step(sc, m_i, l_i, qk_scale, nest, NEST_T)
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(empty.index(pst), count=1)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -561,7 +563,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_UNIT: gl.constexpr,
-                     IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr, q_desc, k_desc, v_desc):
+                     IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr, LAST: gl.constexpr, q_desc, k_desc, v_desc):
         """Each query tile's Q (two 64-row tiles, once both consumers are done with the last), then its key tiles."""
         (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,
          group, qk_scale, k, G, it0, n_items, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar,
@@ -574,7 +576,7 @@ if gluon is not None:
         for i in range(n_slots):
             live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row, k_row = _ws_tile(
                 i, T, h0, head_offset, r, k, G, it0, n_items, n_tiles, n_units, q_org, k_org, PER_UNIT, BLOCK_N,
-                IS_CAUSAL, NESTED, below)
+                IS_CAUSAL, NESTED, below, LAST)
             if live:
                 mbarrier.wait(q_empty, (n_q & 1) ^ 1)
                 mbarrier.expect(q_bar, 2 * Q_BYTES)
@@ -665,6 +667,6 @@ if gluon is not None:
                                             NESTED, NEST_T)),
                             (_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, MERGE, LAST, 1,
                                             NESTED, NEST_T)),
-                            (_ws_producer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, NESTED, q_desc, k_desc,
-                                            v_desc))],
+                            (_ws_producer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, NESTED, LAST, q_desc,
+                                            k_desc, v_desc))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -276,6 +276,20 @@ if gluon is not None:
             seen = seen | ((((p - head - head_offset) % ri) + ri) % ri < heads)
         return seen
 
+    @gluon.jit
+    def written_keyed(p, head, head_offset, PREV, n_prev):
+        """:func:`written_before` of a query row of nested launches (``launch.Problem.nesting``), whose tiles with no
+        key skip their rows: ``PREV`` holds the earlier launches' ``(r, w, below)``, and launch ``i`` wrote row ``p``
+        where its branch selects ``p`` and ``p`` keeps keys of it, at or past ``below`` in its segment of length ``w``
+        (segments from position 0: ``launch._nests``; ``below`` 0: every row)."""
+        seen = p < -1
+        for i in range(n_prev):
+            ri = gl.load(PREV + 3 * i)
+            below = gl.load(PREV + 3 * i + 2)
+            keyed = (below == 0) | (p % gl.maximum(gl.load(PREV + 3 * i + 1), 1) >= below)
+            seen = seen | (((((p - head - head_offset) % ri) + ri) % ri == 0) & keyed)
+        return seen
+
     # The forward's pipeline (``forward_hopper.py``, ``block_sparse_hopper.py``). Triton 3.6 runs the portable
     # forward kernels with every ``wgmma`` waited for at once: its pipeliner keeps a product in flight only when the
     # next use of the result is another product's accumulator, and the online softmax rescales the output between
@@ -386,7 +400,7 @@ if gluon is not None:
     def nest_scores(s, wq, wk, NEST_T: gl.constexpr):
         """Scores plus each pair's weight, ``min`` of its query's (``wq``, the tile's rows:
         :func:`nest_row_weights`) and its key's (``wk``, by column class: :func:`nest_class_weights`); ``NEST_T`` 1
-        has none (every weight is 1)."""
+        has none (every weight is 1). The dK / dV kernels' form, whose rows' terms (lse) change along a score row."""
         if NEST_T == 1:
             out = s
         else:
@@ -398,59 +412,89 @@ if gluon is not None:
         return out
 
     @gluon.jit
-    def softmax_first(s, qk_scale):
-        """``(p, m_i, l_i)`` of a row block's first score tile."""
+    def nest_pair_weights(s, p, k_first, head, head_offset, r, NEST, NEST_T: gl.constexpr):
+        """``log2 m`` of each (row, key class) pair of a score tile (rows at positions ``p``, its first key at
+        ``k_first``; ``tiles.nest_weight``): ``[M, 1, NEST_T]`` in :func:`exp2_rows`' class layout, made once a
+        tile; 0 where ``NEST_T`` is 1 (every weight is 1)."""
+        if NEST_T == 1:
+            w = 0.0
+        else:
+            w = gl.minimum(nest_row_weights(s, p, head, head_offset, NEST, 1.0, NEST_T)[:, None, None],
+                           nest_class_weights(s, k_first, head, head_offset, r, NEST, 1.0, NEST_T)[None, None, :])
+        return w
+
+    @gluon.jit
+    def exp2_rows(s, qk_scale, rows, w, NEST_T: gl.constexpr):
+        """``exp2(s * qk_scale - rows)`` of a score tile against a term per row (the running maximum, or lse), times
+        each pair's nested weight ``m`` (``w``: :func:`nest_pair_weights`; ``NEST_T`` 1: none). The weight goes into
+        the row's term by key class, ``[M, 1, NEST_T]`` values, so a score still costs one multiply-add: added to
+        each score, it cost the nested forward's r = 1 launch 11% (session 57). The row maximum is the unweighted
+        scores', so ``p`` is at most ``m`` (the branch count at most)."""
+        if NEST_T == 1:
+            p = gl.exp2(s * qk_scale - rows[:, None])
+        else:
+            M: gl.constexpr = s.shape[0]
+            N: gl.constexpr = s.shape[1]
+            s3 = gl.reshape(s, [M, N // NEST_T, NEST_T])
+            r3 = gl.convert_layout(rows, gl.SliceLayout(1, gl.SliceLayout(2, s3.type.layout)), assert_trivial=True)
+            p3 = gl.exp2(s3 * qk_scale + (w - r3[:, None, None]))
+            p = gl.convert_layout(gl.reshape(p3, [M, N]), s.type.layout, assert_trivial=True)
+        return p
+
+    @gluon.jit
+    def softmax_first(s, qk_scale, w=0.0, NEST_T: gl.constexpr = 1):
+        """``(p, m_i, l_i)`` of a row block's first score tile (``w``, ``NEST_T``: a nested branch's weights,
+        :func:`exp2_rows`)."""
         m_i = gl.maximum(gl.max(s, 1) * qk_scale, -1.0e30)
-        p = gl.exp2(s * qk_scale - m_i[:, None])
+        p = exp2_rows(s, qk_scale, m_i, w, NEST_T)
         return p, m_i, gl.sum(p, 1)
 
     @gluon.jit
-    def softmax_step(s, m_i, l_i, qk_scale):
+    def softmax_step(s, m_i, l_i, qk_scale, w=0.0, NEST_T: gl.constexpr = 1):
         """``(p, alpha, m_new, l_new)`` of a further score tile: its probabilities against the new maximum, and the
-        factor ``alpha`` that rescales what was summed before."""
+        factor ``alpha`` that rescales what was summed before (``w``, ``NEST_T``: as :func:`softmax_first`)."""
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = gl.exp2(s * qk_scale - m_new[:, None])
+        p = exp2_rows(s, qk_scale, m_new, w, NEST_T)
         alpha = gl.exp2(m_i - m_new)
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def softmax_start(s, acc, m_i, l_i, qk_scale, o_rows: gl.constexpr, RESUME: gl.constexpr):
+    def softmax_start(s, acc, m_i, l_i, qk_scale, o_rows: gl.constexpr, RESUME: gl.constexpr, w=0.0,
+                      NEST_T: gl.constexpr = 1):
         """``(p, acc, m_i, l_i)`` of a row block's first score tile: ``softmax_first``, or, ``RESUME``, a
         ``softmax_step`` from the sums carried in (the rows earlier launches wrote: ``forward_hopper.resume_rows``),
-        ``acc`` rescaled."""
+        ``acc`` rescaled (``w``, ``NEST_T``: as :func:`softmax_first`)."""
         if RESUME:
-            p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
+            p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale, w, NEST_T)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         else:
-            p, m_i, l_i = softmax_first(s, qk_scale)
+            p, m_i, l_i = softmax_first(s, qk_scale, w, NEST_T)
         return p, acc, m_i, l_i
 
     @gluon.jit
     def fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, k_next, s_zero, qk_scale, mask, key0, n_k, shift, qidx, kidx,
                   acc, m_i, l_i, o_rows: gl.constexpr, p_layout: gl.constexpr, K_STAGES: gl.constexpr,
-                  NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr, RESUME: gl.constexpr, NESTED: gl.constexpr = False,
-                  nest=0, NEST_T: gl.constexpr = 1):
+                  NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr, RESUME: gl.constexpr, nest=0.0,
+                  NEST_T: gl.constexpr = 1):
         """Key tile 0 (its K in buffer 0): its scores alone, nothing to overlap yet; its K buffer refilled with tile
-        ``K_STAGES`` (row ``k_next``). ``(p, acc, m_i, l_i)`` (``softmax_start``). ``NESTED``: a nested branch's
-        weights, ``nest`` = ``(wq, wk)`` (:func:`nest_scores`)."""
+        ``K_STAGES`` (row ``k_next``). ``(p, acc, m_i, l_i)`` (``softmax_start``). ``nest``, ``NEST_T``: a nested
+        branch's weights (:func:`nest_pair_weights`)."""
         mbarrier.wait(k_bar.index(0), 0)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         if K_STAGES < n_kt:
             tile_copy(k_desc, k_smem, k_bar, K_STAGES, k_next, K_STAGES, NBYTES)
-        if NESTED:  # ``nest``: (wq, wk)
-            s = nest_scores(s, nest[0], nest[1], NEST_T)
         if mask:
             s = masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL)
-        p, acc, m_i, l_i = softmax_start(s, acc, m_i, l_i, qk_scale, o_rows, RESUME)
+        p, acc, m_i, l_i = softmax_start(s, acc, m_i, l_i, qk_scale, o_rows, RESUME, nest, NEST_T)
         return gl.convert_layout(p.to(q_smem.dtype), p_layout), acc, m_i, l_i
 
     @gluon.jit
     def fwd_step(j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, k_next, v_next, acc, p, m_i, l_i,
                  s_zero, qk_scale, mask, key0, n_k, shift, qidx, kidx, o_rows: gl.constexpr, p_layout: gl.constexpr,
                  K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, NBYTES: gl.constexpr, MASKABLE: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr = False, nest=0, NEST_T: gl.constexpr = 1):
-        """Key tile ``j >= 1`` of ``n_kt`` (``NESTED``, ``nest``: as :func:`fwd_first`): its scores issued, then tile
+                 IS_CAUSAL: gl.constexpr, nest=0.0, NEST_T: gl.constexpr = 1):
+        """Key tile ``j >= 1`` of ``n_kt`` (``nest``, ``NEST_T``: as :func:`fwd_first`): its scores issued, then tile
         ``j - 1``'s ``P V`` (``p``: its probabilities), the softmax of tile ``j`` while that product runs, then the
         rescale of the output. The scores are masked where ``MASKABLE`` and ``mask`` (:func:`masked_scores`). Each
         buffer is refilled as soon as its product has read it: K with tile ``j + K_STAGES`` (from row ``k_next``) once
@@ -465,12 +509,10 @@ if gluon is not None:
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         if j + K_STAGES < n_kt:
             tile_copy(k_desc, k_smem, k_bar, j + K_STAGES, k_next, K_STAGES, NBYTES)
-        if NESTED:
-            s = nest_scores(s, nest[0], nest[1], NEST_T)
         if MASKABLE:
             if mask:
                 s = masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL)
-        pj, alpha, m_new, l_i = softmax_step(s, m_i, l_i, qk_scale)
+        pj, alpha, m_new, l_i = softmax_step(s, m_i, l_i, qk_scale, nest, NEST_T)
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         if j - 1 + V_STAGES < n_kt:
             tile_copy(v_desc, v_smem, v_bar, j - 1 + V_STAGES, v_next, V_STAGES, NBYTES)
@@ -543,20 +585,18 @@ if gluon is not None:
     @gluon.jit
     def dq_first(n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, v_desc, s_zero, lse, delta, qk_scale, mask,
                  n_k, shift, qidx, kidx, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr, V_STAGES: gl.constexpr,
-                 NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr = False, nest=0,
-                 NEST_T: gl.constexpr = 1):
+                 NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr, nest=0.0, NEST_T: gl.constexpr = 1):
         """Key tile 0: its scores and ``dP``, nothing to overlap yet; its V buffer refilled with tile ``V_STAGES``.
-        Its ``dS`` (K stays in its buffer for the product)."""
+        Its ``dS`` (K stays in its buffer for the product). ``nest``, ``NEST_T``: a nested branch's weights
+        (:func:`nest_pair_weights`)."""
         mbarrier.wait(k_bar.index(0), 0)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_bar.index(0), 0)
         dp = warpgroup_mma(do_smem, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        if NESTED:  # ``nest``: (wq, wk), as ``fwd_first``'s
-            s = nest_scores(s, nest[0], nest[1], NEST_T)
         if mask:
             s = masked_scores(s, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
-        p = gl.exp2(s * qk_scale - lse[:, None])
+        p = exp2_rows(s, qk_scale, lse, nest, NEST_T)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
         if V_STAGES < n_kt:
             tile_copy(v_desc, v_smem, v_bar, V_STAGES, V_STAGES * BLOCK_N, V_STAGES, NBYTES)
@@ -567,8 +607,8 @@ if gluon is not None:
     def dq_step(j, n_kt, q_smem, do_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, dq, ds, s_zero, lse, delta,
                 qk_scale, mask, n_k, shift, qidx, kidx, ds_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                 K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, NBYTES: gl.constexpr, MASKABLE: gl.constexpr,
-                IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr = False, nest=0, NEST_T: gl.constexpr = 1):
-        """Key tile ``j >= 1`` of ``n_kt`` (``NESTED``, ``nest``: as :func:`dq_first`): ``S`` and ``dP`` issued, then
+                IS_CAUSAL: gl.constexpr, nest=0.0, NEST_T: gl.constexpr = 1):
+        """Key tile ``j >= 1`` of ``n_kt`` (``nest``, ``NEST_T``: as :func:`dq_first`): ``S`` and ``dP`` issued, then
         tile ``j - 1``'s ``dQ += dS K`` (``ds``: its ``dS``); this tile's ``P`` while ``dP`` and that product run, its
         ``dS`` while the product does. V's buffer is refilled with tile ``j + V_STAGES`` once ``dP`` is in, tile ``j -
         1``'s K buffer with tile ``j - 1 + K_STAGES`` once its product is done. Scores masked where ``MASKABLE`` and
@@ -582,12 +622,10 @@ if gluon is not None:
         dp = warpgroup_mma(do_smem, v_smem.index(vs).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dq = warpgroup_mma(ds, k_smem.index(pk), dq, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
-        if NESTED:
-            s = nest_scores(s, nest[0], nest[1], NEST_T)
         if MASKABLE:
             if mask:
                 s = masked_scores(s, j * BLOCK_N, n_k, shift, qidx, kidx, IS_CAUSAL)
-        p = gl.exp2(s * qk_scale - lse[:, None])
+        p = exp2_rows(s, qk_scale, lse, nest, NEST_T)
         dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
         if j + V_STAGES < n_kt:
             tile_copy(v_desc, v_smem, v_bar, j + V_STAGES, (j + V_STAGES) * BLOCK_N, V_STAGES, NBYTES)
@@ -723,5 +761,6 @@ else:  # pragma: no cover - a Triton without Gluon: the kernel modules import th
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = heads_desc = rows_copy = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
     nest_limit = nest_first_query = nest_weight = nest_class_weights = nest_row_weights = nest_scores = None
+    nest_pair_weights = exp2_rows = written_keyed = None
     softmax_first = softmax_step = softmax_start = softmax_finish = None
     dq_first = dq_step = dq_last = ws_barriers = ws_copy_kv = mma_layout = None

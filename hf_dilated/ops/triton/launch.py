@@ -87,7 +87,7 @@ def _nests(pb: Problem, device, gluon: bool = False, plan: RunPlan | None = None
     (``gluon``) take it only where each branch's segments of the branch below start at multiples of ``GLUON_NEST_ROWS``
     of its dilated rows (LongNet's: 1024) and the items start at segments' starts (``plan.from_start``): their tiles
     then lie in one such segment, the kept keys are a range of whole tiles and no score needs a mask of its own
-    (``hopper.nest_scores``); elsewhere they compute every branch's pairs (the same function)."""
+    (``hopper.exp2_rows``, ``hopper.nest_scores``); elsewhere they compute every branch's pairs (the same function)."""
     rows = pb.nesting()
     if rows and gluon:
         br = pb.branches
@@ -106,6 +106,17 @@ def _nest_period(pb: Problem, branch_indices) -> int:
     1)."""
     rates = [r for _, r in pb.branches]
     return max((rates[-1] // rates[i] if i < len(rates) else 1) for i in branch_indices)
+
+
+def _keyed_rates(pb: Problem, order, device) -> torch.Tensor:
+    """The Gluon forward's table of its nested launches, ``(r, w, below)`` in launch order (``hopper.written_keyed``):
+    a nested launch before the last skips its tiles whose rows keep no key of it, so an earlier launch wrote a row
+    only where its branch selects it and it lies at or past ``below`` in its segment (made once per device and
+    order)."""
+    branches = pb.kernel_branches()
+    rows = pb.nesting()
+    table = [x for i, r, _ in order for x in (r, branches[i][0], rows[i][0])]
+    return _constant(f"keyed{table}", device, lambda: torch.tensor(table, dtype=torch.int32).to(device))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -415,8 +426,11 @@ def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_va
         part_lse = lse
     per_branch = streams if flags["DROPOUT"] else tuple(map(rec.constant, _branch_views(streams)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2])
+    keyed = _keyed_rates(pb, order, q.device) if gluon and nested and parts is None else None
     for j, i, r, items, prev, n_prev, grid, n_tiles, merge in _forward_launches(order, rates, last, parts, H,
                                                                                 tiles_cfg, ws):
+        if keyed is not None:  # the rows the nested launches before this one wrote
+            prev = keyed
         rec.constant(prev)
         rec.constant(items)
         if gluon:
