@@ -427,9 +427,9 @@ if gluon is not None:
     def exp2_rows(s, qk_scale, rows, w, NEST_T: gl.constexpr):
         """``exp2(s * qk_scale - rows)`` of a score tile against a term per row (the running maximum, or lse), times
         each pair's nested weight ``m`` (``w``: :func:`nest_pair_weights`; ``NEST_T`` 1: none). The weight goes into
-        the row's term by key class, ``[M, 1, NEST_T]`` values, so a score still costs one multiply-add: added to
-        each score, it cost the nested forward's r = 1 launch 11% (session 57). The row maximum is the unweighted
-        scores', so ``p`` is at most ``m`` (the branch count at most)."""
+        the row's term by key class, ``[M, 1, NEST_T]`` values, so a score still costs one multiply-add (added to
+        each score: 56 more instructions in the warp-specialized forward's tile loop; NOTES_triton, session 58). The
+        row maximum is the unweighted scores', so ``p`` is at most ``m`` (the branch count at most)."""
         if NEST_T == 1:
             p = gl.exp2(s * qk_scale - rows[:, None])
         else:
