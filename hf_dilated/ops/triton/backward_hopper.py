@@ -102,9 +102,9 @@ from .hopper import (
     WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
     fence_async_shared, first_selected, gl, gluon, heads_desc, item_query_tile, kv_descs, kv_prefetch, load_item,
     lse_base2, mbarrier, mma_layout, n_rows, nest_class_weights, nest_first_query, nest_pair_weights,
-    nest_row_weights, nest_scores, query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc, rows_copy, runnable,
-    score_buffers, step_rows, switch, thread_barrier, tma, tma_load, tma_reduce_add, warpgroup_mma, warpgroup_mma_init,
-    warpgroup_mma_wait, written_before,
+    nest_row_weights, nest_scores, query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc,
+    rows_copy, runnable, score_buffers, step_rows, switch, thread_barrier, tma, tma_load, tma_reduce_add,
+    warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
 from .tiles import NEST_COLUMNS
 

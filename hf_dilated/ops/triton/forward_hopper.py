@@ -46,8 +46,9 @@ import torch
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, heads_desc,
     item_query_tile, kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, nest_pair_weights,
-    part_query_tile, query_tile_buffers, query_tile_keys, release_barriers, row_desc, rows_copy, runnable, softmax_finish, softmax_start, softmax_step, switch, tma_load, warpgroup_mma,
-    warpgroup_mma_wait, written_before, written_keyed, ws_barriers, ws_copy_kv,
+    part_query_tile, query_tile_buffers, query_tile_keys, release_barriers, row_desc, rows_copy, runnable,
+    softmax_finish, softmax_start, softmax_step, switch, tma_load, warpgroup_mma, warpgroup_mma_wait, written_before,
+    written_keyed, ws_barriers, ws_copy_kv,
 )
 from .tiles import LOG2E, NEST_COLUMNS, PART_COLUMNS
 
@@ -449,9 +450,10 @@ if gluon is not None:
                  below, LAST: gl.constexpr):
         """The program's ``i``-th tile slot: ``(live, h, b, qbase, q_hi, k_lo, k_hi, off, p_min, n_kt, q_row,
         k_row)`` -- whether it holds query rows (a short item's missing tiles and a unit's repeated middle tile do
-        not; nor, in a nested launch before the last, a tile whose rows see no key of it), its head (of the class from ``h0``: ``h0 + r``, ... after every ``n_items x n_units`` units), the item's
-        batch row, query column base and bounds, the head's offset class, the tile's first query position, how many
-        key tiles some row of it sees, and the descriptor rows of its first query and of the item's first key."""
+        not; nor, in a nested launch before the last, a tile whose rows see no key of it), its head (of the class
+        from ``h0``: ``h0 + r``, ... after every ``n_items x n_units`` units), the item's batch row, query column base
+        and bounds, the head's offset class, the tile's first query position, how many key tiles some row of it sees,
+        and the descriptor rows of its first query and of the item's first key."""
         unit = k + (i // PER_UNIT) * G
         per_head = n_items * n_units
         h = h0 + (unit // per_head) * r
