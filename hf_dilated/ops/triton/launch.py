@@ -345,8 +345,9 @@ _PARTS: dict = {}
 
 def _forward_launches(order, rates, last, parts: Parts | None, heads: int, cfg: dict, ws: bool):
     """The forward's launches: ``(j, branch, r, items, PREV, n_prev, grid, n_tiles, flags)``. Without ``parts``, one
-    per branch of ``order``, launch ``j`` merging into the rows launches ``< j`` wrote (``PREV`` their rates). With
-    them, the parts' launch and the last branch's, which merges the parts' rows (``PREV`` the parts' table)."""
+    per branch of ``order``, launch ``j`` merging into the rows launches ``< j`` wrote (``PREV`` their rates, or the
+    nested Gluon forward's ``(r, w, below)``: :func:`_keyed_rates`). With them, the parts' launch and the last
+    branch's, which merges the parts' rows (``PREV`` the parts' table)."""
     if parts is None:
         for j, (i, r, it) in enumerate(order):
             grid, n_tiles = (None, None) if ws else items_grid(it.n_items, it.max_q_rows, cfg["BLOCK_M"], heads)
@@ -426,11 +427,10 @@ def _forward(rec: plans.Recorder, q, k, v, pb: Problem, plan: RunPlan, layout_va
         part_lse = lse
     per_branch = streams if flags["DROPOUT"] else tuple(map(rec.constant, _branch_views(streams)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2])
-    keyed = _keyed_rates(pb, order, q.device) if gluon and nested and parts is None else None
-    for j, i, r, items, prev, n_prev, grid, n_tiles, merge in _forward_launches(order, rates, last, parts, H,
+    # which rows the launches before each one wrote: by their rates, or the nested Gluon launches' (r, w, below)
+    written = _keyed_rates(pb, order, q.device) if gluon and nested and parts is None else rates
+    for j, i, r, items, prev, n_prev, grid, n_tiles, merge in _forward_launches(order, written, last, parts, H,
                                                                                 tiles_cfg, ws):
-        if keyed is not None:  # the rows the nested launches before this one wrote
-            prev = keyed
         rec.constant(prev)
         rec.constant(items)
         if gluon:
