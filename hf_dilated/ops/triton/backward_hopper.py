@@ -102,9 +102,9 @@ from .hopper import (
     WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
     fence_async_shared, first_selected, gl, gluon, heads_desc, item_query_tile, kv_descs, kv_prefetch, load_item,
     lse_base2, mbarrier, mma_layout, n_rows, nest_class_weights, nest_first_query, nest_pair_weights,
-    nest_row_weights, nest_scores, query_tile_buffers, query_tile_keys, register_product, release_barriers, row_desc,
-    rows_copy, runnable, score_buffers, step_rows, switch, thread_barrier, tma, tma_load, tma_reduce_add,
-    warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, written_before,
+    nest_row_weights, nest_scores, nest_weight, query_tile_buffers, query_tile_keys, register_product,
+    release_barriers, row_desc, rows_copy, runnable, score_buffers, step_rows, switch, thread_barrier, tma, tma_load,
+    tma_reduce_add, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
 from .tiles import NEST_COLUMNS
 
@@ -221,6 +221,29 @@ if gluon is not None:
         inv = 1.0 / qk_scale
         return (nest_row_weights(s_zero, k_first + (j_first + kidx) * r, h, head_offset, NEST, inv, NEST_T),
                 nest_class_weights(s_zero, q_first, h, head_offset, r, NEST, inv, NEST_T))
+
+    @gluon.jit
+    def _nest_rows(h0, r, j_first, start_q, nest, HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_Q: gl.constexpr):
+        """The fused dK/dV's nested weights (``tiles.nest_weight``, base 2), made before the partitions split, for each
+        of the class's heads: its key rows' and its first step's query columns' as shared rows ``[HEADS, BLOCK_N]``
+        and ``[HEADS, BLOCK_Q]``. A consumer holds its key rows' (2 registers a thread) and reads the query row each
+        step in the score tile's column layout, as lse and delta are; the steps start ``BLOCK_Q`` apart, a multiple
+        of every class period, so every step's columns have the first step's weights. Made in the consumers, or held
+        in ``hopper.nest_scores``' ``[M, N / T, T]`` class form, they spilled 148-364 bytes and ptxas serialized the
+        wgmma (NOTES_triton, sessions 57-59)."""
+        NEST, below, k_first, q_first, head_offset = nest
+        layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        wq = gl.allocate_shared_memory(gl.float32, [HEADS, BLOCK_Q], layout)
+        wk = gl.allocate_shared_memory(gl.float32, [HEADS, BLOCK_N], layout)
+        rows: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        for g in gl.static_range(HEADS):
+            h = h0 + g * r
+            wq.index(g).store(nest_weight(q_first + (start_q + gl.arange(0, BLOCK_Q, layout=rows)) * r, h,
+                                          head_offset, NEST, 1.0))
+            wk.index(g).store(nest_weight(k_first + (j_first + gl.arange(0, BLOCK_N, layout=rows)) * r, h,
+                                          head_offset, NEST, 1.0))
+        return nest + (wq, wk)
 
     @gluon.jit
     def dilated_bwd_dkdv_hopper_kernel(
@@ -599,9 +622,10 @@ if gluon is not None:
         for g in range(0, HEADS):  # as the producer's: the class's heads h0, h0 + r, ... in the group
             n_steps_h, l_row, dl_row, lse_next, delta_next = _ws_head_rows(
                 g, n_heads, n_steps, h0, r, rows, b, q0_row, start_q, vrows, n_q, kv_bar)
-            weights = 0
-            if NESTED:
-                weights = _nest_head(h0 + g * r, kidx, j_first, nest, r, qk_scale, s_zero, NEST_T)
+            wk = 0.0
+            if NESTED and NEST_T > 1:  # this head's key rows' weights; its query columns' read each step
+                wq_w = nest[5].index(g)
+                wk = nest[6].index(g).slice(WG * KW, KW).load(key_axis)
             q_cur = start_q
             for s in range(n_steps_h):
                 it = g * n_steps + s  # the step over all heads: buffer it % 2, the barriers' phases
@@ -619,9 +643,11 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(1 - buf), count=1)
                 if s + 1 < n_steps_h:
                     lse_next, delta_next = step_rows(l_row, dl_row, q_cur + BLOCK_Q, vrows, n_q, r, True)
-                if NESTED:
-                    sT = nest_scores(sT, weights[0], weights[1], NEST_T)
-                pT = gl.exp2(sT * qk_scale - lse_w.load(query_axis)[None, :])
+                if NESTED and NEST_T > 1:  # each pair's weight, min of its key's and query's, in the exponent
+                    pT = sT * qk_scale - lse_w.load(query_axis)[None, :]
+                    pT = gl.exp2(pT + gl.minimum(wk[:, None], wq_w.load(query_axis)[None, :]))
+                else:
+                    pT = gl.exp2(sT * qk_scale - lse_w.load(query_axis)[None, :])
                 if needs_mask:
                     qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
                     pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
@@ -774,6 +800,8 @@ if gluon is not None:
         shift = (q_first - k_first) // r - j_first
         full_from = _full_from(kp_max, q_first, r, IS_CAUSAL, NESTED, below)
         nest = (NEST, below, k_first, q_first, head_offset)
+        if FUSED_DQ and NESTED and NEST_T > 1:
+            nest = _nest_rows(h0, r, j_first, start_q, nest, HEADS, BLOCK_N, BLOCK_Q)
 
         kvh64 = kvh.to(gl.int64)
         h64 = h0.to(gl.int64)

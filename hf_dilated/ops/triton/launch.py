@@ -507,7 +507,7 @@ def _backward(rec: plans.Recorder, q, k, v, do, lse, delta, pb: Problem, plan: R
     fused = fused if gluon else None
     nests = _nests(pb, q.device, gluon, plan)
     rec.constant(nests[0])
-    rec.count("backward_nested", nests[1] and fused is None)  # (the dK/dV launch that adds dQ takes every pair)
+    rec.count("backward_nested", nests[1] and _nests_dkdv(fused))
     args = (order, rates, last, pb, extras, nests, kv_cfg, q_cfg, tma, gluon, fused)
     if q.dtype == torch.float32 or (not filled and len(order) == 1 and fused is None):
         # The sums are the gradients (the last launch writes them in place; one launch alone writes them and merges
@@ -548,6 +548,14 @@ SCRATCH_FRACTION = 0.125
 SCRATCH_MIN_BYTES = 2**30
 
 
+def _nests_dkdv(cfg: dict | None) -> bool:
+    """Whether a backward launch of config ``cfg`` (None: no dK/dV launch adds dQ) takes nested pairs: all but the
+    one-program dK/dV that adds dQ (``HF_DILATED_WS_DKDV=0``), whose wgmma ptxas serializes nested. The
+    warp-specialized one nests since session 59 (its weights made before its partitions split:
+    ``backward_hopper._nest_rows``)."""
+    return (cfg is None or not cfg.get("FUSED_DQ")
+            or backward_hopper.dkdv_kernel(cfg) is backward_hopper.dilated_bwd_dkdv_ws_kernel)
+
 def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem,
                     extras, nests, kv_cfg, q_cfg, tma, gluon, fused):
     """All branches of the backward for the heads ``h0..`` of these (possibly head-sliced) tensors, in launch
@@ -585,11 +593,9 @@ def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0
     # session 57). dQ and dK / dV are separate sums, so each may take the pairs either way.
 
     def nest_args(i: int, cfg: dict) -> dict:
-        """The Gluon kernels' nesting constexprs for branch ``i`` (none where the branches do not nest). Not the dK/dV
-        launch that adds dQ (``FUSED_DQ``: head dim 128, and 64 from 128K keys): nested, its warp-specialized form
-        spilled 148-364 bytes and ptxas serialized the wgmma of two of LongNet's five launches (backward 1.007x at
-        16 / 16 / 128, 1.073x at 32 / 8 / 128; NOTES_triton, session 57), so it takes every pair."""
-        return dict(NESTED=True, NEST_T=_nest_period(pb, [i])) if nests[1] and not cfg.get("FUSED_DQ") else {}
+        """The Gluon kernels' nesting constexprs for branch ``i`` (none where the branches do not nest, nor in the
+        one-program dK/dV that adds dQ: ``_nests_dkdv``)."""
+        return dict(NESTED=True, NEST_T=_nest_period(pb, [i])) if nests[1] and _nests_dkdv(cfg) else {}
 
     # The dQ stream only where there are dQ launches: with ``fused`` the fork and join were host time alone (16K
     # 16 / 16 / 128 forward+backward: 1.52 -> 1.31 ms of host, GPU time the same; NOTES_triton, session 43)
