@@ -1234,9 +1234,10 @@ def test_gpu_warp_specialized_dkdv(rng, monkeypatch, case):
     runs warp-specialized (a producer warp, two consumer warpgroups of 64 keys that meet once a step for dQ) at any
     number of query heads a class, and at head dim 256 dK/dV runs as its two roles (a dV and a dK warpgroup on the
     same 64 keys, ``P^T`` handed over in shared memory); against the float64 oracle (causal and bidirectional, ragged
-    segments, GQA with one and several heads a class, padding, head chunks: ``WS_DKDV_CASES``), dK and dV bit for bit
-    those of the one-program kernel (fused) or of its launch per gradient (256: the same products in the same order),
-    dQ to rounding (reduce-adds in no fixed order), and the warp-specialized kernel seen to run."""
+    segments, GQA with one and several heads a class, padding, head chunks: ``WS_DKDV_CASES``; nested pairs where they
+    apply), and on every pair dK and dV bit for bit those of the one-program kernel (fused) or of its launch per
+    gradient (256: the same products in the same order), dQ to rounding (reduce-adds in no fixed order), and the
+    warp-specialized kernel seen to run."""
     _gpu_skip()
     from hf_dilated.ops.triton import backward_hopper, configs
 
@@ -1263,6 +1264,7 @@ def test_gpu_warp_specialized_dkdv(rng, monkeypatch, case):
     do = torch.randn(q.shape, generator=rng, dtype=torch.float64).to("cuda", q.dtype)
     ws, rs = [w for w, _ in branches], [r for _, r in branches]
     grads = {}
+    monkeypatch.setattr(launch, "NESTED_PAIRS", False)  # the one-program kernel takes every pair (launch._nests_dkdv)
     for flag in ("0", "1"):
         monkeypatch.setenv("HF_DILATED_WS_DKDV", flag)
         out = hf_dilated.dilated_attention(q, k, v, ws, rs, backend="triton", **kw)
