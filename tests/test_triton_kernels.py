@@ -881,9 +881,9 @@ def test_gluon_kernels_coverage(monkeypatch, which):
         assert [d for d in (64, 128, 256) if kernel.dq_launch_config(d)] == [128, 256]
         # at head dim 128 one dK/dV launch adds dQ too (two warpgroups, 128 keys), unless switched off or
         # deterministic algorithms are asked for (its reduce-adds land in no fixed order)
-        # (head dim 64 only from 128K keys)
-        assert [d for d in (64, 128, 256) if kernel.fused_dq_launch_config(d, 1 << 16)] == [128]
-        assert [d for d in (64, 128, 256) if kernel.fused_dq_launch_config(d, 1 << 17)] == [64, 128]
+        # (head dim 64 only from 64K keys)
+        assert [d for d in (64, 128, 256) if kernel.fused_dq_launch_config(d, (1 << 16) - 16)] == [128]
+        assert [d for d in (64, 128, 256) if kernel.fused_dq_launch_config(d, 1 << 16)] == [64, 128]
         # warp-specialized (a producer warp, two consumer warpgroups) at any number of query heads a class, unless
         # HF_DILATED_WS_DKDV is off: then one program of 8 warps
         ws = kernel.fused_dq_launch_config(128, 4096)
@@ -1230,7 +1230,7 @@ WS_DKDV_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(WS_DKDV_CASES))
 def test_gpu_warp_specialized_dkdv(rng, monkeypatch, case):
-    """By default (``HF_DILATED_WS_DKDV``) at head dim 128, and 64 from 128K keys (here at any length), the fused dK/dV
+    """By default (``HF_DILATED_WS_DKDV``) at head dim 128, and 64 from 64K keys (here at any length), the fused dK/dV
     runs warp-specialized (a producer warp, two consumer warpgroups of 64 keys that meet once a step for dQ) at any
     number of query heads a class, and at head dim 256 dK/dV runs as its two roles (a dV and a dK warpgroup on the
     same 64 keys, ``P^T`` handed over in shared memory); against the float64 oracle (causal and bidirectional, ragged

@@ -72,9 +72,9 @@ Measured (H100, bf16, LongNet branches, ``results/*fused-dq*session20*``):
   there; D = 256: a float32 dQ tile of 64 rows would take 64 KB more shared memory and keeps the dQ kernel. Since
   session 49 D = 64 takes the warp-specialized fused launch from 128K keys (``FUSED_DQ_MIN_KEYS``), where the
   backward is power-capped: forward+backward 1.04x at 256K / 192K, 1.03x at 128K, 1.00x at 64K, 0.83x at 16K (H200,
-  9 / 3 heads).
+  9 / 3 heads); since session 59, on nested pairs, from 64K keys (1.071x there, 0.875x at 16K).
 
-The fused dK/dV warp-specialized (``dilated_bwd_dkdv_ws_kernel``, the default at head dim 128 and 64 from 128K keys;
+The fused dK/dV warp-specialized (``dilated_bwd_dkdv_ws_kernel``, the default at head dim 128 and 64 from 64K keys;
 ``HF_DILATED_WS_DKDV=0`` keeps the program of 8 warps): a producer warp copies K / V once and each step's Q / dO into
 two buffers; each consumer warpgroup owns 64 of the 128 keys, its ``S^T``, ``dP^T``, ``P^T``, ``dS^T`` and dK / dV
 sums, and adds columns ``64 WG ..`` of each step's dQ share (``dS`` of all 128 keys times its half of K's columns, read
@@ -144,8 +144,9 @@ FUSED_DQ_STEPS = {64: (128, 64, 8), 128: (128, 64, 8)}
 # Head dim 64 (9 / 3 heads, forward+backward, H200, session 49): 0.83x at 16K (half the 64-key programs do not fill
 # the GPU), 1.00x at 64K, 1.03x at 128K, 1.04x at 192K and 256K (there the backward runs at the 700 W cap, and fewer
 # products mean a higher clock). Session 50: 0.988x at 64K with 9 / 3 and with 14 / 2 heads; 128-query steps at D = 64
-# (192 KB, 168-340 bytes of spills) 0.96-0.97x at 64K, 0.80x at 16K.
-FUSED_DQ_MIN_KEYS = {64: 131072}
+# (192 KB, 168-340 bytes of spills) 0.96-0.97x at 64K, 0.80x at 16K. Session 59, with the fused launch on nested pairs
+# (the separate path's portable dQ takes every pair): 1.071x at 64K, 0.875x at 16K (9 / 3; 32K not measured).
+FUSED_DQ_MIN_KEYS = {64: 65536}
 
 
 def applies(q: torch.Tensor, flags: dict, tma: bool) -> bool:
@@ -424,11 +425,13 @@ if gluon is not None:
                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh,
                stride_xkn, stride_xvb, stride_xvh, stride_xvn)
         if PART == 0:
-            _finish_keys(dk, dv, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST)
+            _finish_keys(dk, dv, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST, n_steps == 0)
         elif PART == 1:
-            _finish_keys(None, acc, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST)
+            _finish_keys(None, acc, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST,
+                         n_steps == 0)
         else:
-            _finish_keys(acc, None, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST)
+            _finish_keys(acc, None, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST,
+                         n_steps == 0)
 
     @gluon.jit
     def dilated_bwd_dq_hopper_kernel(
@@ -680,7 +683,7 @@ if gluon is not None:
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         tma.store_wait(0)
 
-        _finish_keys(dk, dv, j_first + WG * KW, b, r, scale, out, KW, HEAD_DIM, g_layout, MERGE, LAST)
+        _finish_keys(dk, dv, j_first + WG * KW, b, r, scale, out, KW, HEAD_DIM, g_layout, MERGE, LAST, n_steps == 0)
 
     @gluon.jit
     def _dkdv_ws_role(steps, rows, out, bufs, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
@@ -757,9 +760,11 @@ if gluon is not None:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
         if WG == 0:
-            _finish_keys(None, acc, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST)
+            _finish_keys(None, acc, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST,
+                         n_steps == 0)
         else:
-            _finish_keys(acc, None, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST)
+            _finish_keys(acc, None, j_first, b, r, scale, out, BLOCK_N, HEAD_DIM, g_layout, MERGE, LAST,
+                         n_steps == 0)
 
     @gluon.jit
     def dilated_bwd_dkdv_ws_kernel(
@@ -912,15 +917,22 @@ if gluon is not None:
 
     @gluon.jit
     def _finish_keys(dk, dv, first, b, r, scale, out, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     g_layout: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr):
+                     g_layout: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, idle):
         """A dK/dV program's epilogue for its ``ROWS`` dilated key rows from row ``first``: dK (``dk``, scaled here),
         then dV, each through ``_finish``; either may be ``None`` (a launch or role of one gradient). ``out``: the
-        gradients' tensors, the item's keys and the heads earlier launches wrote (``_key_rows``), the strides."""
+        gradients' tensors, the item's keys and the heads earlier launches wrote (``_key_rows``), the strides.
+        ``idle``: the program ran no query step. A merging launch before the last then leaves the rows earlier
+        launches wrote as they are, neither read nor written (a nested branch's key tiles in the last segment of the
+        branch below: half its tiles, 128 KB of float32 sums each read and written at head dim 128), and writes the
+        others' zeros."""
         (DK, DV, DK_OUT, DV_OUT, PREV, kvh64, head0, group, head_offset, n_prev, kbase, k_first, n_k, stride_dkb,
          stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_xkb, stride_xkh, stride_xkn, stride_xvb,
          stride_xvh, stride_xvn) = out
         kc64, d, kin, seen = _key_rows(first, k_first, kbase, n_k, r, head0, group, head_offset, PREV, n_prev, ROWS,
                                        HEAD_DIM, g_layout, MERGE)
+        if MERGE and not LAST:
+            kin = kin & ~(seen & idle)
+            seen = seen & ~idle
         if dk is not None:
             _finish(dk * scale, DK + b * stride_dkb + kvh64 * stride_dkh, DK_OUT + b * stride_xkb + kvh64 * stride_xkh,
                     kc64, d, kin, seen, stride_dkn, stride_xkn, MERGE, LAST)
