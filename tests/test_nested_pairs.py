@@ -147,6 +147,23 @@ def test_gluon_takes_nesting_where_items_start_at_segment_starts():
     assert launch._nests(pb, "cpu", False, tail)[1]
 
 
+def test_which_dkdv_launches_take_nested_pairs(monkeypatch):
+    """Every Gluon dK/dV launch takes nested pairs but the one-program launch that adds dQ (``HF_DILATED_WS_DKDV=0``),
+    whose wgmma ptxas serializes nested; the warp-specialized one that adds dQ (the default at head dim 128, and 64
+    from 64K keys) nests, its weights made before its partitions split (``backward_hopper._nest_rows``)."""
+    backward_hopper = pytest.importorskip("hf_dilated.ops.triton.backward_hopper")
+    if backward_hopper.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    assert launch._nests_dkdv(None)  # dQ has kernels of its own
+    assert all(launch._nests_dkdv(cfg) for d in (64, 128, 256) for cfg in backward_hopper.dkdv_launch_configs(d))
+    for d in (64, 128):
+        ws = backward_hopper.fused_dq_launch_config(d, 65536)
+        assert ws["FUSED_DQ"] and launch._nests_dkdv(ws), ws
+    monkeypatch.setenv("HF_DILATED_WS_DKDV", "0")
+    one = backward_hopper.fused_dq_launch_config(128, 65536)
+    assert one["FUSED_DQ"] and not launch._nests_dkdv(one), one
+
+
 @pytest.mark.parametrize("global_tokens", [0, 4])
 def test_keyed_rates_name_the_rows_nested_launches_write(global_tokens):
     """The Gluon forward's nested launches before the last skip their tiles whose rows keep no key of the branch, so

@@ -599,7 +599,7 @@ if gluon is not None:
         register A operand of ``dV += P^T dO``, held until the step's dQ wait retires it: no shared-memory tile, store
         or proxy fence for it (session 48: spills 80-108 -> 32-40 bytes, forward+backward 1.03-1.05x at H 16, dK / dV
         bit for bit as before). ``dS^T`` stays in shared memory: the dQ product reads it transposed. ``NESTED``: a
-        nested branch's pairs and weights (``nest``: ``_nest_head``'s)."""
+        nested branch's pairs and weights (``nest[5]`` / ``nest[6]``: ``_nest_rows``' query and key rows)."""
         h0, n_heads, r, n_q, q0_row, start_q, n_steps, j_first, shift, full_from, b, scale, qk_scale = steps
         k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_ready = bufs
         dtype: gl.constexpr = k_smem.dtype

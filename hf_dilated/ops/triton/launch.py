@@ -556,6 +556,7 @@ def _nests_dkdv(cfg: dict | None) -> bool:
     return (cfg is None or not cfg.get("FUSED_DQ")
             or backward_hopper.dkdv_kernel(cfg) is backward_hopper.dilated_bwd_dkdv_ws_kernel)
 
+
 def _backward_heads(rec: plans.Recorder, q, k, v, do, lse, delta, sums, outs, h0, order, rates, last, pb: Problem,
                     extras, nests, kv_cfg, q_cfg, tma, gluon, fused):
     """All branches of the backward for the heads ``h0..`` of these (possibly head-sliced) tensors, in launch
