@@ -599,7 +599,7 @@ if gluon is not None:
         register A operand of ``dV += P^T dO``, held until the step's dQ wait retires it: no shared-memory tile, store
         or proxy fence for it (session 48: spills 80-108 -> 32-40 bytes, forward+backward 1.03-1.05x at H 16, dK / dV
         bit for bit as before). ``dS^T`` stays in shared memory: the dQ product reads it transposed. ``NESTED``: a
-        nested branch's pairs and weights (``nest[5]`` / ``nest[6]``: ``_nest_rows``' query and key rows)."""
+        nested branch's pairs and weights (``nest[5:]``: ``_nest_rows``' query and key rows)."""
         h0, n_heads, r, n_q, q0_row, start_q, n_steps, j_first, shift, full_from, b, scale, qk_scale = steps
         k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_ready = bufs
         dtype: gl.constexpr = k_smem.dtype
@@ -627,8 +627,9 @@ if gluon is not None:
                 g, n_heads, n_steps, h0, r, rows, b, q0_row, start_q, vrows, n_q, kv_bar)
             wk = 0.0
             if NESTED and NEST_T > 1:  # this head's key rows' weights; its query columns' read each step
-                wq_w = nest[5].index(g)
-                wk = nest[6].index(g).slice(WG * KW, KW).load(key_axis)
+                wq_rows, wk_rows = nest[5:]  # _nest_rows' shared rows, after the nest columns
+                wq_w = wq_rows.index(g)
+                wk = wk_rows.index(g).slice(WG * KW, KW).load(key_axis)
             q_cur = start_q
             for s in range(n_steps_h):
                 it = g * n_steps + s  # the step over all heads: buffer it % 2, the barriers' phases
@@ -646,11 +647,10 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(1 - buf), count=1)
                 if s + 1 < n_steps_h:
                     lse_next, delta_next = step_rows(l_row, dl_row, q_cur + BLOCK_Q, vrows, n_q, r, True)
+                pT = sT * qk_scale - lse_w.load(query_axis)[None, :]
                 if NESTED and NEST_T > 1:  # each pair's weight, min of its key's and query's, in the exponent
-                    pT = sT * qk_scale - lse_w.load(query_axis)[None, :]
-                    pT = gl.exp2(pT + gl.minimum(wk[:, None], wq_w.load(query_axis)[None, :]))
-                else:
-                    pT = gl.exp2(sT * qk_scale - lse_w.load(query_axis)[None, :])
+                    pT = pT + gl.minimum(wk[:, None], wq_w.load(query_axis)[None, :])
+                pT = gl.exp2(pT)
                 if needs_mask:
                     qidx = gl.arange(0, BLOCK_Q, layout=query_axis)
                     pT = gl.where(kidx[:, None] <= (qidx + diag)[None, :], pT, 0.0)
