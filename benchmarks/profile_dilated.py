@@ -11,7 +11,8 @@ the fused dQ at head dim 128).
 
 ``--dense cudnn`` (or ``flash``) runs dense causal SDPA on that backend instead, at the same shape, so the same
 Nsight sections read the bar the dilated kernels are held to (issue 14: cuDNN's rate), cycle for cycle under Nsight's
-locked clock. ``--n``, ``--heads``, ``--kv-heads``, ``--dim`` change the shape. The readings are in
+locked clock; ``--dense cudnn-segments`` runs cuDNN on exactly the dilated work (each branch's segments gathered into
+a batch of dense causal sequences, r = 1's launches first), the bar for one branch's launch. ``--n``, ``--heads``, ``--kv-heads``, ``--dim`` change the shape. The readings are in
 ``benchmarks/NOTES_triton.md``. With ``--table``, no Nsight: GPU time per kernel from ``torch.profiler``
 (``kernel_times.py``); with ``--launches``, every launch of one forward+backward in order (the branch launches of
 the dilated op: forward and dK/dV, r = 2, 4, 8, 16 then r = 1, per head chunk of the backward)."""
@@ -32,7 +33,9 @@ ap.add_argument("--n", type=int, default=65536)
 ap.add_argument("--heads", type=int, default=16)
 ap.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
 ap.add_argument("--dim", type=int, default=128)
-ap.add_argument("--dense", choices=["cudnn", "flash"], default=None, help="profile dense causal SDPA instead")
+ap.add_argument("--dense", choices=["cudnn", "flash", "cudnn-segments"], default=None,
+                help="profile dense causal SDPA instead; cudnn-segments: cuDNN on exactly the dilated work, each "
+                     "branch's segments as a batch (bench_attention.segment_calls), r = 1's first")
 ap.add_argument("--table", action="store_true", help="GPU time per kernel from torch.profiler, no Nsight")
 ap.add_argument("--launches", action="store_true",
                 help="every GPU launch of one forward+backward in order, with its time (torch.profiler, no Nsight)")
@@ -51,7 +54,11 @@ k, v = (torch.randn(1, Hk, N, D, device="cuda", dtype=torch.bfloat16, requires_g
 g = torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16)
 w, r = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
 
-if args.dense:
+if args.dense == "cudnn-segments":
+    from bench_attention import segment_calls
+
+    forward, step = segment_calls(q, k, v, g, list(zip(w, r)))
+elif args.dense:
     from bench_attention import run_sdpa
 
     def forward():
