@@ -1219,6 +1219,8 @@ WS_DKDV_CASES = {
     "head-chunks-gqa": (1, 8, 2, 2100, torch.bfloat16, dict(head_offset=2, chunked=True)),  # 4 / 2 a class at r 1 / 2
     "d64-gqa": (2, 9, 3, 2300, torch.bfloat16, dict(head_dim=64, head_offset=1)),  # SmolLM2's heads
     "d64-bidirectional": (1, 6, 6, 1900, torch.float16, dict(head_dim=64, is_causal=False)),
+    "d64-padding": (2, 8, 8, 2048, torch.bfloat16, dict(head_dim=64, mask=True)),
+    "d64-head-chunks-gqa": (1, 8, 2, 2100, torch.bfloat16, dict(head_dim=64, head_offset=2, chunked=True)),
     # head dim 256: the two roles (a dV and a dK warpgroup on the same keys), not fused with dQ
     "d256-gqa": (1, 8, 2, 2300, torch.bfloat16, dict(head_dim=256, head_offset=1)),  # 4 / 2 / 1 a class at r 1 / 2 / 4
     "d256-bidirectional": (1, 4, 4, 1100, torch.float16, dict(head_dim=256, is_causal=False)),
@@ -1231,9 +1233,9 @@ WS_DKDV_CASES = {
 @pytest.mark.parametrize("case", list(WS_DKDV_CASES))
 def test_gpu_warp_specialized_dkdv(rng, monkeypatch, case):
     """By default (``HF_DILATED_WS_DKDV``) at head dim 128, and 64 from 64K keys (here at any length), the fused dK/dV
-    runs warp-specialized (a producer warp, two consumer warpgroups of 64 keys that meet once a step for dQ) at any
-    number of query heads a class, and at head dim 256 dK/dV runs as its two roles (a dV and a dK warpgroup on the
-    same 64 keys, ``P^T`` handed over in shared memory); against the float64 oracle (causal and bidirectional, ragged
+    runs warp-specialized (a producer warp, two consumer warpgroups of 64 keys: at 128 they meet once a step for dQ,
+    at 64 each adds dQ of its own keys) at any number of query heads a class, and at head dim 256 dK/dV runs as its
+    two roles (a dV and a dK warpgroup on the same 64 keys, ``P^T`` handed over in shared memory); against the float64 oracle (causal and bidirectional, ragged
     segments, GQA with one and several heads a class, padding, head chunks: ``WS_DKDV_CASES``; nested pairs where they
     apply), and on every pair dK and dV bit for bit those of the one-program kernel (fused) or of its launch per
     gradient (256: the same products in the same order), dQ to rounding (reduce-adds in no fixed order), and the

@@ -91,7 +91,12 @@ step fewer, spills 32-40 bytes, 2 reloads a step; forward+backward 1.03 / 1.04 /
 1.006x with GQA 32 / 8 on the H200, dK and dV unchanged bit for bit. Since session 49 launches with several query
 heads a class (GQA's r = 1, 2) run here too: the program loops over the class's heads, Q / dO / dQ as 3-D descriptors
 with the head a coordinate (``hopper.heads_desc``), one step count over all heads driving the buffers and barrier
-phases; forward+backward 1.005x (32 / 8) and 1.02x (28 / 4) at 64K on the H200, dK and dV bit for bit.
+phases; forward+backward 1.005x (32 / 8) and 1.02x (28 / 4) at 64K on the H200, dK and dV bit for bit. Since
+session 60 at head dim 64 each consumer adds dQ of its own 64 keys over all columns instead (``OWN_DQ``): the two
+never meet, and ``dS^T`` is one buffer a warpgroup; forward+backward 1.018x / 1.019x at 64K / 128K (9 / 3, H200), dK
+and dV bit for bit. At 128 the same form spilled 132-200 bytes (a [64, 128] float32 dQ tile a consumer) and ran
+0.93x / 0.87x (16 / 16, 32 / 8 at 64K); taken in two column halves one after the other, 80-128 bytes and 0.95x /
+0.92x.
 """
 
 from __future__ import annotations
@@ -536,7 +541,8 @@ if gluon is not None:
     # roles split: a producer warp copies K / V once and each step's Q / dO (two buffers, released by both consumers),
     # and each consumer warpgroup owns 64 of the keys. A consumer's dV / dK products, its P^T (in registers) / dS^T and
     # its dK / dV sums are its own; the step's dQ needs dS^T of all 128 keys, so the two meet once a step
-    # (``ds_ready``: both halves written, in buffer it % 2) and each adds its half of dQ's columns. With several query
+    # (``ds_ready``: both halves written, in buffer it % 2) and each adds its half of dQ's columns (at head dim 64 each
+    # adds dQ of its own keys over all columns instead, and they never meet: ``OWN_DQ``). With several query
     # heads a class the steps of head g follow those of head g - 1 (step ``it = g * n_steps + s``). Without FUSED_DQ
     # (head dim 256, whose dK and dV do not fit one warpgroup together) the warpgroups share 64 keys and take a gradient
     # each (``_dkdv_ws_role``), the same producer feeding them.
@@ -592,19 +598,21 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_ws_consumer(steps, rows, out, bufs, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
                           IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc,
-                          nest, NESTED: gl.constexpr, NEST_T: gl.constexpr):
+                          nest, NESTED: gl.constexpr, NEST_T: gl.constexpr, OWN_DQ: gl.constexpr):
         """dK and dV of keys ``64 WG ..`` of the program's tile, and columns ``HEAD_DIM / 2 * WG ..`` of each step's
         dQ share (``dq_desc``): ``hopper.dkdv_dq_products``'s products, each summed in the same order (``dP^T`` is
         issued after the exponentials rather than beside ``S^T``: 32 registers fewer while they run). ``P^T`` is the
         register A operand of ``dV += P^T dO``, held until the step's dQ wait retires it: no shared-memory tile, store
         or proxy fence for it (session 48: spills 80-108 -> 32-40 bytes, forward+backward 1.03-1.05x at H 16, dK / dV
         bit for bit as before). ``dS^T`` stays in shared memory: the dQ product reads it transposed. ``NESTED``: a
-        nested branch's pairs and weights (``nest[5:]``: ``_nest_rows``' query and key rows)."""
+        nested branch's pairs and weights (``nest[5:]``: ``_nest_rows``' query and key rows). ``OWN_DQ`` (head dim 64):
+        each consumer adds dQ of its own 64 keys over all columns instead, so the two never meet and ``dS^T`` is a
+        warpgroup's own, in one buffer (its readers retire at the next step's first wait)."""
         h0, n_heads, r, n_q, q0_row, start_q, n_steps, j_first, shift, full_from, b, scale, qk_scale = steps
         k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_ready = bufs
         dtype: gl.constexpr = k_smem.dtype
         KW: gl.constexpr = 64  # keys per warpgroup
-        DH: gl.constexpr = HEAD_DIM // 2  # dQ columns per warpgroup
+        DH: gl.constexpr = HEAD_DIM if OWN_DQ else HEAD_DIM // 2  # dQ columns per warpgroup
         s_layout: gl.constexpr = mma_layout(4, BLOCK_Q)
         g_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
         dq_layout: gl.constexpr = mma_layout(4, DH)
@@ -613,7 +621,11 @@ if gluon is not None:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)  # P^T
         k_w = k_smem.slice(WG * KW, KW)
         v_w = v_smem.slice(WG * KW, KW)
-        k_cols = k_smem.slice(WG * DH, DH, dim=1)
+        if OWN_DQ:  # dQ of the warpgroup's keys, all columns
+            k_cols = k_w
+            ds_w = ds_smem.slice(WG * KW, KW)
+        else:  # dQ of all 128 keys, the warpgroup's half of the columns
+            k_cols = k_smem.slice(WG * DH, DH, dim=1)
         dq_w = dq_smem.index(WG)
         kidx = WG * KW + gl.arange(0, KW, layout=key_axis)
         vrows = gl.arange(0, BLOCK_Q, layout=gl.BlockedLayout([1], [32], [4], [0]))
@@ -659,15 +671,21 @@ if gluon is not None:
                 dv = warpgroup_mma(pa, dos, dv, is_async=True)
                 dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
                 ds = (pT * (dpT - delta_w.load(query_axis)[None, :])).to(dtype)
-                # dS^T in buffer it % 2: its last readers, the step before last's dQ products, are done (each
-                # warpgroup's retired before it arrived at the last step's ds_ready, which this one has passed)
-                ds_all = ds_smem.index(buf)
-                ds_w = ds_all.slice(WG * KW, KW)
-                ds_w.store(ds)
-                fence_async_shared()
-                thread_barrier()
-                mbarrier.arrive(ds_ready, count=1)
-                mbarrier.wait(ds_ready, it & 1)  # both halves of dS^T written
+                if OWN_DQ:
+                    ds_w.store(ds)
+                    fence_async_shared()
+                    thread_barrier()
+                    ds_all = ds_w
+                else:
+                    # dS^T in buffer it % 2: its last readers, the step before last's dQ products, are done (each
+                    # warpgroup's retired before it arrived at the last step's ds_ready, which this one has passed)
+                    ds_all = ds_smem.index(buf)
+                    ds_w = ds_all.slice(WG * KW, KW)
+                    ds_w.store(ds)
+                    fence_async_shared()
+                    thread_barrier()
+                    mbarrier.arrive(ds_ready, count=1)
+                    mbarrier.wait(ds_ready, it & 1)  # both halves of dS^T written
                 dq_zero = gl.zeros([BLOCK_Q, DH], gl.float32, layout=dq_layout)
                 dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
                 dk = warpgroup_mma(ds_w, qs, dk, is_async=True)
@@ -793,7 +811,9 @@ if gluon is not None:
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], dtype)
         ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], dtype)
-        dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM // 2], gl.float32)
+        OWN_DQ: gl.constexpr = HEAD_DIM <= 64  # _dkdv_ws_consumer's; at 128 it spilled and ran 0.93-0.95x (session 60)
+        DQ_COLS: gl.constexpr = HEAD_DIM if OWN_DQ else HEAD_DIM // 2  # each consumer's dQ tile's columns
+        dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, DQ_COLS], gl.float32)
 
         NEST = NESTS + nest_i * NEST_COLUMNS
         below = 0
@@ -827,25 +847,28 @@ if gluon is not None:
             q_desc = row_desc(q_base, n_qdesc, r * stride_qn, BLOCK_Q, HEAD_DIM, q_smem_layout)
             do_desc = row_desc(do_base, n_qdesc, r * stride_dn, BLOCK_Q, HEAD_DIM, q_smem_layout)
             if FUSED_DQ:
-                dq_desc0 = row_desc(dq_base, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2, dq_smem_layout)
-                dq_desc1 = row_desc(dq_base + HEAD_DIM // 2, n_qdesc, r * stride_dqn, BLOCK_Q, HEAD_DIM // 2,
+                dq_desc0 = row_desc(dq_base, n_qdesc, r * stride_dqn, BLOCK_Q, DQ_COLS, dq_smem_layout)
+                dq_desc1 = row_desc(dq_base + HEAD_DIM - DQ_COLS, n_qdesc, r * stride_dqn, BLOCK_Q, DQ_COLS,
                                     dq_smem_layout)
         else:  # the class's query heads h0, h0 + r, ... of the kv head's group, the head a coordinate
             q_desc = heads_desc(q_base, n_heads, n_qdesc, r * stride_qh, r * stride_qn, BLOCK_Q, HEAD_DIM, dtype)
             do_desc = heads_desc(do_base, n_heads, n_qdesc, r * stride_dh, r * stride_dn, BLOCK_Q, HEAD_DIM, dtype)
             if FUSED_DQ:
-                dq_desc0 = heads_desc(dq_base, n_heads, n_qdesc, r * stride_dqh, r * stride_dqn, BLOCK_Q,
-                                      HEAD_DIM // 2, gl.float32)
-                dq_desc1 = heads_desc(dq_base + HEAD_DIM // 2, n_heads, n_qdesc, r * stride_dqh, r * stride_dqn,
-                                      BLOCK_Q, HEAD_DIM // 2, gl.float32)
+                dq_desc0 = heads_desc(dq_base, n_heads, n_qdesc, r * stride_dqh, r * stride_dqn, BLOCK_Q, DQ_COLS,
+                                      gl.float32)
+                dq_desc1 = heads_desc(dq_base + HEAD_DIM - DQ_COLS, n_heads, n_qdesc, r * stride_dqh, r * stride_dqn,
+                                      BLOCK_Q, DQ_COLS, gl.float32)
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_smem_layout)
         q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
         do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_Q, HEAD_DIM], q_smem_layout)
         if FUSED_DQ:
-            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_Q], ds_smem_layout)
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_Q, HEAD_DIM // 2], dq_smem_layout)
+            if OWN_DQ:  # each warpgroup's half, its own
+                ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_Q], ds_smem_layout)
+            else:
+                ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_Q], ds_smem_layout)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_Q, DQ_COLS], dq_smem_layout)
         else:  # the roles' P^T hand-over (``_dkdv_ws_role``), in float32 as the one-gradient launches use it
             pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_Q], gl.float32)
             ds_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, BLOCK_Q], pt_layout)
@@ -885,9 +908,9 @@ if gluon is not None:
         if FUSED_DQ:
             gl.warp_specialize(
                 [(_dkdv_ws_consumer, (steps, rows, out, bufs, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 0,
-                                      dq_desc0, nest, NESTED, NEST_T)),
+                                      dq_desc0, nest, NESTED, NEST_T, OWN_DQ)),
                  (_dkdv_ws_consumer, (steps, rows, out, bufs, HEAD_DIM, BLOCK_Q, HEADS, IS_CAUSAL, MERGE, LAST, 1,
-                                      dq_desc1, nest, NESTED, NEST_T)),
+                                      dq_desc1, nest, NESTED, NEST_T, OWN_DQ)),
                  (_dkdv_ws_producer, (steps, bufs, HEAD_DIM, BLOCK_Q, HEADS, q_desc, do_desc, k_desc, v_desc))],
                 [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
