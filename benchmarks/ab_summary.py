@@ -1,5 +1,5 @@
-"""Summarize the JSON lines of ``compare_checkouts.py`` runs: per shape, each checkout's mean forward and
-forward+backward time over its rounds, its speed against a base checkout (> 1: faster than the base), and whether
+"""Summarize the JSON lines of ``compare_checkouts.py`` runs: per shape, each checkout's median forward and
+forward+backward time over its rounds (a median: the first round on a cold machine can read 10% slow, session 60), its speed against a base checkout (> 1: faster than the base), and whether
 its results are the base's bit for bit (the checksums' int16 bit-pattern sums; a tensor that differs shows its
 largest difference of float64 sums instead, relative to the sum of magnitudes where the line has it, else to the sum,
 which for a tensor summing to about zero, such as dK, overstates it).
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -41,9 +42,9 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def _mean(values: list) -> float | None:
+def _median(values: list) -> float | None:
     values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
+    return statistics.median(values) if values else None
 
 
 def _same_results(base_cks: list, cks: list) -> dict:
@@ -65,7 +66,7 @@ def _same_results(base_cks: list, cks: list) -> dict:
 
 
 def summarize(rows: list[dict], base: str) -> list[dict]:
-    """One entry per (shape, label): mean times, rounds, speed against ``base`` at the same shape and result check."""
+    """One entry per (shape, label): median times, rounds, speed against ``base`` at the same shape and result check."""
     labels = sorted({r["label"] for r in rows})
     if base not in labels:
         raise ValueError(f"{base!r} is not one of the file's labels {labels}")
@@ -77,10 +78,10 @@ def summarize(rows: list[dict], base: str) -> list[dict]:
         base_rows = by_label.get(base)
         for label, runs in sorted(by_label.items(), key=lambda kv: (kv[0] != base, kv[0])):
             entry = dict(zip(SHAPE_KEYS, shape), label=label, rounds=len(runs),
-                         fwd_ms=_mean([r["fwd_ms"] for r in runs]), fwdbwd_ms=_mean([r.get("fwdbwd_ms") for r in runs]))
+                         fwd_ms=_median([r["fwd_ms"] for r in runs]), fwdbwd_ms=_median([r.get("fwdbwd_ms") for r in runs]))
             if base_rows and label != base:
                 for mode in ("fwd_ms", "fwdbwd_ms"):
-                    b = _mean([r.get(mode) for r in base_rows])
+                    b = _median([r.get(mode) for r in base_rows])
                     entry[f"speed_{mode[:-3]}"] = b / entry[mode] if b and entry[mode] else None
                 entry["results"] = _same_results([r["cks"] for r in base_rows], [r["cks"] for r in runs])
             out.append(entry)

@@ -716,6 +716,19 @@ def test_ab_summary_gives_speed_against_the_base_and_which_results_are_bit_equal
     assert "results" not in summary[0]
 
 
+def test_ab_summary_takes_the_median_round_so_a_cold_first_round_does_not_move_the_speed(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ab_summary
+
+    log = tmp_path / "ab.jsonl"
+    log.write_text("\n".join([_ab_line("main", 2.4, 12.0, dq_bits=5), _ab_line("new", 2.0, 10.2, dq_bits=5),
+                               _ab_line("main", 2.0, 10.0, dq_bits=5), _ab_line("new", 2.0, 10.1, dq_bits=5),
+                               _ab_line("main", 2.0, 10.0, dq_bits=5), _ab_line("new", 2.0, 10.1, dq_bits=5)]) + "\n")
+    new = next(e for e in ab_summary.summarize(ab_summary.read_rows(log), "main") if e["label"] == "new")
+    assert new["rounds"] == 3 and new["fwdbwd_ms"] == 10.1
+    assert new["speed_fwd"] == 1.0 and abs(new["speed_fwdbwd"] - 10.0 / 10.1) < 1e-12  # the mean read 1.04x
+
+
 def test_ab_summary_reads_a_difference_against_the_magnitudes_and_plots_the_speeds(tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import ab_summary
