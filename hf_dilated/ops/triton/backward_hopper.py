@@ -106,12 +106,11 @@ import torch
 from .hopper import (
     WS_LAUNCH, dkdv_buffers, dkdv_dq_products, dkdv_products, dkdv_scores, dq_first, dq_last, dq_step,
     fence_async_shared, first_selected, gl, gluon, heads_desc, item_query_tile, kv_descs, kv_prefetch, load_item,
-    lse_base2, mbarrier, mma_layout, n_rows, nest_class_weights, nest_first_query, nest_pair_weights,
+    lse_base2, mbarrier, mma_layout, n_rows, nest_class_weights, nest_first_query, nest_pair_weights, nest_row,
     nest_row_weights, nest_scores, nest_weight, query_tile_buffers, query_tile_keys, register_product,
     release_barriers, row_desc, rows_copy, runnable, score_buffers, step_rows, switch, thread_barrier, tma, tma_load,
     tma_reduce_add, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, written_before,
 )
-from .tiles import NEST_COLUMNS
 
 BLOCK_N = 64  # dilated key rows per program (one warpgroup)
 BLOCK_Q = 64  # dilated query rows per step at D <= 128: n64 instructions for the transposed products
@@ -291,10 +290,7 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, HEAD_DIM // (num_warps // 4), 16])
         dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, HEAD_DIM], gl.float32)
 
-        NEST = NESTS + nest_i * NEST_COLUMNS
-        below = 0
-        if NESTED:
-            below = gl.load(NEST)
+        NEST, below = nest_row(NESTS, nest_i, NESTED)
         kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = _key_tile(
             T, n_tiles, n_classes, group, head_offset, r, BLOCK_N, BLOCK_Q, IS_CAUSAL, NESTED, below)
         nest = (NEST, below, k_first, q_first, head_offset)
@@ -473,10 +469,7 @@ if gluon is not None:
         b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
             T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)
         if p_min < q_hi:
-            NEST = NESTS + nest_i * NEST_COLUMNS
-            below = 0
-            if NESTED:
-                below = gl.load(NEST)
+            NEST, below = nest_row(NESTS, nest_i, NESTED)
             k_first, n_k, n_plain, n_kt, shift = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, BLOCK_N,
                                                                  IS_CAUSAL, NESTED, below)
             kvh = (h // group).to(gl.int64)
@@ -815,10 +808,7 @@ if gluon is not None:
         DQ_COLS: gl.constexpr = HEAD_DIM if OWN_DQ else HEAD_DIM // 2  # each consumer's dQ tile's columns
         dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_Q, DQ_COLS], gl.float32)
 
-        NEST = NESTS + nest_i * NEST_COLUMNS
-        below = 0
-        if NESTED:
-            below = gl.load(NEST)
+        NEST, below = nest_row(NESTS, nest_i, NESTED)
         kvh, h0, b, qbase, kbase, k_first, n_k, j_first, kp_max, q_first, n_q, start_q, n_steps = _key_tile(
             T, n_tiles, n_classes, group, head_offset, r, BLOCK_N, BLOCK_Q, IS_CAUSAL, NESTED, below)
         n_steps = gl.where(h0 < (kvh + 1) * group, n_steps, 0)

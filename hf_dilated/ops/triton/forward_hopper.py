@@ -46,7 +46,7 @@ import torch
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, heads_desc,
     item_query_tile, kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, nest_pair_weights,
-    part_query_tile, query_tile_buffers, query_tile_keys, release_barriers, row_desc, rows_copy, runnable,
+    nest_row, part_query_tile, query_tile_buffers, query_tile_keys, release_barriers, row_desc, rows_copy, runnable,
     softmax_finish, softmax_start, softmax_step, switch, tma_load, warpgroup_mma, warpgroup_mma_wait, written_before,
     written_keyed, ws_barriers, ws_copy_kv,
 )
@@ -362,10 +362,7 @@ if gluon is not None:
             b, qbase, kbase, q_hi, k_lo, k_hi, h, off, q_first, tile, row0, p_min = item_query_tile(
                 T, n_tiles, head_offset, r, BLOCK_M, IS_CAUSAL)
         if p_min < q_hi:
-            NEST = NESTS + nest_i * NEST_COLUMNS
-            below = 0
-            if NESTED:
-                below = gl.load(NEST)
+            NEST, below = nest_row(NESTS, nest_i, NESTED)
             k_first, n_k, n_plain, n_kt, shift = query_tile_keys(p_min, q_hi, k_lo, k_hi, off, r, BLOCK_M, BLOCK_N,
                                                                  IS_CAUSAL, NESTED, below)
             q_rows = q_hi  # the rows below it are read (``MERGE``) and stored
@@ -658,8 +655,8 @@ if gluon is not None:
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_empty, count=2)
         fence_async_shared()
-        NEST = NESTS + nest_i * NEST_COLUMNS
-        below = 0
+        NEST = NESTS + nest_i * NEST_COLUMNS  # not hopper.nest_row: its tensor 0 (not nested) handed to the
+        below = 0  # partitions changed this kernel's SASS, a constant 0 keeps it
         if NESTED:
             below = gl.load(NEST)
         a = (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,

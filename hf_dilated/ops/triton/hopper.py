@@ -20,7 +20,8 @@ import triton
 
 from . import configs
 from .tiles import (
-    LOG2E, PART_COLUMNS, _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI, _IT_Q_LO,
+    LOG2E, NEST_COLUMNS, PART_COLUMNS, _ITEM_COLUMNS, _IT_B, _IT_K_BASE, _IT_K_HI, _IT_K_LO, _IT_Q_BASE, _IT_Q_HI,
+    _IT_Q_LO,
 )
 
 try:  # Gluon is experimental; a Triton without it (or with another API) keeps the portable kernels
@@ -349,6 +350,16 @@ if gluon is not None:
     # them, so the kept keys are a range (the loop bounds: ``query_tile_keys``, ``_key_tile``) and no score needs a
     # mask beyond the causal one. The rates are powers of two, so a residue is a mask, and a tile's key weights repeat
     # every ``NEST_T`` rows (the highest rate over this branch's), so they are made once a tile.
+
+    @gluon.jit
+    def nest_row(NESTS, nest_i, NESTED: gl.constexpr):
+        """A launch's row of the nest table (``launch._nests``: ``below`` first) and its ``below``, the segment length
+        of the branch below whose earlier segments keep a query's keys (0 where the launch does not nest)."""
+        NEST = NESTS + nest_i * NEST_COLUMNS
+        below = 0
+        if NESTED:
+            below = gl.load(NEST)
+        return NEST, below
 
     @gluon.jit
     def nest_limit(p, below):
@@ -760,7 +771,7 @@ else:  # pragma: no cover - a Triton without Gluon: the kernel modules import th
     dkdv_dq_products = register_product = score_buffers = None
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = heads_desc = rows_copy = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
-    nest_limit = nest_first_query = nest_weight = nest_class_weights = nest_row_weights = nest_scores = None
+    nest_row = nest_limit = nest_first_query = nest_weight = nest_class_weights = nest_row_weights = nest_scores = None
     nest_pair_weights = exp2_rows = written_keyed = None
     softmax_first = softmax_step = softmax_start = softmax_finish = None
     dq_first = dq_step = dq_last = ws_barriers = ws_copy_kv = mma_layout = None
