@@ -93,7 +93,7 @@ heads a class (GQA's r = 1, 2) run here too: the program loops over the class's 
 with the head a coordinate (``hopper.heads_desc``), one step count over all heads driving the buffers and barrier
 phases; forward+backward 1.005x (32 / 8) and 1.02x (28 / 4) at 64K on the H200, dK and dV bit for bit. Since
 session 60 at head dim 64 each consumer adds dQ of its own 64 keys over all columns instead (``OWN_DQ``): the two
-never meet, and ``dS^T`` is one buffer a warpgroup; forward+backward 1.018x / 1.019x at 64K / 128K (9 / 3, H200), dK
+never meet, and ``dS^T`` is one buffer a warpgroup; forward+backward 1.018x at 64K and 128K (9 / 3, H200), dK
 and dV bit for bit. At 128 the same form spilled 132-200 bytes (a [64, 128] float32 dQ tile a consumer) and ran
 0.93x / 0.87x (16 / 16, 32 / 8 at 64K); taken in two column halves one after the other, 80-128 bytes and 0.95x /
 0.92x.
