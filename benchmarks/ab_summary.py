@@ -1,8 +1,9 @@
 """Summarize the JSON lines of ``compare_checkouts.py`` runs: per shape, each checkout's median forward and
-forward+backward time over its rounds (a median: the first round on a cold machine can read 10% slow, session 60), its speed against a base checkout (> 1: faster than the base), and whether
-its results are the base's bit for bit (the checksums' int16 bit-pattern sums; a tensor that differs shows its
-largest difference of float64 sums instead, relative to the sum of magnitudes where the line has it, else to the sum,
-which for a tensor summing to about zero, such as dK, overstates it).
+forward+backward time over its rounds (a median: the first round on a cold machine can read 10% slow, session 60),
+its speed against a base checkout (> 1: faster than the base), and whether its results are the base's bit for bit
+(the checksums' int16 bit-pattern sums; a tensor that differs shows its largest difference of float64 sums instead,
+relative to the sum of magnitudes where the line has it, else to the sum, which for a tensor summing to about zero,
+such as dK, overstates it).
 
     python benchmarks/compare_checkouts.py .base/ck_main main 65536 262144 >> ab.jsonl   # the base
     python benchmarks/compare_checkouts.py . new 65536 262144 >> ab.jsonl                 # the change
@@ -78,7 +79,8 @@ def summarize(rows: list[dict], base: str) -> list[dict]:
         base_rows = by_label.get(base)
         for label, runs in sorted(by_label.items(), key=lambda kv: (kv[0] != base, kv[0])):
             entry = dict(zip(SHAPE_KEYS, shape), label=label, rounds=len(runs),
-                         fwd_ms=_median([r["fwd_ms"] for r in runs]), fwdbwd_ms=_median([r.get("fwdbwd_ms") for r in runs]))
+                         fwd_ms=_median([r["fwd_ms"] for r in runs]),
+                         fwdbwd_ms=_median([r.get("fwdbwd_ms") for r in runs]))
             if base_rows and label != base:
                 for mode in ("fwd_ms", "fwdbwd_ms"):
                     b = _median([r.get(mode) for r in base_rows])

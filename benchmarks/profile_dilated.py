@@ -12,10 +12,11 @@ the fused dQ at head dim 128).
 ``--dense cudnn`` (or ``flash``) runs dense causal SDPA on that backend instead, at the same shape, so the same
 Nsight sections read the bar the dilated kernels are held to (issue 14: cuDNN's rate), cycle for cycle under Nsight's
 locked clock; ``--dense cudnn-segments`` runs cuDNN on exactly the dilated work (each branch's segments gathered into
-a batch of dense causal sequences, r = 1's launches first), the bar for one branch's launch. ``--n``, ``--heads``, ``--kv-heads``, ``--dim`` change the shape. The readings are in
-``benchmarks/NOTES_triton.md``. With ``--table``, no Nsight: GPU time per kernel from ``torch.profiler``
-(``kernel_times.py``); with ``--launches``, every launch of one forward+backward in order (the branch launches of
-the dilated op: forward and dK/dV, r = 2, 4, 8, 16 then r = 1, per head chunk of the backward)."""
+a batch of dense causal sequences, r = 1's launches first), the bar for one branch's launch. ``--n``, ``--heads``,
+``--kv-heads``, ``--dim`` change the shape. The readings are in ``benchmarks/NOTES_triton.md``. With ``--table``,
+no Nsight: GPU time per kernel from ``torch.profiler`` (``kernel_times.py``); with ``--launches``, every launch of one
+forward+backward in order (the branch launches of the dilated op: forward and dK/dV, r = 2, 4, 8, 16 then r = 1, per
+head chunk of the backward)."""
 
 import argparse
 import os

@@ -1235,11 +1235,11 @@ def test_gpu_warp_specialized_dkdv(rng, monkeypatch, case):
     """By default (``HF_DILATED_WS_DKDV``) at head dim 128, and 64 from 64K keys (here at any length), the fused dK/dV
     runs warp-specialized (a producer warp, two consumer warpgroups of 64 keys: at 128 they meet once a step for dQ,
     at 64 each adds dQ of its own keys) at any number of query heads a class, and at head dim 256 dK/dV runs as its
-    two roles (a dV and a dK warpgroup on the same 64 keys, ``P^T`` handed over in shared memory); against the float64 oracle (causal and bidirectional, ragged
-    segments, GQA with one and several heads a class, padding, head chunks: ``WS_DKDV_CASES``; nested pairs where they
-    apply), and on every pair dK and dV bit for bit those of the one-program kernel (fused) or of its launch per
-    gradient (256: the same products in the same order), dQ to rounding (reduce-adds in no fixed order), and the
-    warp-specialized kernel seen to run."""
+    two roles (a dV and a dK warpgroup on the same 64 keys, ``P^T`` handed over in shared memory); against the float64
+    oracle (causal and bidirectional, ragged segments, GQA with one and several heads a class, padding, head chunks:
+    ``WS_DKDV_CASES``; nested pairs where they apply), and on every pair dK and dV bit for bit those of the
+    one-program kernel (fused) or of its launch per gradient (256: the same products in the same order), dQ to
+    rounding (reduce-adds in no fixed order), and the warp-specialized kernel seen to run."""
     _gpu_skip()
     from hf_dilated.ops.triton import backward_hopper, configs
 
