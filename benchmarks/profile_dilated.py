@@ -13,10 +13,11 @@ the fused dQ at head dim 128).
 Nsight sections read the bar the dilated kernels are held to (issue 14: cuDNN's rate), cycle for cycle under Nsight's
 locked clock; ``--dense cudnn-segments`` runs cuDNN on exactly the dilated work (each branch's segments gathered into
 a batch of dense causal sequences, r = 1's launches first), the bar for one branch's launch. ``--n``, ``--heads``,
-``--kv-heads``, ``--dim`` change the shape. The readings are in ``benchmarks/NOTES_triton.md``. With ``--table``,
-no Nsight: GPU time per kernel from ``torch.profiler`` (``kernel_times.py``); with ``--launches``, every launch of one
-forward+backward in order (the branch launches of the dilated op: forward and dK/dV, r = 2, 4, 8, 16 then r = 1, per
-head chunk of the backward)."""
+``--kv-heads``, ``--dim`` change the shape, ``--branches`` the branches (``--branches 2048:1``: one, whose launch
+neither weights pairs nor merges earlier launches' parts). The readings are in ``benchmarks/NOTES_triton.md``. With
+``--table``, no Nsight: GPU time per kernel from ``torch.profiler`` (``kernel_times.py``); with ``--launches``, every
+launch of one forward+backward in order (the branch launches of the dilated op: forward and dK/dV, r = 2, 4, 8, 16
+then r = 1, per head chunk of the backward)."""
 
 import argparse
 import os
@@ -37,6 +38,9 @@ ap.add_argument("--dim", type=int, default=128)
 ap.add_argument("--dense", choices=["cudnn", "flash", "cudnn-segments"], default=None,
                 help="profile dense causal SDPA instead; cudnn-segments: cuDNN on exactly the dilated work, each "
                      "branch's segments as a batch (bench_attention.segment_calls), r = 1's first")
+ap.add_argument("--branches", nargs="+", metavar="W:R", default=["2048:1", "4096:2", "8192:4", "16384:8", "32768:16"],
+                help="the branches (segment length : dilation rate), LongNet's five by default; e.g. --branches 2048:1 "
+                     "for one, whose r = 1 launch neither weights pairs nor merges earlier launches' parts")
 ap.add_argument("--table", action="store_true", help="GPU time per kernel from torch.profiler, no Nsight")
 ap.add_argument("--launches", action="store_true",
                 help="every GPU launch of one forward+backward in order, with its time (torch.profiler, no Nsight)")
@@ -47,13 +51,20 @@ if args.heads < 1 or (args.kv_heads is not None and (args.kv_heads < 1 or args.h
     ap.error(f"--heads must be a positive multiple of --kv-heads, got {args.heads} and {args.kv_heads}")
 if args.dim not in (64, 128, 256):
     ap.error(f"--dim must be one of 64, 128, 256, got {args.dim}")
+try:
+    branches = [tuple(int(x) for x in b.split(":")) for b in args.branches]
+    if any(len(b) != 2 or min(b) < 1 for b in branches):
+        raise ValueError
+except ValueError:
+    ap.error(f"--branches takes W:R pairs of positive integers (segment length : dilation rate), e.g. 2048:1 4096:2, "
+             f"got {' '.join(args.branches)}")
 
 torch.manual_seed(0)
 N, H, Hk, D = args.n, args.heads, args.kv_heads or args.heads, args.dim
 q = torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 k, v = (torch.randn(1, Hk, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
 g = torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16)
-w, r = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
+w, r = [b[0] for b in branches], [b[1] for b in branches]
 
 if args.dense == "cudnn-segments":
     from bench_attention import segment_calls
@@ -81,7 +92,7 @@ torch.cuda.synchronize()
 if args.table or args.launches:
     from kernel_times import kernel_times, launch_times, print_launches, print_times
 
-    title = f"{args.dense or 'dilated'}, forward+backward, N={N}, {H}/{Hk}/{D}"
+    title = f"{args.dense or 'dilated'}, forward+backward, N={N}, {H}/{Hk}/{D}, branches {' '.join(args.branches)}"
     if args.table:
         print_times(title, kernel_times(step))
     if args.launches:

@@ -624,6 +624,9 @@ def test_gap_by_segment_refuses_bad_options_by_name(argv, message, capsys):
     (["--heads", "6", "--kv-heads", "4"], "--heads must be a positive multiple of --kv-heads"),
     (["--dim", "96"], "--dim must be one of 64, 128, 256"),
     (["--dense", "math"], "invalid choice"),
+    (["--branches", "2048"], "--branches takes W:R pairs of positive integers"),
+    (["--branches", "2048:1", "4096:0"], "--branches takes W:R pairs of positive integers"),
+    (["--branches", "2048:x"], "--branches takes W:R pairs of positive integers"),
 ])
 def test_profile_dilated_refuses_bad_options_by_name(argv, message):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_dilated.py"), *argv],
