@@ -600,9 +600,9 @@ if gluon is not None:
         bit for bit as before). ``dS^T`` stays in shared memory: the dQ product reads it transposed. ``NESTED``: a
         nested branch's pairs and weights (``nest[5:]``: ``_nest_rows``' query and key rows). ``OWN_DQ`` (head dim 64):
         each consumer adds dQ of its own 64 keys over all columns instead, so the two never meet and ``dS^T`` is a
-        warpgroup's own, in one buffer (its readers retire at the next step's first wait). Otherwise ``dK += dS^T Q``
-        takes ``dS^T`` from registers too, issued before the hand-over to dQ, and the step's three products are
-        retired together."""
+        warpgroup's own, in one buffer (its one reader, the step's dQ product, retires within the step). At both
+        head dims ``dK += dS^T Q`` takes ``dS^T`` from registers too, issued before ``dS^T`` goes to shared memory
+        for dQ, and the step's three products are retired together."""
         h0, n_heads, r, n_q, q0_row, start_q, n_steps, j_first, shift, full_from, b, scale, qk_scale = steps
         k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_ready = bufs
         dtype: gl.constexpr = k_smem.dtype
@@ -649,7 +649,7 @@ if gluon is not None:
                 qs = q_smem.index(buf)
                 dos = do_smem.index(buf)
                 sT = warpgroup_mma(k_w, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                # also retires the last dK (OWN_DQ; else the last step retired it)
+                # (the last step retired its dK and dV)
                 sT, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(sT, dk, dv))
                 if it > 0:  # the last step's Q / dO are read by every product that reads them
                     mbarrier.arrive(empty.index(1 - buf), count=1)
@@ -667,16 +667,16 @@ if gluon is not None:
                 dv = warpgroup_mma(pa, dos, dv, is_async=True)
                 dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
                 ds = (pT * (dpT - delta_w.load(query_axis)[None, :])).to(dtype)
-                if OWN_DQ:
+                # dK += dS^T Q from registers (as dV's P^T), issued before the hand-over below: the product runs
+                # under the store, the proxy fence and (head dim 128) the meeting (session 61: 1.001-1.022x)
+                dsa = gl.convert_layout(ds, a_layout)
+                dk = warpgroup_mma(dsa, qs, dk, is_async=True)
+                if OWN_DQ:  # its one dS^T buffer's reader, the last step's dQ product, is done
                     ds_w.store(ds)
                     fence_async_shared()
                     thread_barrier()
                     ds_all = ds_w
                 else:
-                    # dK += dS^T Q from registers (as dV's P^T), issued before the hand-over below: the product
-                    # runs under the store, the proxy fence and the meeting (session 61: 1.009-1.022x)
-                    dsa = gl.convert_layout(ds, a_layout)
-                    dk = warpgroup_mma(dsa, qs, dk, is_async=True)
                     # dS^T in buffer it % 2: its last readers, the step before last's dQ products, are done (each
                     # warpgroup's retired before it arrived at the last step's ds_ready, which this one has passed)
                     ds_all = ds_smem.index(buf)
@@ -688,12 +688,9 @@ if gluon is not None:
                     mbarrier.wait(ds_ready, it & 1)  # both halves of dS^T written
                 dq_zero = gl.zeros([BLOCK_Q, DH], gl.float32, layout=dq_layout)
                 dq = warpgroup_mma(ds_all.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-                if OWN_DQ:
-                    dk = warpgroup_mma(ds_w, qs, dk, is_async=True)
-                    dq, pa = warpgroup_mma_wait(num_outstanding=1, deps=(dq, pa))  # also retires dV (and frees P^T)
-                else:  # dV, dK and dQ together (frees P^T and dS^T's registers)
-                    dq, pa, dsa, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pa, dsa, dk))
-                    dk = warpgroup_mma_init(dk)
+                # dV, dK and dQ together (frees P^T's and dS^T's registers)
+                dq, pa, dsa, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, pa, dsa, dk))
+                dk = warpgroup_mma_init(dk)
                 tma.store_wait(0)  # the last step's reduce has read the tile
                 dq_w.store(dq * scale)
                 fence_async_shared()
