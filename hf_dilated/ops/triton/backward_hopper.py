@@ -592,17 +592,17 @@ if gluon is not None:
     def _dkdv_ws_consumer(steps, rows, out, bufs, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, HEADS: gl.constexpr,
                           IS_CAUSAL: gl.constexpr, MERGE: gl.constexpr, LAST: gl.constexpr, WG: gl.constexpr, dq_desc,
                           nest, NESTED: gl.constexpr, NEST_T: gl.constexpr, OWN_DQ: gl.constexpr):
-        """dK and dV of keys ``64 WG ..`` of the program's tile, and columns ``HEAD_DIM / 2 * WG ..`` of each step's
-        dQ share (``dq_desc``): ``hopper.dkdv_dq_products``'s products, each summed in the same order (``dP^T`` is
-        issued after the exponentials rather than beside ``S^T``: 32 registers fewer while they run). ``P^T`` is the
-        register A operand of ``dV += P^T dO``, held until the step's dQ wait retires it: no shared-memory tile, store
-        or proxy fence for it (session 48: spills 80-108 -> 32-40 bytes, forward+backward 1.03-1.05x at H 16, dK / dV
-        bit for bit as before). ``dS^T`` stays in shared memory: the dQ product reads it transposed. ``NESTED``: a
-        nested branch's pairs and weights (``nest[5:]``: ``_nest_rows``' query and key rows). ``OWN_DQ`` (head dim 64):
-        each consumer adds dQ of its own 64 keys over all columns instead, so the two never meet and ``dS^T`` is a
-        warpgroup's own, in one buffer (its one reader, the step's dQ product, retires within the step). At both
-        head dims ``dK += dS^T Q`` takes ``dS^T`` from registers too, issued before ``dS^T`` goes to shared memory
-        for dQ, and the step's three products are retired together."""
+        """dK and dV of keys ``64 WG ..`` of the program's tile, and the warpgroup's part of each step's dQ share
+        (``dq_desc``; at head dim 128 columns ``HEAD_DIM / 2 * WG ..``): ``hopper.dkdv_dq_products``'s products, each
+        summed in the same order (``dP^T`` is issued after the exponentials rather than beside ``S^T``: 32 registers
+        fewer while they run). ``P^T`` is the register A operand of ``dV += P^T dO``, held until the step's dQ wait
+        retires it: no shared-memory tile, store or proxy fence for it (session 48: spills 80-108 -> 32-40 bytes,
+        forward+backward 1.03-1.05x at H 16, dK / dV bit for bit as before). ``dS^T`` also goes to shared memory: the dQ
+        product reads it transposed. ``NESTED``: a nested branch's pairs and weights (``nest[5:]``: ``_nest_rows``'
+        query and key rows). ``OWN_DQ`` (head dim 64): each consumer adds dQ of its own 64 keys over all columns
+        instead, so the two never meet and ``dS^T`` is a warpgroup's own, in one buffer (its one reader, the step's dQ
+        product, retires within the step). At both head dims ``dK += dS^T Q`` takes ``dS^T`` from registers too, issued
+        before ``dS^T`` goes to shared memory for dQ, and the step's three products are retired together."""
         h0, n_heads, r, n_q, q0_row, start_q, n_steps, j_first, shift, full_from, b, scale, qk_scale = steps
         k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, rows_smem, kv_bar, ready, empty, ds_ready = bufs
         dtype: gl.constexpr = k_smem.dtype
@@ -613,7 +613,7 @@ if gluon is not None:
         dq_layout: gl.constexpr = mma_layout(4, DH)
         key_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_axis: gl.constexpr = gl.SliceLayout(0, s_layout)
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)  # P^T
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)  # P^T, dS^T
         k_w = k_smem.slice(WG * KW, KW)
         v_w = v_smem.slice(WG * KW, KW)
         if OWN_DQ:  # dQ of the warpgroup's keys, all columns
