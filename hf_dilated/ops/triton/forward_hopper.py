@@ -290,7 +290,7 @@ if gluon is not None:
     @gluon.jit
     def resume_rows(p_min, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob, stride_oh, stride_on,
                     stride_lb, stride_lh, o_layout: gl.constexpr, row_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    ROWS: gl.constexpr, MERGE: gl.constexpr, NESTED: gl.constexpr = False):
+                    ROWS: gl.constexpr, MERGE: gl.constexpr, NESTED: gl.constexpr = False, written=None):
         """The online softmax's start ``(acc, m_i, l_i)`` for ``ROWS`` dilated query rows from position ``p_min``
         (``m_i``, ``l_i`` in ``row_layout``): empty (-1e30, 0, 0) or, ``MERGE``, the merge with earlier launches. A
         row an earlier launch wrote, with lse ``L`` and output ``O``, counts as one key of score ``L`` and value ``O``
@@ -301,7 +301,9 @@ if gluon is not None:
         if MERGE:
             o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
             qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
-            if NESTED:
+            if written is not None:  # (``NESTED``, read for the tile by the warp-specialized producer)
+                seen = (qp < q_hi) & written
+            elif NESTED:
                 seen = (qp < q_hi) & written_keyed(qp, h, head_offset, PREV, n_prev)
             else:
                 seen = (qp < q_hi) & written_before(qp, h, head_offset, PREV, n_prev, 1)
@@ -479,7 +481,7 @@ if gluon is not None:
         pairs and weights, ``tiles.nest_weight``)."""
         (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,
          group, qk_scale, k, G, it0, n_items, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar,
-         q_empty, k_ready, v_ready, empty, NEST, below) = a
+         q_empty, k_ready, v_ready, empty, NEST, below, rows_smem, rows_bar) = a
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
         o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
@@ -505,9 +507,13 @@ if gluon is not None:
                 if p_w >= q_hi:  # no rows here (the item's last tile)
                     n_own = 0
                 # the online softmax starts from the rows earlier launches wrote (their lse, output), if any
+                written = None
+                if MERGE and NESTED:  # which: the producer's reading for the tile
+                    mbarrier.wait(rows_bar, n_q & 1)
+                    written = rows_smem.slice(WG * 64, 64).load(o_rows) != 0
                 acc, m_i, l_i = resume_rows(p_w, q_hi, qbase, b, h, head_offset, r, O, L, PREV, n_prev, stride_ob,
                                             stride_oh, stride_on, stride_lb, stride_lh, o_layout,
-                                            gl.SliceLayout(1, s_layout), HEAD_DIM, 64, MERGE, NESTED)
+                                            gl.SliceLayout(1, s_layout), HEAD_DIM, 64, MERGE, NESTED, written)
                 mbarrier.wait(q_bar, n_q & 1)
                 if n_own > 0:
                     mbarrier.wait(k_ready.index(c % STAGES), (c // STAGES) & 1)
@@ -562,11 +568,12 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_UNIT: gl.constexpr,
-                     IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr, LAST: gl.constexpr, q_desc, k_desc, v_desc):
+                     IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr, LAST: gl.constexpr, MERGE: gl.constexpr, q_desc,
+                     k_desc, v_desc):
         """Each query tile's Q (two 64-row tiles, once both consumers are done with the last), then its key tiles."""
         (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,
          group, qk_scale, k, G, it0, n_items, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar,
-         q_empty, k_ready, v_ready, empty, NEST, below) = a
+         q_empty, k_ready, v_ready, empty, NEST, below, rows_smem, rows_bar) = a
         dtype: gl.constexpr = q_smem.dtype
         Q_BYTES: gl.constexpr = 64 * HEAD_DIM * dtype.primitive_bitwidth // 8
         KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
@@ -578,6 +585,11 @@ if gluon is not None:
                 IS_CAUSAL, NESTED, below, LAST)
             if live:
                 mbarrier.wait(q_empty, (n_q & 1) ^ 1)
+                if MERGE and NESTED:  # the consumers read the last tile's before they released its Q
+                    rows = gl.arange(0, 128, layout=gl.BlockedLayout([4], [32], [1], [0]))
+                    qp = p_min + rows * r
+                    rows_smem.store(((qp < q_hi) & written_keyed(qp, h, head_offset, PREV, n_prev)).to(gl.int32))
+                    mbarrier.arrive(rows_bar, count=1)
                 mbarrier.expect(q_bar, 2 * Q_BYTES)
                 rows_copy(q_desc, q_row, h, q_bar, q_smem.index(0))
                 rows_copy(q_desc, q_row + 64, h, q_bar, q_smem.index(1))
@@ -654,6 +666,11 @@ if gluon is not None:
         q_bar, k_ready, v_ready, empty = ws_barriers(STAGES)
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_empty, count=2)
+        # a nested merging launch: which of the tile's rows earlier launches wrote, found by the producer
+        # (``_ws_producer``) while the consumers finish the last tile
+        rows_smem = gl.allocate_shared_memory(gl.int32, [128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        rows_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(rows_bar, count=1)
         fence_async_shared()
         NEST = NESTS + nest_i * NEST_COLUMNS  # not hopper.nest_row: its tensor 0 (not nested) handed to the
         below = 0  # partitions changed this kernel's SASS, a constant 0 keeps it
@@ -661,11 +678,11 @@ if gluon is not None:
             below = gl.load(NEST)
         a = (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,
              group, qk_scale, k, G, it0, n_items, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem,
-             q_bar, q_empty, k_ready, v_ready, empty, NEST, below)
+             q_bar, q_empty, k_ready, v_ready, empty, NEST, below, rows_smem, rows_bar)
         gl.warp_specialize([(_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, MERGE, LAST, 0,
                                             NESTED, NEST_T)),
                             (_ws_consumer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, MERGE, LAST, 1,
                                             NESTED, NEST_T)),
-                            (_ws_producer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, NESTED, LAST, q_desc,
-                                            k_desc, v_desc))],
+                            (_ws_producer, (a, HEAD_DIM, BLOCK_N, STAGES, PER_UNIT, IS_CAUSAL, NESTED, LAST, MERGE,
+                                            q_desc, k_desc, v_desc))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
