@@ -6,6 +6,7 @@ of the time is the key-tile loop, how much the once-per-tile prologue and epilog
         --section SourceCounters --section WarpStateStats -o fwd python benchmarks/profile_dilated.py
     ncu -i fwd.ncu-rep --page source --csv --print-source sass > fwd.csv
     python benchmarks/ncu_stall_regions.py fwd.csv --json fwd-regions.json   # or fwd.csv.gz
+    python benchmarks/ncu_stall_regions.py fwd.csv --base probe.csv   # what this kernel runs and waits on more
 
 Regions, by how often an instruction ran relative to the tensor-core instructions (``HGMMA`` / ``HMMA``): the **step
 loop** ran at least half as often as the most frequent of them; **once per tile** between half and twice as often as
@@ -13,7 +14,13 @@ the least frequent (a peeled first or last step, and the epilogue beside it; whe
 the loop this region is empty); the **rest** is everything else. Warp-stall samples are counted per region (their
 share of all samples) with their stall reasons, and the instructions with the most samples are listed. Samples are
 taken over all resident warps, idle ones included: a warp parked at a barrier for the whole kernel shows as
-``barrier`` samples in the rest, not as lost issue slots of the warps that work."""
+``barrier`` samples in the rest, not as lost issue slots of the warps that work.
+
+``--base`` compares with another export of the same kernel (another build of it: a probe without one feature, the
+code before a change), region by region: the instructions executed (warp level) and the samples on each side, and
+the opcodes whose samples differ most, with their executions. Where both sides run under Nsight's locked clock the
+sample difference is the time difference, and the opcodes say whether it is more work (executions up) or the same
+work waiting longer (executions equal, samples up)."""
 
 from __future__ import annotations
 
@@ -29,12 +36,13 @@ REGIONS = ("step loop", "once per tile", "rest")
 TENSOR_CORE = re.compile(r"\b(HGMMA|HMMA)\b")
 
 
-def read(path: str | Path) -> dict[str, list[dict]]:
+def read(path: str | Path, name: str = "csv") -> dict[str, list[dict]]:
     """``{kernel name: [instruction]}`` from ``ncu -i REPORT --page source --csv --print-source sass``; each instruction
-    is ``dict(address, source, samples, executed, stalls={reason: samples})``."""
+    is ``dict(address, source, samples, executed, stalls={reason: samples})`` (``name``: the argument that gave the
+    path, for the error)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"csv must be an existing file written by `ncu -i REPORT --page source --csv "
+        raise ValueError(f"{name} must be an existing file written by `ncu -i REPORT --page source --csv "
                          f"--print-source sass`, got {str(path)!r}")
     kernels: dict[str, list[dict]] = {}
     header = None
@@ -119,21 +127,68 @@ def summarize(instructions: list[dict], top: int = 12) -> dict:
                      for n in ranked])
 
 
+PREDICATE = re.compile(r"^@!?U?P[T0-9]+\s+")
+
+
+def opcode(source: str) -> str:
+    """An instruction's opcode with its modifiers (``MUFU.EX2``, ``WARPGROUP.DEPBAR.LE``), its predicate dropped."""
+    return (PREDICATE.sub("", source).split() or ["?"])[0]
+
+
+def compare(instructions: list[dict], base: list[dict], top: int = 12) -> dict:
+    """Per region, this kernel against ``base`` (another build of it): instructions executed and samples on each
+    side, and the ``top`` opcodes by the size of their sample difference, with their executions on each side."""
+    out = {}
+    sides = [(instructions, classify(instructions)), (base, classify(base))]
+    for region in REGIONS:
+        ops: dict[str, list[int]] = {}  # opcode -> [executed, base executed, samples, base samples]
+        for side, (instrs, regions) in enumerate(sides):
+            for i, r in zip(instrs, regions):
+                if r == region:
+                    o = ops.setdefault(opcode(i["source"]), [0, 0, 0, 0])
+                    o[side] += i["executed"]
+                    o[2 + side] += i["samples"]
+        totals = [sum(o[k] for o in ops.values()) for k in range(4)]
+        ranked = sorted(ops.items(), key=lambda kv: -abs(kv[1][2] - kv[1][3]))[:top]
+        out[region] = dict(executed=totals[0], base_executed=totals[1], samples=totals[2], base_samples=totals[3],
+                           opcodes=[dict(opcode=k, executed=v[0], base_executed=v[1], samples=v[2], base_samples=v[3])
+                                    for k, v in ranked])
+    return out
+
+
+def pair_kernels(kernels: dict[str, list[dict]], base: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """The (kernel, base kernel) pairs to compare: the names both exports hold, or their only kernels."""
+    common = [name for name in kernels if name in base]
+    if common:
+        return [(name, name) for name in common]
+    if len(kernels) == 1 and len(base) == 1:
+        return [(next(iter(kernels)), next(iter(base)))]
+    raise ValueError(f"base shares no kernel name with csv (csv: {sorted(kernels)}, base: {sorted(base)}) and they "
+                     f"do not hold one kernel each: export the same kernel from both reports")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", help="ncu -i REPORT --page source --csv --print-source sass > this file")
     ap.add_argument("--top", type=int, default=12, help="instructions with the most samples to list")
     ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--base", help="another export of the same kernel to compare with, region by region")
     args = ap.parse_args(argv)
     if args.top < 0:
         ap.error(f"--top must be >= 0, got {args.top}")
     try:
         kernels = read(args.csv)
+        base = read(args.base, "--base") if args.base else {}
+        pairs = pair_kernels(kernels, base) if args.base else []
     except ValueError as e:
         ap.error(str(e))
     result = {name: summarize(instructions, args.top) for name, instructions in kernels.items()}
+    comparison = {name: dict(base_kernel=b, regions=compare(kernels[name], base[b], args.top)) for name, b in pairs}
     if args.json:  # before the text: a reader that stops early (``| head``) must not cost the summary
-        Path(args.json).write_text(json.dumps(dict(csv=str(args.csv), kernels=result), indent=1))
+        summary = dict(csv=str(args.csv), kernels=result)
+        if args.base:
+            summary.update(base=str(args.base), comparison=comparison)
+        Path(args.json).write_text(json.dumps(summary, indent=1))
     for name, instructions in kernels.items():
         s = result[name]
         print(f"{name}: {s['samples']} warp-stall samples over {len(instructions)} instructions; tensor-core "
@@ -143,6 +198,14 @@ def main(argv=None) -> int:
             print(f"  {region:14s} {r['share']:6.1%} of samples ({r['instructions']} instructions): {reasons}")
         for t in s["top"]:
             print(f"    {t['samples']:7d}  ran {t['executed']:>9d}  {t['region']:13s} {t['source'][:60]}")
+    for name, c in comparison.items():
+        print(f"{name} against {args.base} ({c['base_kernel']}): executed / samples, this build (base)")
+        for region, r in c["regions"].items():
+            print(f"  {region:14s} executed {r['executed']} ({r['base_executed']}), samples {r['samples']} "
+                  f"({r['base_samples']}, {r['samples'] - r['base_samples']:+d})")
+            for o in r["opcodes"]:
+                print(f"    {o['samples'] - o['base_samples']:+7d} samples  {o['opcode'][:32]:32s} executed "
+                      f"{o['executed']} ({o['base_executed']})")
     return 0
 
 

@@ -383,9 +383,47 @@ def test_ncu_stall_regions_splits_samples_into_loop_tile_and_rest(tmp_path, caps
     assert json.loads(out.read_text())["kernels"]["toy_kernel"]["regions"]["step loop"]["samples"] == 65
 
 
+def test_ncu_stall_regions_compares_two_builds_by_region_and_opcode(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ncu_stall_regions as tool
+
+    base = [("HGMMA.64x128x16.F32.BF16 R88, gdesc[UR4], RZ", 5, 100, {"wait": 5}),  # per tile
+            ("HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], R88", 40, 800, {"barrier": 40}),  # the loop
+            ("MUFU.EX2 R4, R4", 30, 800, {"short_sb": 30}),
+            ("NOP", 50, 8, {"barrier": 50})]
+    # the build under study: the same exponentials waited on longer, a per-tile weight loop, a spill reload
+    new = base[:2] + [("MUFU.EX2 R4, R4", 70, 800, {"short_sb": 70}),
+                      ("@!P0 VIADD R3, R3, 0x1", 12, 150, {"wait": 12}),
+                      ("LDL.LU R7, [R1+0xc]", 8, 100, {"long_sb": 8}),
+                      base[3]]
+    c = tool.compare(tool.read(_ncu_source_csv(tmp_path / "new.csv", new))["toy_kernel"],
+                     tool.read(_ncu_source_csv(tmp_path / "base.csv", base))["toy_kernel"], top=3)
+    loop, tile = c["step loop"], c["once per tile"]
+    assert (loop["samples"], loop["base_samples"]) == (110, 70)
+    assert (loop["executed"], loop["base_executed"]) == (1600, 1600)  # the same work, waited on longer
+    assert loop["opcodes"][0] == dict(opcode="MUFU.EX2", executed=800, base_executed=800, samples=70,
+                                      base_samples=30)
+    assert (tile["executed"], tile["base_executed"]) == (350, 100)  # the predicate is not part of the opcode
+    assert [o["opcode"] for o in tile["opcodes"]] == ["VIADD", "LDL.LU", "HGMMA.64x128x16.F32.BF16"]
+    assert c["rest"]["samples"] == c["rest"]["base_samples"] == 50
+    out = tmp_path / "cmp.json"
+    assert tool.main([str(tmp_path / "new.csv"), "--base", str(tmp_path / "base.csv"), "--json", str(out)]) == 0
+    assert "+40 samples  MUFU.EX2" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["comparison"]["toy_kernel"]["regions"]["step loop"]["samples"] == 110
+    # two exports of different kernels each: refused by name
+    other = _ncu_source_csv(tmp_path / "other.csv", [("NOP", 1, 1, {})])
+    (tmp_path / "two.csv").write_text(other.read_text().replace("toy_kernel", "first_kernel")
+                                      + other.read_text().replace("toy_kernel", "second_kernel"))
+    with pytest.raises(SystemExit):
+        tool.main([str(tmp_path / "new.csv"), "--base", str(tmp_path / "two.csv")])
+    assert "base shares no kernel name" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["missing.csv"], "csv must be an existing file"),
     (["TOY", "--top", "-1"], "--top must be >= 0"),
+    (["TOY", "--base", "missing.csv"], "--base must be an existing file"),
 ])
 def test_ncu_stall_regions_refuses_bad_input_by_name(tmp_path, argv, message, capsys):
     sys.path.insert(0, str(ROOT / "benchmarks"))
