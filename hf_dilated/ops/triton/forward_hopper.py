@@ -297,7 +297,8 @@ if gluon is not None:
         (``m_i`` = that lse in base 2, ``l_i`` = 1, ``acc`` = that output); the others start empty. Read before the
         tile's first scores, so the loads overlap them instead of ending the tile, and the branches are merged by one
         online softmax (no separate merge). Rounding differs from merging two finished rows in the last bits only.
-        ``NESTED``: ``PREV`` is the earlier launches' ``(r, w, below)`` (:func:`written_keyed`)."""
+        ``NESTED``: ``PREV`` is the earlier launches' ``(r, w, below)`` (:func:`written_keyed`); ``written``, if
+        given, is which rows they wrote, found already (the warp-specialized forward's producer)."""
         if MERGE:
             o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
             qp = p_min + gl.arange(0, ROWS, layout=o_rows) * r
@@ -570,7 +571,10 @@ if gluon is not None:
     def _ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_UNIT: gl.constexpr,
                      IS_CAUSAL: gl.constexpr, NESTED: gl.constexpr, LAST: gl.constexpr, MERGE: gl.constexpr, q_desc,
                      k_desc, v_desc):
-        """Each query tile's Q (two 64-row tiles, once both consumers are done with the last), then its key tiles."""
+        """Each query tile's Q (two 64-row tiles, once both consumers are done with the last), then its key tiles. In
+        a merging nested launch it first finds which of the tile's rows earlier launches wrote (``written_keyed``, a
+        loop with table loads the consumers would otherwise run at their tile start) and hands them over in
+        ``rows_smem`` (``rows_bar``): forward 1.006-1.007x (H200, D 128 at 64K, session 63)."""
         (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,
          group, qk_scale, k, G, it0, n_items, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar,
          q_empty, k_ready, v_ready, empty, NEST, below, rows_smem, rows_bar) = a
