@@ -40,9 +40,9 @@ import torch
 
 from .hopper import (
     available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_first, fwd_last, fwd_step, gl, gluon, lse_base2,
-    masked_scores, mbarrier, mma_layout, query_tile_buffers, release_barriers, row_desc, runnable, softmax_first,
-    softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, WS_LAUNCH,
-    ws_barriers, ws_copy_kv,
+    masked_scores, mbarrier, mma_layout, mma_operand, query_tile_buffers, release_barriers, row_desc, runnable,
+    softmax_first, softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
+    WS_LAUNCH, ws_barriers, ws_copy_kv,
 )
 
 BLOCK_Q = 64  # query rows per step: n64 tensor-core instructions for the transposed products
@@ -264,6 +264,7 @@ if gluon is not None:
         s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
         o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        LATE_P: gl.constexpr = HEAD_DIM >= 128  # (``hopper.step_probs``)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         row_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -313,7 +314,7 @@ if gluon is not None:
             k_next = _key_row(idx_row, K_STAGES, n_kt, BLOCK, BLOCK_N)
             p, acc, m_i, l_i = fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, k_next, s_zero, qk_scale, edge, k0, Nk,
                                          q0, qidx, kidx, acc, m_i, l_i, o_rows, p_layout, K_STAGES, NBYTES,
-                                         IS_CAUSAL, False)
+                                         IS_CAUSAL, False, LATE_P)
             for j in range(1, n_kt):
                 k0 = _key_row(idx_row, j, n_kt, BLOCK, BLOCK_N)
                 edge = _edge(k0, q0, q_edge, Nk, BLOCK_N, IS_CAUSAL)
@@ -322,8 +323,8 @@ if gluon is not None:
                 acc, p, m_i, l_i = fwd_step(
                     j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, k_next, v_next, acc, p, m_i, l_i,
                     s_zero, qk_scale, edge, k0, Nk, q0, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, True,
-                    IS_CAUSAL)
-            out, lse = fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows, V_STAGES)
+                    IS_CAUSAL, LATE_P)
+            out, lse = fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows, p_layout, V_STAGES, LATE_P)
         release_barriers(q_bar, k_bar, v_bar, K_STAGES, V_STAGES)
         qr = q0 + gl.arange(0, BLOCK_M, layout=o_rows)
         qmask = qr < Nq
@@ -384,13 +385,13 @@ if gluon is not None:
             if _edge(k0, qw, q_edge, Nk, BLOCK_N, IS_CAUSAL):
                 sc = masked_scores(sc, k0, Nk, qw, qidx, kidx, IS_CAUSAL)
             pf, m_i, l_i = softmax_first(sc, qk_scale)
-            p = gl.convert_layout(pf.to(dtype), p_layout)
             for t in range(1, n_kt):
                 k0 = _key_row(idx_row, t, n_kt, BLOCK, BLOCK_N)
                 st = t % STAGES
                 pst = (t - 1) % STAGES
                 mbarrier.wait(k_ready.index(st), (t // STAGES) & 1)
                 sc = warpgroup_mma(qs, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                p = mma_operand(pf, dtype, p_layout, True)  # (``hopper.step_probs``)
                 mbarrier.wait(v_ready.index(pst), ((t - 1) // STAGES) & 1)
                 o = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
@@ -400,8 +401,7 @@ if gluon is not None:
                 acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
                 mbarrier.arrive(empty.index(pst), count=1)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-                p = gl.convert_layout(pf.to(dtype), p_layout)
-            out, lse = fwd_last(p, v_smem, v_ready, acc, n_kt, m_i, l_i, o_rows, STAGES)
+            out, lse = fwd_last(pf, v_smem, v_ready, acc, n_kt, m_i, l_i, o_rows, p_layout, STAGES, True)
             mbarrier.arrive(empty.index((n_kt - 1) % STAGES), count=1)
         qr = qw + gl.arange(0, 64, layout=o_rows)
         qmask = qr < Nq

@@ -45,10 +45,10 @@ import torch
 
 from .hopper import (
     WS_LAUNCH, fence_async_shared, first_selected, fwd_first, fwd_last, fwd_step, gl, gluon, heads_desc,
-    item_query_tile, kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, n_rows, nest_pair_weights,
-    nest_row, part_query_tile, query_tile_buffers, query_tile_keys, release_barriers, row_desc, rows_copy, runnable,
-    softmax_finish, softmax_start, softmax_step, switch, tma_load, warpgroup_mma, warpgroup_mma_wait, written_before,
-    written_keyed, ws_barriers, ws_copy_kv,
+    item_query_tile, kv_descs, kv_prefetch, load_item, masked_scores, mbarrier, mma_layout, mma_operand, n_rows,
+    nest_pair_weights, nest_row, part_query_tile, query_tile_buffers, query_tile_keys, release_barriers, row_desc,
+    rows_copy, runnable, softmax_finish, softmax_start, softmax_step, switch, tma_load, warpgroup_mma,
+    warpgroup_mma_wait, written_before, written_keyed, ws_barriers, ws_copy_kv,
 )
 from .tiles import LOG2E, NEST_COLUMNS, PART_COLUMNS
 
@@ -349,6 +349,7 @@ if gluon is not None:
         s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
         o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        LATE_P: gl.constexpr = HEAD_DIM >= 128  # (``hopper.step_probs``)
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         row_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -395,20 +396,20 @@ if gluon is not None:
             if n_kt > 0:
                 p, acc, m_i, l_i = fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, K_STAGES * BLOCK_N, s_zero,
                                              qk_scale, n_plain == 0, 0, n_k, shift, qidx, kidx, acc, m_i, l_i, o_rows,
-                                             p_layout, K_STAGES, NBYTES, IS_CAUSAL, MERGE, nest, NEST_T)
+                                             p_layout, K_STAGES, NBYTES, IS_CAUSAL, MERGE, LATE_P, nest, NEST_T)
                 for j in range(1, n_plain):
                     acc, p, m_i, l_i = fwd_step(
                         j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, (j + K_STAGES) * BLOCK_N,
                         (j - 1 + V_STAGES) * BLOCK_N, acc, p, m_i, l_i, s_zero, qk_scale, False, j * BLOCK_N, n_k,
-                        shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, False, IS_CAUSAL, nest,
-                        NEST_T)
+                        shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, False, IS_CAUSAL, LATE_P,
+                        nest, NEST_T)
                 for j in range(gl.maximum(n_plain, 1), n_kt):
                     acc, p, m_i, l_i = fwd_step(
                         j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, (j + K_STAGES) * BLOCK_N,
                         (j - 1 + V_STAGES) * BLOCK_N, acc, p, m_i, l_i, s_zero, qk_scale, True, j * BLOCK_N, n_k,
-                        shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL, nest,
-                        NEST_T)
-                o_b, lse_b = fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows, V_STAGES)
+                        shift, qidx, kidx, o_rows, p_layout, K_STAGES, V_STAGES, NBYTES, True, IS_CAUSAL, LATE_P,
+                        nest, NEST_T)
+                o_b, lse_b = fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows, p_layout, V_STAGES, LATE_P)
             else:  # no key of this branch: the earlier launches' rows as they are (none: 0, -inf)
                 o_b, lse_b = softmax_finish(acc, m_i, l_i, o_rows)
 
@@ -483,7 +484,6 @@ if gluon is not None:
         (T, O, L, OUT, PREV, n_prev, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, h0, head_offset, r,
          group, qk_scale, k, G, it0, n_items, n_tiles, n_units, n_slots, q_org, k_org, q_smem, k_smem, v_smem, q_bar,
          q_empty, k_ready, v_ready, empty, NEST, below, rows_smem, rows_bar) = a
-        dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
         o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -524,13 +524,12 @@ if gluon is not None:
                     if n_plain == 0:
                         sc = masked_scores(sc, 0, n_k, shift, qidx, kidx, IS_CAUSAL)
                     pf, acc, m_i, l_i = softmax_start(sc, acc, m_i, l_i, qk_scale, o_rows, MERGE, nest, NEST_T)
-                    p = gl.convert_layout(pf.to(dtype), p_layout)
                     for t in range(1, n_own):
-                        acc, p, m_i, l_i = _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i,
+                        acc, pf, m_i, l_i = _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, pf, m_i,
                                                     l_i, s_zero, qk_scale, n_k, n_plain, shift, qidx, kidx, o_rows,
                                                     p_layout, STAGES, BLOCK_N, IS_CAUSAL, nest, NEST_T)
                     mbarrier.arrive(q_empty, count=1)  # its last scores are in: the next tile's Q may come
-                    out, lse = fwd_last(p, v_smem, v_ready, acc, c + n_own, m_i, l_i, o_rows, STAGES)
+                    out, lse = fwd_last(pf, v_smem, v_ready, acc, c + n_own, m_i, l_i, o_rows, p_layout, STAGES, True)
                     mbarrier.arrive(empty.index((c + n_own - 1) % STAGES), count=1)
                 else:
                     mbarrier.arrive(q_empty, count=1)
@@ -545,7 +544,7 @@ if gluon is not None:
                 n_q += 1
 
     @gluon.jit
-    def _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, p, m_i, l_i, s_zero, qk_scale, n_k,
+    def _ws_step(t, c, qs, k_smem, v_smem, k_ready, v_ready, empty, acc, pf, m_i, l_i, s_zero, qk_scale, n_k,
                  n_plain, shift, qidx, kidx, o_rows: gl.constexpr, p_layout: gl.constexpr, STAGES: gl.constexpr,
                  BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, nest, NEST_T: gl.constexpr):
         """A consumer's key tile ``t >= 1`` of a query tile whose first key tile is the program's ``c``-th:
@@ -556,6 +555,7 @@ if gluon is not None:
         pst = (c + t - 1) % STAGES
         mbarrier.wait(k_ready.index(st), ((c + t) // STAGES) & 1)
         sc = warpgroup_mma(qs, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        p = mma_operand(pf, qs.dtype, p_layout, True)  # (``hopper.step_probs``)
         mbarrier.wait(v_ready.index(pst), ((c + t - 1) // STAGES) & 1)
         o = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
@@ -565,7 +565,7 @@ if gluon is not None:
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(empty.index(pst), count=1)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        return acc, gl.convert_layout(pf.to(p.dtype), p_layout), m_i, l_i
+        return acc, pf, m_i, l_i
 
     @gluon.jit
     def _ws_producer(a, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_UNIT: gl.constexpr,

@@ -495,11 +495,11 @@ if gluon is not None:
     @gluon.jit
     def fwd_first(n_kt, q_smem, k_smem, k_bar, k_desc, k_next, s_zero, qk_scale, mask, key0, n_k, shift, qidx, kidx,
                   acc, m_i, l_i, o_rows: gl.constexpr, p_layout: gl.constexpr, K_STAGES: gl.constexpr,
-                  NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr, RESUME: gl.constexpr, nest=0.0,
+                  NBYTES: gl.constexpr, IS_CAUSAL: gl.constexpr, RESUME: gl.constexpr, LATE_P: gl.constexpr, nest=0.0,
                   NEST_T: gl.constexpr = 1):
         """Key tile 0 (its K in buffer 0): its scores alone, nothing to overlap yet; its K buffer refilled with tile
-        ``K_STAGES`` (row ``k_next``). ``(p, acc, m_i, l_i)`` (``softmax_start``). ``nest``, ``NEST_T``: a nested
-        branch's weights (:func:`nest_pair_weights`)."""
+        ``K_STAGES`` (row ``k_next``). ``(p, acc, m_i, l_i)`` (``softmax_start``; ``p`` as :func:`step_probs`
+        carries it). ``nest``, ``NEST_T``: a nested branch's weights (:func:`nest_pair_weights`)."""
         mbarrier.wait(k_bar.index(0), 0)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -508,23 +508,24 @@ if gluon is not None:
         if mask:
             s = masked_scores(s, key0, n_k, shift, qidx, kidx, IS_CAUSAL)
         p, acc, m_i, l_i = softmax_start(s, acc, m_i, l_i, qk_scale, o_rows, RESUME, nest, NEST_T)
-        return gl.convert_layout(p.to(q_smem.dtype), p_layout), acc, m_i, l_i
+        return step_probs(p, q_smem.dtype, p_layout, LATE_P), acc, m_i, l_i
 
     @gluon.jit
     def fwd_step(j, n_kt, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, k_next, v_next, acc, p, m_i, l_i,
                  s_zero, qk_scale, mask, key0, n_k, shift, qidx, kidx, o_rows: gl.constexpr, p_layout: gl.constexpr,
                  K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, NBYTES: gl.constexpr, MASKABLE: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, nest=0.0, NEST_T: gl.constexpr = 1):
+                 IS_CAUSAL: gl.constexpr, LATE_P: gl.constexpr, nest=0.0, NEST_T: gl.constexpr = 1):
         """Key tile ``j >= 1`` of ``n_kt`` (``nest``, ``NEST_T``: as :func:`fwd_first`): its scores issued, then tile
-        ``j - 1``'s ``P V`` (``p``: its probabilities), the softmax of tile ``j`` while that product runs, then the
-        rescale of the output. The scores are masked where ``MASKABLE`` and ``mask`` (:func:`masked_scores`). Each
-        buffer is refilled as soon as its product has read it: K with tile ``j + K_STAGES`` (from row ``k_next``) once
-        the scores are in, V with tile ``j - 1 + V_STAGES`` (row ``v_next``) once ``P V`` is. ``(acc, p, m_i, l_i)``,
-        ``p`` now tile ``j``'s."""
+        ``j - 1``'s ``P V`` (``p``: its probabilities, :func:`step_probs`), the softmax of tile ``j`` while that
+        product runs, then the rescale of the output. The scores are masked where ``MASKABLE`` and ``mask``
+        (:func:`masked_scores`). Each buffer is refilled as soon as its product has read it: K with tile
+        ``j + K_STAGES`` (from row ``k_next``) once the scores are in, V with tile ``j - 1 + V_STAGES`` (row
+        ``v_next``) once ``P V`` is. ``(acc, p, m_i, l_i)``, ``p`` now tile ``j``'s."""
         ks = j % K_STAGES
         vs = (j - 1) % V_STAGES
         mbarrier.wait(k_bar.index(ks), (j // K_STAGES) & 1)
         s = warpgroup_mma(q_smem, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        p = mma_operand(p, q_smem.dtype, p_layout, LATE_P)
         mbarrier.wait(v_bar.index(vs), ((j - 1) // V_STAGES) & 1)
         o = warpgroup_mma(p, v_smem.index(vs), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
@@ -538,13 +539,38 @@ if gluon is not None:
         if j - 1 + V_STAGES < n_kt:
             tile_copy(v_desc, v_smem, v_bar, j - 1 + V_STAGES, v_next, V_STAGES, NBYTES)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        return acc, gl.convert_layout(pj.to(p.dtype), p_layout), m_new, l_i
+        return acc, step_probs(pj, q_smem.dtype, p_layout, LATE_P), m_new, l_i
+
+    # Where a tile's probabilities become the ``P V`` product's register operand. ``LATE_P``: carried to the next step
+    # in float32 and converted just before that product is issued. The new ``P`` is then not written into the
+    # registers the previous ``P V`` still reads, and ptxas runs the softmax under that product; converted at the
+    # softmax's end, ptxas waited for the product before the exponentials (session 64: the warp-specialized forward
+    # 1.03x at head dim 128). It holds 16-32 more registers through the step: a head-dim-64 program at 128 registers
+    # (four an SM) spilled, or fell to three an SM, and ran 0.97x, so it converts at the softmax's end there.
 
     @gluon.jit
-    def fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows: gl.constexpr, V_STAGES: gl.constexpr):
-        """The last tile's ``P V``, then ``tiles.finish``: ``(output, natural-log lse)`` of each row (0 and -inf for
-        a row that saw no key), in the output's layout."""
+    def step_probs(pf, dtype: gl.constexpr, p_layout: gl.constexpr, LATE_P: gl.constexpr):
+        """What a step hands the next of its float32 probabilities: themselves (``LATE_P``), or the operand."""
+        if LATE_P:
+            p = pf
+        else:
+            p = gl.convert_layout(pf.to(dtype), p_layout)
+        return p
+
+    @gluon.jit
+    def mma_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, LATE_P: gl.constexpr):
+        """The ``P V`` product's register operand from what :func:`step_probs` handed over."""
+        if LATE_P:
+            p = gl.convert_layout(p.to(dtype), p_layout)
+        return p
+
+    @gluon.jit
+    def fwd_last(p, v_smem, v_bar, acc, n_kt, m_i, l_i, o_rows: gl.constexpr, p_layout: gl.constexpr,
+                 V_STAGES: gl.constexpr, LATE_P: gl.constexpr):
+        """The last tile's ``P V`` (``p``: its probabilities, :func:`step_probs`), then ``tiles.finish``:
+        ``(output, natural-log lse)`` of each row (0 and -inf for a row that saw no key), in the output's layout."""
         last = (n_kt - 1) % V_STAGES
+        p = mma_operand(p, v_smem.dtype, p_layout, LATE_P)
         mbarrier.wait(v_bar.index(last), ((n_kt - 1) // V_STAGES) & 1)
         o = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
@@ -781,6 +807,7 @@ else:  # pragma: no cover - a Triton without Gluon: the kernel modules import th
     dkdv_dq_products = register_product = score_buffers = None
     written_before = load_item = item_query_tile = kv_descs = kv_prefetch = heads_desc = rows_copy = None
     query_tile_buffers = release_barriers = tile_copy = masked_scores = fwd_first = fwd_step = fwd_last = None
+    mma_operand = step_probs = None
     nest_row = nest_limit = nest_first_query = nest_weight = nest_class_weights = nest_row_weights = nest_scores = None
     nest_pair_weights = exp2_rows = written_keyed = None
     softmax_first = softmax_step = softmax_start = softmax_finish = None
