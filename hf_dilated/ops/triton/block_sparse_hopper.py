@@ -40,9 +40,9 @@ import torch
 
 from .hopper import (
     available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_first, fwd_last, fwd_step, gl, gluon, lse_base2,
-    masked_scores, mbarrier, mma_layout, mma_operand, query_tile_buffers, release_barriers, row_desc, runnable,
-    softmax_first, softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
-    WS_LAUNCH, ws_barriers, ws_copy_kv,
+    masked_scores, mbarrier, mma_layout, query_tile_buffers, release_barriers, row_desc, runnable, softmax_first,
+    softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, WS_LAUNCH,
+    ws_barriers, ws_copy_kv,
 )
 
 BLOCK_Q = 64  # query rows per step: n64 tensor-core instructions for the transposed products
@@ -264,7 +264,8 @@ if gluon is not None:
         s_layout: gl.constexpr = mma_layout(num_warps, BLOCK_N)
         o_layout: gl.constexpr = mma_layout(num_warps, HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        LATE_P: gl.constexpr = HEAD_DIM >= 128  # (``hopper.step_probs``)
+        # P converted at the softmax's end (``hopper.step_probs``): late, it ran 1.000x at head dim 128 (session 64)
+        LATE_P: gl.constexpr = False
         q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         row_axis: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -385,13 +386,13 @@ if gluon is not None:
             if _edge(k0, qw, q_edge, Nk, BLOCK_N, IS_CAUSAL):
                 sc = masked_scores(sc, k0, Nk, qw, qidx, kidx, IS_CAUSAL)
             pf, m_i, l_i = softmax_first(sc, qk_scale)
+            p = gl.convert_layout(pf.to(dtype), p_layout)
             for t in range(1, n_kt):
                 k0 = _key_row(idx_row, t, n_kt, BLOCK, BLOCK_N)
                 st = t % STAGES
                 pst = (t - 1) % STAGES
                 mbarrier.wait(k_ready.index(st), (t // STAGES) & 1)
                 sc = warpgroup_mma(qs, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                p = mma_operand(pf, dtype, p_layout, True)  # (``hopper.step_probs``)
                 mbarrier.wait(v_ready.index(pst), ((t - 1) // STAGES) & 1)
                 o = warpgroup_mma(p, v_smem.index(pst), acc, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
@@ -401,7 +402,9 @@ if gluon is not None:
                 acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
                 mbarrier.arrive(empty.index(pst), count=1)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            out, lse = fwd_last(pf, v_smem, v_ready, acc, n_kt, m_i, l_i, o_rows, p_layout, STAGES, True)
+                # P converted here, not before the next P V (``hopper.step_probs``): that ran 0.98x (session 64)
+                p = gl.convert_layout(pf.to(dtype), p_layout)
+            out, lse = fwd_last(p, v_smem, v_ready, acc, n_kt, m_i, l_i, o_rows, p_layout, STAGES, False)
             mbarrier.arrive(empty.index((n_kt - 1) % STAGES), count=1)
         qr = qw + gl.arange(0, 64, layout=o_rows)
         qmask = qr < Nq
