@@ -26,7 +26,9 @@ assembled by the ptxas that ships with Triton (``-v``: registers, spills) and di
 The ``in loops`` column counts spill instructions inside tile loops / in the whole kernel; ``--loops`` lists each
 innermost tile loop (instructions, tensor-core instructions, spill stores / loads: a warp-specialized kernel has one
 per consumer partition, which the column adds up; and the barriers its warps wait at, ``BAR.SYNC`` / ``BAR.RED`` /
-``BAR.ARV``, a CTA's or a partition's named one), and ``--sass`` keeps each kernel's listing to read them in.
+``BAR.ARV``, a CTA's or a partition's named one; on Hopper, how many of the loop's exponentials come before its wait
+for every tensor-core product: the softmax under the previous ``P V``), and ``--sass`` keeps each kernel's listing to
+read them in.
 
 ``--key-as-wheel`` compiles under the cache keys of another build of the installed Triton (the lent GPU image's
 Python 3.12 wheel): the cache then holds kernels that machine finds instead of compiling (``triton_cache.py``).
@@ -115,6 +117,11 @@ class Resources:
     # per innermost tile loop, in address order: [instructions, tensor-core instructions, spill stores, spill loads,
     # barriers] (a warp-specialized kernel has one per consumer partition)
     loop_spills: list | None = None
+    # per innermost tile loop, as ``loop_spills``: [exponentials (``MUFU.EX2``) before the loop's first wait for every
+    # tensor-core product (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), exponentials in the loop], or None where the loop has no
+    # such wait (no asynchronous ``wgmma``). The forward's softmax runs under the previous tile's ``P V`` only as far as
+    # its exponentials come before that wait; where ptxas puts the wait is its choice (NOTES_triton, session 64).
+    loop_exp2_before_wait: list | None = None
     wgmma_serialized: bool | None = None
     wgmma_reason: str | None = None
     ptx_sha: str | None = None
@@ -286,6 +293,8 @@ BACK_BRANCH = re.compile(r"\bBRA(?:\.[A-Z0-9]+)*\s+(?:!?U?P[T0-9]+\s*,\s*)?0x([0
 # and scoreboard waits). Each layout conversion through shared memory costs a step two (session 50: four of the D 64
 # dK/dV step's eight sat ahead of its products).
 BARRIER = re.compile(r"(?<![A-Z.])BAR\.(?:SYNC|RED|ARV)\b")
+FULL_WGMMA_WAIT = re.compile(r"\bWARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b")
+EXP2 = re.compile(r"\bMUFU\.EX2\b")
 
 
 def sass_summary(cubin: bytes, sass_path: str | None = None) -> dict:
@@ -331,10 +340,22 @@ def sass_summary(cubin: bytes, sass_path: str | None = None) -> dict:
              sum(1 for at, ins in code if lo <= at <= hi and re.search(r"\bLDL\b", ins)),
              sum(1 for at, ins in code if lo <= at <= hi and BARRIER.search(ins))]
             for lo, hi in sorted(innermost)]
+        out["loop_exp2_before_wait"] = [exp2_before_wait([ins for at, ins in code if lo <= at <= hi])
+                                        for lo, hi in sorted(innermost)]
         lo, hi = min(innermost, key=lambda a: a[1] - a[0])
         out["leanest_loop_instructions"] = sum(1 for at, _ in code if lo <= at <= hi)
         out["leanest_loop_mma"] = sum(1 for at in mma if lo <= at <= hi)
     return out
+
+
+def exp2_before_wait(body: list[str]) -> list[int] | None:
+    """``[exponentials before the first wait for every tensor-core product, exponentials]`` of a loop's instructions
+    (``Resources.loop_exp2_before_wait``); None without such a wait."""
+    waits = [i for i, ins in enumerate(body) if FULL_WGMMA_WAIT.search(ins)]
+    if not waits:
+        return None
+    exp2 = [i for i, ins in enumerate(body) if EXP2.search(ins)]
+    return [sum(1 for i in exp2 if i < waits[0]), len(exp2)]
 
 
 def _bind(launch: Launch, arch: int):
@@ -568,9 +589,12 @@ def main(argv=None) -> int:
               f"{smem:>7} {r.warps_per_sm or '':>8} {'serial' if r.wgmma_serialized else '':>6}  {r.cases[0]}"
               + (f"\n    ERROR {r.error}" if r.error else ""))
         if args.loops and r.loop_spills:
-            print("    tile loops: " + "; ".join(f"{ins} ins, {mma} mma, spills {st} st / {ld} ld, {bars} barriers"
-                                             for ins, mma, st, ld, bars in r.loop_spills)
-                  + (f"  (SASS: {r.launch_key})" if args.sass else ""))
+            exp2 = r.loop_exp2_before_wait or [None] * len(r.loop_spills)
+            print("    tile loops: " + "; ".join(
+                f"{ins} ins, {mma} mma, spills {st} st / {ld} ld, {bars} barriers"
+                + (f", exp2 before the full wgmma wait {e[0]}/{e[1]}" if e else "")
+                for (ins, mma, st, ld, bars), e in zip(r.loop_spills, exp2))
+                + (f"  (SASS: {r.launch_key})" if args.sass else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "torch": torch.__version__, "arch": args.arch,

@@ -132,6 +132,13 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, arch):
             # the SASS reading finds the loops over tiles that hold the tensor-core instructions
             assert k["tile_loops"] >= 1 and 0 <= k["spill_instructions_in_loops"] <= k["spill_instructions"], k
             assert k["leanest_loop_instructions"] > k["leanest_loop_mma"] >= 1, k
+            # per tile loop, the exponentials before its wait for every asynchronous product (Hopper's wgmma), of all
+            exp2 = k["loop_exp2_before_wait"]
+            assert len(exp2) == k["tile_loops"] and all(e is None or 0 <= e[0] <= e[1] for e in exp2), k
+            if arch != 90:  # synchronous mma.sync: no such wait
+                assert exp2 == [None] * k["tile_loops"], k
+            elif k["kernel"] == "dilated_fwd_ws_kernel":  # each consumer's step: 64 x 128 scores, 64 a thread
+                assert all(e is not None and e[1] >= 64 for e in exp2), k
         # ptxas did not serialize the tensor-core products (the block-sparse dQ on two warpgroups once had them so)
         assert k["wgmma_serialized"] is False, k
     tma = {k["config"].get("TMA") for k in kernels if "TMA" in k["config"]}
