@@ -546,7 +546,9 @@ if gluon is not None:
     # registers the previous ``P V`` still reads, and ptxas runs the softmax under that product; converted at the
     # softmax's end, ptxas waited for the product before the exponentials (session 64: the warp-specialized forward
     # 1.03x at head dim 128). It holds 16-32 more registers through the step: a head-dim-64 program at 128 registers
-    # (four an SM) spilled, or fell to three an SM, and ran 0.97x, so it converts at the softmax's end there.
+    # (four an SM) spilled, or fell to three an SM, and ran 0.97x, so it converts at the softmax's end there, as the
+    # block-sparse forwards do (0.98x / 1.000x late). The warp-specialized dilated forward (240 registers a consumer)
+    # converts late at every head dim (1.013x at head dim 64, 256K).
 
     @gluon.jit
     def step_probs(pf, dtype: gl.constexpr, p_layout: gl.constexpr, LATE_P: gl.constexpr):
