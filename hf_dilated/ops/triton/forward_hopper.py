@@ -549,8 +549,9 @@ if gluon is not None:
                  BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, nest, NEST_T: gl.constexpr):
         """A consumer's key tile ``t >= 1`` of a query tile whose first key tile is the program's ``c``-th:
         ``hopper.fwd_step``'s order from the producer's buffers, tile ``t - 1``'s buffer released once its ``P V`` is
-        done; scores masked from tile ``n_plain`` on (``nest``, ``NEST_T``: as ``hopper.fwd_step``).
-        ``(acc, p, m_i, l_i)``."""
+        done; scores masked from tile ``n_plain`` on (``nest``, ``NEST_T``: as ``hopper.fwd_step``). ``pf``: the
+        previous tile's probabilities in float32, made the ``P V`` operand here (``hopper.step_probs``, ``LATE_P``).
+        ``(acc, pf, m_i, l_i)``, ``pf`` now tile ``t``'s."""
         st = (c + t) % STAGES
         pst = (c + t - 1) % STAGES
         mbarrier.wait(k_ready.index(st), ((c + t) // STAGES) & 1)
