@@ -318,6 +318,29 @@ print("ok")
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-2000:]
 
 
+def test_kernel_resources_counts_the_exponentials_before_the_full_wgmma_wait():
+    """A tile loop's ``[exponentials before its first wait for every wgmma, exponentials]`` from its SASS lines:
+    the waits for all but some products (``DEPBAR.LE gsb0, 0x1``) do not count, and a loop without a full wait (no
+    asynchronous products) has no reading. (In a process of its own: the tool restarts itself outside the
+    interpreter.)"""
+    pytest.importorskip("triton")
+    check = r"""
+from kernel_resources import exp2_before_wait
+step = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+        "FMNMX R3, R24, R25, !PT", "MUFU.EX2 R24, R24", "MUFU.EX2 R25, R25", "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "BAR.SYNC.DEFER_BLOCKING 0x0, 0x80", "MUFU.EX2 R4, R4", "FMUL R88, R88, R4"]
+assert exp2_before_wait(step) == [2, 3], exp2_before_wait(step)
+hoisted = [step[0], step[1], step[5], step[2], step[3], step[4], step[7]]
+assert exp2_before_wait(hoisted) == [0, 3], exp2_before_wait(hoisted)
+assert exp2_before_wait([step[0], step[1], step[3]]) is None
+assert exp2_before_wait(["HMMA.16816.F32.BF16 R4, R8, R12, R4", "MUFU.EX2 R4, R4"]) is None
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT / "benchmarks")))
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-2000:]
+
+
 def test_kernel_resources_compiles_only_the_kernels_asked_for(tmp_path):
     """``--kernels`` compiles the launches of the named kernels alone (a one-kernel change checked in seconds), and a
     name that matches no launched kernel is refused with the names that would; ``--loops`` / ``--sass`` report each
