@@ -117,8 +117,8 @@ def plot(summary: list[dict], base: str, path: Path, title: str | None = None) -
         ax.bar_label(bars, labels=[f"{y:.3f}" for y in ys], fontsize=7, padding=2)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(pairs)))
-    ax.set_xticklabels([f"{e['label']}\nN={e['N'] // 1024}K D={e['D']}\nH {e['heads']}/{e['kv_heads']}" for e in pairs],
-                       fontsize=8)
+    ax.set_xticklabels([f"{e['label']}\nN={e['N'] // 1024}K D={e['D']}\nH {e['heads']}/{e['kv_heads']}"
+                        + (f"\nblock {e['block']}" if e.get("block") else "") for e in pairs], fontsize=8)
     speeds = [e.get(f"speed_{m}") for e in pairs for m in modes if e.get(f"speed_{m}")]
     span = max(0.05, max(abs(s - 1.0) for s in speeds) * 1.3)
     ax.set_ylim(1.0 - span, 1.0 + span)
@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--plot: {e}")
     for e in summary:
         shape = f"{e['op'] or 'dilated'} N={e['N']} D={e['D']} H={e['heads']}/{e['kv_heads']}"
+        if e.get("block"):  # a shape key: block-sparse A/Bs at two block sizes are two shapes
+            shape += f" block={e['block']}"
         line = f"{shape:34s} {e['label']:>10s} x{e['rounds']}  fwd {e['fwd_ms']:.3f} ms"
         if e["fwdbwd_ms"] is not None:
             line += f"  fwd+bwd {e['fwdbwd_ms']:.3f} ms"

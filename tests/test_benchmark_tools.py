@@ -800,6 +800,28 @@ def test_ab_summary_takes_the_median_round_so_a_cold_first_round_does_not_move_t
     assert new["speed_fwd"] == 1.0 and abs(new["speed_fwdbwd"] - 10.0 / 10.1) < 1e-12  # the mean read 1.04x
 
 
+def test_ab_summary_names_the_block_of_block_sparse_shapes(tmp_path, capsys):
+    """The block size is a shape key: block-sparse A/Bs at 128- and 64-blocks are two shapes, and the printed lines
+    and the plot's labels say which is which (they read the same before)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ab_summary
+
+    def line(label, block, fwd):
+        return json.dumps(dict(label=label, op="block_sparse", N=65536, D=128, heads=16, kv_heads=16,
+                               dtype="bfloat16", block=block, fwd_ms=fwd, fwdbwd_ms=2 * fwd, cks=[[1.0, 1, 1.0]]))
+
+    log = tmp_path / "ab.jsonl"
+    log.write_text("\n".join([line("main", 128, 3.4), line("new", 128, 3.45), line("main", 64, 3.2),
+                              line("new", 64, 3.2)]) + "\n")
+    png = tmp_path / "speed.png"
+    ab_summary.main([str(log), "--plot", str(png)])
+    printed = capsys.readouterr().out.splitlines()
+    new = [p for p in printed if " new " in p]
+    assert len(new) == 2 and "block=128" in new[0] and "fwd 0.986x" in new[0], printed
+    assert "block=64" in new[1] and "fwd 1.000x" in new[1], printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_ab_summary_reads_a_difference_against_the_magnitudes_and_plots_the_speeds(tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import ab_summary
