@@ -30,6 +30,9 @@ per-command limit) still ends as one file of one GPU's numbers:
 
     timeout 590 python scripts/bench_attention.py --seqlens 16384 65536 --out results/run
     timeout 590 python scripts/bench_attention.py --seqlens 16384 65536 262144 --resume results/run/<gpu>-<date>.json
+
+The plot's first row is each method's useful TFLOP/s against N (ours solid, the dense baselines dashed / dotted);
+``--replot <JSON>`` redraws a results file's PNG beside it, on any machine.
 """
 
 from __future__ import annotations
@@ -324,7 +327,14 @@ def main():
     ap.add_argument("--resume", metavar="JSON",
                     help="continue an earlier run of this script on the same GPU (one that a timeout stopped, or a "
                          "first part): its rows are kept, its measured cases skipped, and the union written")
+    ap.add_argument("--replot", metavar="JSON", help="redraw the PNG of a results JSON beside it and exit (no GPU)")
     args = ap.parse_args()
+    if args.replot:
+        try:
+            replot(args.replot)
+        except (OSError, ValueError, KeyError) as err:
+            ap.error(f"--replot {args.replot}: {err}")
+        return
     try:
         shapes = ([parse_shape(x) for x in args.shapes] if args.shapes
                   else [(args.heads, args.heads // g, d) for d in args.dims for g in args.gqa])
@@ -656,8 +666,9 @@ def write_results(rows, args, gpu, monitor=None):
 
 
 def plot(rows: list, gpu: str, png: str) -> None:
-    """Time and peak memory against N (log-log), one column per mode that ran, and where the GPU's power was read a
-    third row: useful TFLOP per joule (what sets each method's rate at a power cap)."""
+    """One column per mode that ran; rows: useful TFLOP/s against N (where rates were measured: the issue-14 table
+    at a glance, ours solid against the dense baselines), time and peak memory against N (log-log), and where the
+    GPU's power was read useful TFLOP per joule (what sets each method's rate at a power cap)."""
     try:
         import matplotlib
 
@@ -669,8 +680,10 @@ def plot(rows: list, gpu: str, png: str) -> None:
     modes = [m for m in ("fwd", "fwdbwd", "decode") if any(r["mode"] == m and "ms" in r for r in rows)]
     if not modes:
         return
-    panels = 3 if any("tflop_per_j" in r for r in rows) else 2
-    fig, axes = plt.subplots(panels, len(modes), figsize=(5.5 * len(modes), 4.5 * panels), squeeze=False)
+    panels = [p for p, on in (("tflops", any("tflops" in r and r["mode"] != "decode" for r in rows)),
+                              ("ms", True), ("peak_gib", True), ("tflop_per_j", any("tflop_per_j" in r for r in rows)))
+              if on]
+    fig, axes = plt.subplots(len(panels), len(modes), figsize=(5.5 * len(modes), 4.5 * len(panels)), squeeze=False)
     shapes = sorted({(r["D"], r["H"], r["Hk"]) for r in rows})
     for j, mode in enumerate(modes):
         # one colour per head shape, one marker and line style per method (solid: ours)
@@ -682,18 +695,20 @@ def plot(rows: list, gpu: str, png: str) -> None:
                 if not timed:
                     continue
                 lab = f"{method} H/Hk={H}/{Hk} D={D}"
-                for i, key in ((0, "ms"), (1, "peak_gib")):
-                    axes[i, j].loglog([r["N"] for r in timed], [r[key] for r in timed], style, color=f"C{c % 10}",
-                                      label=lab, base=2)
-                per_j = [(r["N"], r["tflop_per_j"]) for r in timed if "tflop_per_j" in r]
-                if panels == 3 and per_j:
-                    axes[2, j].semilogx([p[0] for p in per_j], [p[1] for p in per_j], style, color=f"C{c % 10}",
-                                        label=lab, base=2)
-        axes[0, j].set_title(f"{mode}: time (ms)" + (" per token, N = cache length" if mode == "decode" else ""))
-        axes[1, j].set_title(f"{mode}: peak memory (GiB)")
-        if panels == 3:
-            axes[2, j].set_title(f"{mode}: useful TFLOP per joule")
-        for i in range(panels):
+                for i, key in enumerate(panels):
+                    points = [(r["N"], r[key]) for r in timed if key in r]
+                    if not points:
+                        continue
+                    xs, ys = [p[0] for p in points], [p[1] for p in points]
+                    if key in ("ms", "peak_gib"):
+                        axes[i, j].loglog(xs, ys, style, color=f"C{c % 10}", label=lab, base=2)
+                    else:
+                        axes[i, j].semilogx(xs, ys, style, color=f"C{c % 10}", label=lab, base=2)
+        titles = dict(tflops="useful TFLOP/s", ms="time (ms)" + (" per token, N = cache length" if mode == "decode"
+                                                                 else ""),
+                      peak_gib="peak memory (GiB)", tflop_per_j="useful TFLOP per joule")
+        for i, key in enumerate(panels):
+            axes[i, j].set_title(f"{mode}: {titles[key]}")
             axes[i, j].set_xlabel("N (tokens)")
             axes[i, j].grid(True, which="both", alpha=0.3)
     axes[0, 0].legend(fontsize=6)
@@ -701,6 +716,15 @@ def plot(rows: list, gpu: str, png: str) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print("wrote", png)
+
+
+def replot(path: str) -> str:
+    """Redraw the PNG of a results JSON of this script beside it (``--replot``; no GPU): its path."""
+    with open(path) as f:
+        data = json.load(f)
+    png = os.path.splitext(path)[0] + ".png"
+    plot(data["rows"], data["meta"]["gpu"], png)
+    return png
 
 
 if __name__ == "__main__":

@@ -54,6 +54,31 @@ def test_plot_adds_a_row_of_tflop_per_joule_where_power_was_read(tmp_path):
     assert (width, height) == (605, 1485)  # one column of 5.5 x 13.5 inches at 110 dpi: three rows
 
 
+def test_plot_leads_with_a_row_of_useful_rates_and_replot_redraws_a_results_file(tmp_path):
+    """Rows with measured rates put a row of useful TFLOP/s first (one panel a mode: 4.5 inches more), and
+    ``--replot`` redraws a results JSON's PNG beside it without a GPU; a file that is not one names the option."""
+    pytest.importorskip("matplotlib")
+    import json
+    import subprocess
+
+    from matplotlib.image import imread
+
+    rows = [dict(mode=m, N=n, D=128, H=16, Hk=16, method=meth, ms=1.0 * n / 1024, peak_gib=0.1,
+                 tflops=400.0 + 100.0 * (meth == "cudnn"))
+            for m in ("fwd", "fwdbwd") for n in (1024, 2048) for meth in ("triton", "cudnn")]
+    results = tmp_path / "H200-2026-12-01.json"
+    results.write_text(json.dumps(dict(meta=dict(gpu="NVIDIA H200"), rows=rows)))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+    run = subprocess.run([sys.executable, str(script), "--replot", str(results)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    height, width = imread(tmp_path / "H200-2026-12-01.png").shape[:2]
+    assert (width, height) == (1210, 1485)  # two columns, three rows: rates, time, memory
+    bad = tmp_path / "rows.json"
+    bad.write_text(json.dumps(dict(rows=rows)))  # no meta: not a results file of this script
+    run = subprocess.run([sys.executable, str(script), "--replot", str(bad)], capture_output=True, text=True)
+    assert run.returncode == 2 and "--replot" in run.stderr, run.stderr
+
+
 def test_graph_max_ms_must_be_positive():
     """``--graph-max-ms`` is checked before any work (no GPU needed), naming the option."""
     import subprocess
