@@ -32,7 +32,8 @@ per-command limit) still ends as one file of one GPU's numbers:
     timeout 590 python scripts/bench_attention.py --seqlens 16384 65536 262144 --resume results/run/<gpu>-<date>.json
 
 The plot's first row is each method's useful TFLOP/s against N (ours solid, the dense baselines dashed / dotted);
-``--replot <JSON>`` redraws a results file's PNG beside it, on any machine.
+``--replot <JSON>`` redraws a results file's PNG beside it, on any machine, and ``--markdown <JSON>`` prints its
+dilated rates as the README's table (a test checks the README's table is that of the file it links).
 """
 
 from __future__ import annotations
@@ -328,12 +329,19 @@ def main():
                     help="continue an earlier run of this script on the same GPU (one that a timeout stopped, or a "
                          "first part): its rows are kept, its measured cases skipped, and the union written")
     ap.add_argument("--replot", metavar="JSON", help="redraw the PNG of a results JSON beside it and exit (no GPU)")
+    ap.add_argument("--markdown", metavar="JSON",
+                    help="print a results JSON's dilated rates as the README's Markdown table and exit (no GPU)")
     args = ap.parse_args()
-    if args.replot:
+    if args.replot or args.markdown:
+        path = args.replot or args.markdown
         try:
-            replot(args.replot)
+            if args.replot:
+                replot(path)
+            else:
+                with open(path) as f:
+                    print(markdown_table(json.load(f)["rows"]))
         except (OSError, ValueError, KeyError) as err:
-            ap.error(f"--replot {args.replot}: {err}")
+            ap.error(f"--{'replot' if args.replot else 'markdown'} {path}: {err}")
         return
     try:
         shapes = ([parse_shape(x) for x in args.shapes] if args.shapes
@@ -716,6 +724,34 @@ def plot(rows: list, gpu: str, png: str) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print("wrote", png)
+
+
+def markdown_table(rows: list) -> str:
+    """The Triton rows as the README's Markdown table (``--markdown``): one line per mode and head shape (in the run's
+    order), one column per N, each cell the useful TFLOP/s with, in brackets, its ratios to SDPA-flash / dense cuDNN
+    measured at that N ("-": not measured there)."""
+    timed = [r for r in rows if r["method"] == "triton" and r["mode"] != "decode" and "tflops" in r]
+    seqlens = sorted({r["N"] for r in timed})
+    label = lambda n: f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"  # noqa: E731
+    lines = ["| mode | heads H / Hk / D | " + " | ".join(label(n) for n in seqlens) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in seqlens) + " |"]
+    names = dict(fwd="forward", fwdbwd="forward+backward")
+    for mode in ("fwd", "fwdbwd"):
+        shapes = list(dict.fromkeys((r["H"], r["Hk"], r["D"]) for r in timed if r["mode"] == mode))
+        for H, Hk, D in shapes:
+            cells = []
+            for n in seqlens:
+                r = next((x for x in timed if (x["mode"], x["N"], x["H"], x["Hk"], x["D"]) == (mode, n, H, Hk, D)),
+                         None)
+                if r is None:
+                    cells.append("")
+                    continue
+                sdpa = r.get("tflops_ratio_vs_sdpa") if not r.get("sdpa_ratio_from_N") else None
+                cudnn = r.get("tflops_ratio_vs_cudnn")
+                ratios = [f"{x:.2f}" if x is not None else "-" for x in (sdpa, cudnn)]
+                cells.append(f"{r['tflops']:.0f}" + (f" ({ratios[0]} / {ratios[1]})" if sdpa or cudnn else ""))
+            lines.append(f"| {names[mode]} | {H} / {Hk} / {D} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def replot(path: str) -> str:

@@ -79,6 +79,41 @@ def test_plot_leads_with_a_row_of_useful_rates_and_replot_redraws_a_results_file
     assert run.returncode == 2 and "--replot" in run.stderr, run.stderr
 
 
+def test_markdown_table_of_a_run():
+    """``markdown_table``: a line per mode and head shape in the run's order, a column per N, the rate with its ratios
+    to SDPA-flash / dense cuDNN; a ratio to SDPA taken from a smaller N, or not measured, reads "-", and a cell
+    without both ratios is the rate alone."""
+    row = lambda mode, N, H, tf, **kw: dict(mode=mode, N=N, D=128, H=H, Hk=H, method="triton", ms=1.0,  # noqa: E731
+                                            tflops=tf, **kw)
+    rows = [row("fwd", 16384, 16, 494.1, tflops_ratio_vs_sdpa=1.571, tflops_ratio_vs_cudnn=0.894),
+            row("fwd", 262144, 16, 523.0, tflops_ratio_vs_sdpa=1.55, sdpa_ratio_from_N=65536,
+                tflops_ratio_vs_cudnn=0.986),
+            row("fwd", 1048576, 16, 510.2),
+            row("fwd", 16384, 8, 300.0),
+            dict(row("fwd", 16384, 16, 999.0), method="cudnn"),  # not ours
+            row("decode", 16384, 16, 1.0)]
+    assert bench.markdown_table(rows).splitlines() == [
+        "| mode | heads H / Hk / D | 16K | 256K | 1M |",
+        "| --- | --- | --- | --- | --- |",
+        "| forward | 16 / 16 / 128 | 494 (1.57 / 0.89) | 523 (- / 0.99) | 510 |",
+        "| forward | 8 / 8 / 128 | 300 |  |  |"]
+
+
+def test_readme_kernel_table_is_the_one_of_the_results_file_it_links():
+    """The README's kernel table is ``--markdown`` of the results JSON its section links first: its cells are the
+    file's, not typed in."""
+    import json
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("### Kernels against dense attention"):]
+    section = section[:section.index("\n#### ")]
+    link = re.search(r"\((benchmarks/results/dilated-kernels-[^)]+\.json)\)", section).group(1)
+    table = bench.markdown_table(json.loads((root / link).read_text())["rows"])
+    assert table in section, f"README's table is not `bench_attention.py --markdown {link}`:\n{table}"
+
+
 def test_graph_max_ms_must_be_positive():
     """``--graph-max-ms`` is checked before any work (no GPU needed), naming the option."""
     import subprocess
