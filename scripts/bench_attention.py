@@ -340,8 +340,8 @@ def main():
             else:
                 with open(path) as f:
                     print(markdown_table(json.load(f)["rows"]))
-        except (OSError, ValueError, KeyError) as err:
-            ap.error(f"--{'replot' if args.replot else 'markdown'} {path}: {err}")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            ap.error(f"--{'replot' if args.replot else 'markdown'} {path}: not a results file of this script ({err})")
         return
     try:
         shapes = ([parse_shape(x) for x in args.shapes] if args.shapes
@@ -749,7 +749,7 @@ def markdown_table(rows: list) -> str:
                 sdpa = r.get("tflops_ratio_vs_sdpa") if not r.get("sdpa_ratio_from_N") else None
                 cudnn = r.get("tflops_ratio_vs_cudnn")
                 ratios = [f"{x:.2f}" if x is not None else "-" for x in (sdpa, cudnn)]
-                cells.append(f"{r['tflops']:.0f}" + (f" ({ratios[0]} / {ratios[1]})" if sdpa or cudnn else ""))
+                cells.append(f"{r['tflops']:.0f}" + (f" ({ratios[0]} / {ratios[1]})" if (sdpa, cudnn) != (None, None) else ""))
             lines.append(f"| {names[mode]} | {H} / {Hk} / {D} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

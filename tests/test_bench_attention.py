@@ -77,6 +77,9 @@ def test_plot_leads_with_a_row_of_useful_rates_and_replot_redraws_a_results_file
     bad.write_text(json.dumps(dict(rows=rows)))  # no meta: not a results file of this script
     run = subprocess.run([sys.executable, str(script), "--replot", str(bad)], capture_output=True, text=True)
     assert run.returncode == 2 and "--replot" in run.stderr, run.stderr
+    bad.write_text(json.dumps(rows))  # a list, not a results file: --markdown names itself too
+    run = subprocess.run([sys.executable, str(script), "--markdown", str(bad)], capture_output=True, text=True)
+    assert run.returncode == 2 and "--markdown" in run.stderr and "not a results file" in run.stderr, run.stderr
 
 
 def test_markdown_table_of_a_run():
