@@ -165,8 +165,8 @@ def recipe_in_study(trained: int) -> str | None:
 
 
 GPU_NOTE = ("What a GPU changes: the Triton kernels replace the PyTorch reference (used on a CPU), so dilated "
-            "attention runs at 1.22-1.87x dense flash attention's rate per useful FLOP at 64K tokens (H200, "
-            "session 60; SmolLM2-shaped heads at the low end; README, Results) while doing a constant "
+            "attention runs at 1.20-1.86x dense flash attention's rate per useful FLOP at 64K tokens (H200, "
+            "session 65; SmolLM2-shaped heads at the low end; README, Results) while doing a constant "
             "amount of work per token; on one H100 a 64K-token window of this model takes well under a second for "
             "either attention, and dilated attention trains on 512K-token sequences where dense attention's step "
             "time grows with N^2 (README, Results).")

@@ -117,6 +117,23 @@ def test_readme_kernel_table_is_the_one_of_the_results_file_it_links():
     assert table in section, f"README's table is not `bench_attention.py --markdown {link}`:\n{table}"
 
 
+def test_demo_quotes_the_64k_range_of_the_readme_table():
+    """The demo's closing note quotes the 64K ratios to SDPA-flash of the results file the README's table links."""
+    import json
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("### Kernels against dense attention"):]
+    link = re.search(r"\((benchmarks/results/dilated-kernels-[^)]+\.json)\)", section).group(1)
+    ratios = [r["tflops_ratio_vs_sdpa"] for r in json.loads((root / link).read_text())["rows"]
+              if r["method"] == "triton" and r["N"] == 65536 and "tflops_ratio_vs_sdpa" in r]
+    quoted = re.search(r"(\d\.\d\d)-(\d\.\d\d)x dense flash attention's rate per useful FLOP at 64K",
+                       (root / "scripts" / "demo.py").read_text())
+    assert quoted, "scripts/demo.py no longer quotes the 64K range"
+    assert quoted.groups() == (f"{min(ratios):.2f}", f"{max(ratios):.2f}"), (quoted.groups(), min(ratios), max(ratios))
+
+
 def test_graph_max_ms_must_be_positive():
     """``--graph-max-ms`` is checked before any work (no GPU needed), naming the option."""
     import subprocess
