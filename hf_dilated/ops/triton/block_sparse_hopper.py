@@ -41,8 +41,8 @@ import torch
 from .hopper import (
     available, dkdv_buffers, dkdv_products, dkdv_scores, fwd_first, fwd_last, fwd_step, gl, gluon, lse_base2,
     masked_scores, mbarrier, mma_layout, query_tile_buffers, release_barriers, row_desc, runnable, softmax_first,
-    softmax_step, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait, WS_LAUNCH,
-    ws_barriers, ws_copy_kv,
+    softmax_step, step_probs, switch, tile_copy, tma_load, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
+    WS_LAUNCH, ws_barriers, ws_copy_kv,
 )
 
 BLOCK_Q = 64  # query rows per step: n64 tensor-core instructions for the transposed products
@@ -367,6 +367,9 @@ if gluon is not None:
         s_layout: gl.constexpr = mma_layout(4, BLOCK_N)
         o_layout: gl.constexpr = mma_layout(4, HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        # P converted at the softmax's end, not before the next P V (``hopper.step_probs``): late, it ran 0.98x
+        # (session 64)
+        LATE_P: gl.constexpr = False
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         qw = q0 + WG * 64
         qs = q_smem.index(WG)
@@ -386,7 +389,7 @@ if gluon is not None:
             if _edge(k0, qw, q_edge, Nk, BLOCK_N, IS_CAUSAL):
                 sc = masked_scores(sc, k0, Nk, qw, qidx, kidx, IS_CAUSAL)
             pf, m_i, l_i = softmax_first(sc, qk_scale)
-            p = gl.convert_layout(pf.to(dtype), p_layout)
+            p = step_probs(pf, dtype, p_layout, LATE_P)
             for t in range(1, n_kt):
                 k0 = _key_row(idx_row, t, n_kt, BLOCK, BLOCK_N)
                 st = t % STAGES
@@ -402,9 +405,8 @@ if gluon is not None:
                 acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
                 mbarrier.arrive(empty.index(pst), count=1)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-                # P converted here, not before the next P V (``hopper.step_probs``): that ran 0.98x (session 64)
-                p = gl.convert_layout(pf.to(dtype), p_layout)
-            out, lse = fwd_last(p, v_smem, v_ready, acc, n_kt, m_i, l_i, o_rows, p_layout, STAGES, False)
+                p = step_probs(pf, dtype, p_layout, LATE_P)
+            out, lse = fwd_last(p, v_smem, v_ready, acc, n_kt, m_i, l_i, o_rows, p_layout, STAGES, LATE_P)
             mbarrier.arrive(empty.index((n_kt - 1) % STAGES), count=1)
         qr = qw + gl.arange(0, 64, layout=o_rows)
         qmask = qr < Nq
