@@ -328,12 +328,13 @@ def main():
     ap.add_argument("--resume", metavar="JSON",
                     help="continue an earlier run of this script on the same GPU (one that a timeout stopped, or a "
                          "first part): its rows are kept, its measured cases skipped, and the union written")
-    ap.add_argument("--replot", metavar="JSON", help="redraw the PNG of a results JSON beside it and exit (no GPU)")
-    ap.add_argument("--markdown", metavar="JSON",
-                    help="print a results JSON's dilated rates as the README's Markdown table and exit (no GPU)")
+    offline = ap.add_mutually_exclusive_group()  # what reads a results JSON instead of measuring (no GPU)
+    offline.add_argument("--replot", metavar="JSON", help="redraw the PNG of a results JSON beside it and exit")
+    offline.add_argument("--markdown", metavar="JSON",
+                         help="print a results JSON's dilated rates as the README's Markdown table and exit")
     args = ap.parse_args()
     if args.replot or args.markdown:
-        path = args.replot or args.markdown
+        option, path = ("--replot", args.replot) if args.replot else ("--markdown", args.markdown)
         try:
             if args.replot:
                 replot(path)
@@ -341,7 +342,7 @@ def main():
                 with open(path) as f:
                     print(markdown_table(json.load(f)["rows"]))
         except (OSError, ValueError, KeyError, TypeError) as err:
-            ap.error(f"--{'replot' if args.replot else 'markdown'} {path}: not a results file of this script ({err})")
+            ap.error(f"{option} {path}: not a results file of this script ({err})")
         return
     try:
         shapes = ([parse_shape(x) for x in args.shapes] if args.shapes

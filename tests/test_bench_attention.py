@@ -10,7 +10,8 @@ from unittest import mock
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 bench = importlib.import_module("bench_attention")
 
 
@@ -68,7 +69,7 @@ def test_plot_leads_with_a_row_of_useful_rates_and_replot_redraws_a_results_file
             for m in ("fwd", "fwdbwd") for n in (1024, 2048) for meth in ("triton", "cudnn")]
     results = tmp_path / "H200-2026-12-01.json"
     results.write_text(json.dumps(dict(meta=dict(gpu="NVIDIA H200"), rows=rows)))
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+    script = ROOT / "scripts" / "bench_attention.py"
     run = subprocess.run([sys.executable, str(script), "--replot", str(results)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     height, width = imread(tmp_path / "H200-2026-12-01.png").shape[:2]
@@ -80,6 +81,9 @@ def test_plot_leads_with_a_row_of_useful_rates_and_replot_redraws_a_results_file
     bad.write_text(json.dumps(rows))  # a list, not a results file: --markdown names itself too
     run = subprocess.run([sys.executable, str(script), "--markdown", str(bad)], capture_output=True, text=True)
     assert run.returncode == 2 and "--markdown" in run.stderr and "not a results file" in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, str(script), "--replot", str(results), "--markdown", str(results)],
+                         capture_output=True, text=True)  # one or the other: refused before either runs
+    assert run.returncode == 2 and "not allowed with argument" in run.stderr, run.stderr
 
 
 def test_markdown_table_of_a_run():
@@ -102,34 +106,36 @@ def test_markdown_table_of_a_run():
         "| forward | 8 / 8 / 128 | 300 |  |  |"]
 
 
-def test_readme_kernel_table_is_the_one_of_the_results_file_it_links():
-    """The README's kernel table is ``--markdown`` of the results JSON its section links first: its cells are the
-    file's, not typed in."""
+def _readme_kernel_table() -> tuple[str, str, list]:
+    """The README's kernel-table section (up to its first sub-heading), the results JSON it links first, and that
+    file's rows."""
     import json
     import re
 
-    root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("### Kernels against dense attention"):]
     section = section[:section.index("\n#### ")]
     link = re.search(r"\((benchmarks/results/dilated-kernels-[^)]+\.json)\)", section).group(1)
-    table = bench.markdown_table(json.loads((root / link).read_text())["rows"])
+    return section, link, json.loads((ROOT / link).read_text())["rows"]
+
+
+def test_readme_kernel_table_is_the_one_of_the_results_file_it_links():
+    """The README's kernel table is ``--markdown`` of the results JSON its section links first: its cells are the
+    file's, not typed in."""
+    section, link, rows = _readme_kernel_table()
+    table = bench.markdown_table(rows)
     assert table in section, f"README's table is not `bench_attention.py --markdown {link}`:\n{table}"
 
 
 def test_demo_quotes_the_64k_range_of_the_readme_table():
     """The demo's closing note quotes the 64K ratios to SDPA-flash of the results file the README's table links."""
-    import json
     import re
 
-    root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text()
-    section = readme[readme.index("### Kernels against dense attention"):]
-    link = re.search(r"\((benchmarks/results/dilated-kernels-[^)]+\.json)\)", section).group(1)
-    ratios = [r["tflops_ratio_vs_sdpa"] for r in json.loads((root / link).read_text())["rows"]
+    _, _, rows = _readme_kernel_table()
+    ratios = [r["tflops_ratio_vs_sdpa"] for r in rows
               if r["method"] == "triton" and r["N"] == 65536 and "tflops_ratio_vs_sdpa" in r]
     quoted = re.search(r"(\d\.\d\d)-(\d\.\d\d)x dense flash attention's rate per useful FLOP at 64K",
-                       (root / "scripts" / "demo.py").read_text())
+                       (ROOT / "scripts" / "demo.py").read_text())
     assert quoted, "scripts/demo.py no longer quotes the 64K range"
     assert quoted.groups() == (f"{min(ratios):.2f}", f"{max(ratios):.2f}"), (quoted.groups(), min(ratios), max(ratios))
 
@@ -138,7 +144,7 @@ def test_graph_max_ms_must_be_positive():
     """``--graph-max-ms`` is checked before any work (no GPU needed), naming the option."""
     import subprocess
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+    script = ROOT / "scripts" / "bench_attention.py"
     run = subprocess.run([sys.executable, str(script), "--graph-max-ms", "0"], capture_output=True, text=True)
     assert run.returncode == 2 and "--graph-max-ms" in run.stderr, run.stderr
 
@@ -147,7 +153,7 @@ def test_graph_max_ms_must_be_positive():
 def test_warm_s_and_rounds_are_checked_before_any_work(option, value):
     import subprocess
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+    script = ROOT / "scripts" / "bench_attention.py"
     run = subprocess.run([sys.executable, str(script), option, value], capture_output=True, text=True)
     assert run.returncode == 2 and option in run.stderr, run.stderr
 
