@@ -293,6 +293,7 @@ BACK_BRANCH = re.compile(r"\bBRA(?:\.[A-Z0-9]+)*\s+(?:!?U?P[T0-9]+\s*,\s*)?0x([0
 # and scoreboard waits). Each layout conversion through shared memory costs a step two (session 50: four of the D 64
 # dK/dV step's eight sat ahead of its products).
 BARRIER = re.compile(r"(?<![A-Z.])BAR\.(?:SYNC|RED|ARV)\b")
+MMA = re.compile(r"\b(HGMMA|HMMA)\b")  # a tensor-core instruction
 FULL_WGMMA_WAIT = re.compile(r"\bWARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b")
 EXP2 = re.compile(r"\bMUFU\.EX2\b")
 
@@ -321,7 +322,7 @@ def sass_summary(cubin: bytes, sass_path: str | None = None) -> dict:
     end = max((at for at, ins in code if re.match(r"EXIT\b", ins.strip())), default=max(at for at, _ in code))
     loops = [(int(t.group(1), 16), at) for at, ins in code
              if at < end and (t := BACK_BRANCH.search(ins)) and int(t.group(1), 16) < at]
-    mma = [at for at, ins in code if re.search(r"\b(HGMMA|HMMA)\b", ins)]
+    mma = [at for at, ins in code if re.search(MMA, ins)]
     tile_loops = [a for a in loops if any(a[0] <= at <= a[1] for at in mma)]
     innermost = [a for a in tile_loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in tile_loops)]
     local = [at for at, ins in code if re.search(r"\b(STL|LDL)\b", ins)]
@@ -334,17 +335,15 @@ def sass_summary(cubin: bytes, sass_path: str | None = None) -> dict:
                spill_instructions_in_loops=sum(1 for at in local if any(lo <= at <= hi for lo, hi in innermost))
                if innermost else None)
     if innermost:
-        out["loop_spills"] = [
-            [sum(1 for at, _ in code if lo <= at <= hi), sum(1 for at in mma if lo <= at <= hi),
-             sum(1 for at, ins in code if lo <= at <= hi and re.search(r"\bSTL\b", ins)),
-             sum(1 for at, ins in code if lo <= at <= hi and re.search(r"\bLDL\b", ins)),
-             sum(1 for at, ins in code if lo <= at <= hi and BARRIER.search(ins))]
-            for lo, hi in sorted(innermost)]
-        out["loop_exp2_before_wait"] = [exp2_before_wait([ins for at, ins in code if lo <= at <= hi])
-                                        for lo, hi in sorted(innermost)]
-        lo, hi = min(innermost, key=lambda a: a[1] - a[0])
-        out["leanest_loop_instructions"] = sum(1 for at, _ in code if lo <= at <= hi)
-        out["leanest_loop_mma"] = sum(1 for at in mma if lo <= at <= hi)
+        # each innermost tile loop's instructions, in address order, read once for every count below
+        bodies = {(lo, hi): [ins for at, ins in code if lo <= at <= hi] for lo, hi in sorted(innermost)}
+        count = lambda body, pattern: sum(1 for ins in body if re.search(pattern, ins))  # noqa: E731
+        out["loop_spills"] = [[len(body), count(body, MMA), count(body, r"\bSTL\b"), count(body, r"\bLDL\b"),
+                               count(body, BARRIER)] for body in bodies.values()]
+        out["loop_exp2_before_wait"] = [exp2_before_wait(body) for body in bodies.values()]
+        leanest = bodies[min(innermost, key=lambda a: a[1] - a[0])]
+        out["leanest_loop_instructions"] = len(leanest)
+        out["leanest_loop_mma"] = count(leanest, MMA)
     return out
 
 
